@@ -1,0 +1,119 @@
+"""Attention metadata, backend registry, CUDA-graph support levels, and the attention op.
+
+The model calls ``torch.ops.piecewise.attention(q, k, v, out, layer_name, scale, window)``.
+That op is what the compile backend splits around: it is opaque to Dynamo and Inductor,
+runs eagerly, reads its per-layer metadata and KV cache from the forward context, and
+dispatches to the attention backend named in the metadata (a registry, not an if-chain).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Optional
+
+import torch
+
+from framework.forward_context import get_forward_context
+
+
+class AttentionCGSupport(enum.IntEnum):
+    """How much of a batch an attention backend can run inside a CUDA graph."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    """Only batches where every request decodes exactly one token."""
+    UNIFORM_BATCH = 2
+    """Batches where every request has the same query length."""
+    ALWAYS = 3
+    """Any batch, mixed prefill and decode included."""
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step metadata shared by every attention layer.
+
+    Device tensors live in the runner's persistent buffers (static addresses for CUDA graphs);
+    the ``*_cpu`` lists are host copies so the CPU path never synchronizes.
+    """
+
+    backend: str
+    """Name of the registered attention backend that runs this step."""
+    num_actual_tokens: int
+    """Real (unpadded) tokens; rows past this are padding."""
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    """int32 [num_reqs + 1]: cumulative query lengths."""
+    seq_lens: torch.Tensor
+    """int32 [num_reqs]: context length of each request after this step."""
+    block_table: torch.Tensor
+    """int32 [num_reqs, max_blocks_per_req]: KV blocks of each request."""
+    slot_mapping: torch.Tensor
+    """int64 [num_tokens]: flat cache slot of each token; -1 for padding."""
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def is_uniform_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend:
+    """Base class of attention backends; subclasses register with :func:`register_backend`."""
+
+    name: ClassVar[str]
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                sliding_window: int) -> None:
+        """Write k/v into ``kv_cache`` at ``md.slot_mapping`` and attention into ``out``.
+
+        Shapes: q/out ``[T, Hq, D]``, k/v ``[T, Hkv, D]``,
+        kv_cache ``[2, num_blocks, block_size, Hkv, D]``.
+        """
+        raise NotImplementedError
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+    return deco
+
+
+def get_backend(name: str) -> type[AttentionBackend]:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; registered: "
+                         f"{sorted(_BACKENDS)}") from None
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+@torch.library.custom_op("piecewise::attention", mutates_args=("out",))
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              layer_name: str, scale: float, sliding_window: int) -> None:
+    """Paged causal attention of one layer; the KV cache and metadata come from the forward
+    context.  ``sliding_window`` <= 0 means no window."""
+    ctx = get_forward_context()
+    md: Optional[AttentionMetadata] = ctx.attn_metadata.get(layer_name)
+    if md is None:
+        raise RuntimeError(f"no attention metadata for layer {layer_name!r} in the forward "
+                           f"context (layers with metadata: {sorted(ctx.attn_metadata)[:4]}...)")
+    get_backend(md.backend).forward(q, k, v, out, ctx.kv_caches[layer_name], md, scale,
+                                    sliding_window)
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, out, layer_name, scale, sliding_window) -> None:
+    return None
