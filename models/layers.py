@@ -40,3 +40,42 @@ class Linear(nn.Module):
         method = type(self.linear_method).__name__ if self.linear_method else "dense"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, " \
                f"method={method}"
+
+
+class MergedLinear(Linear):
+    """One ``Linear`` computing several projections at once (q/k/v, gate/up): one GEMM instead
+    of several.  ``output_sizes`` are the row blocks of the weight, in order; the loader copies
+    each checkpoint tensor into its block, and quantization methods can read the block bounds
+    (e.g. for per-shard scales)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 dtype: Optional[torch.dtype] = None, device=None):
+        super().__init__(in_features, sum(output_sizes), bias=bias, dtype=dtype, device=device)
+        self.output_sizes = list(output_sizes)
+
+    def shard_bounds(self, index: int) -> tuple[int, int]:
+        """(start, size) of block ``index`` along the output dim."""
+        return sum(self.output_sizes[:index]), self.output_sizes[index]
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 and cast back
+    before the weight multiply -- the Hugging Face formulation, written plainly so compiler
+    passes can pattern-match it (and so bf16 results match transformers bit for bit)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6,
+                 dtype: Optional[torch.dtype] = None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,166 @@
+"""Compiler adaptors: one interface, a registry by name.
+
+Contract: ``compute_hash()`` (compiler + config factors for the cache key),
+``compile(graph, example_inputs, compile_range) -> (callable, save | None)`` where ``save``
+writes a loadable artifact to a path, and ``load(path) -> callable`` restores it in a new
+process.  The graph is copied before compiling because Inductor may mutate it.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+
+SaveFn = Callable[[Path], None]
+
+
+@dataclass(frozen=True, order=True)
+class CompileRange:
+    """Inclusive token range ``[start, end]``; ``start == end`` is a single concrete size."""
+
+    start: int
+    end: int
+
+    @property
+    def is_single_size(self) -> bool:
+        return self.start == self.end
+
+    def __contains__(self, n: int) -> bool:
+        return self.start <= n <= self.end
+
+    def __str__(self) -> str:
+        return f"size_{self.start}" if self.is_single_size else f"range_{self.start}_{self.end}"
+
+
+def compile_ranges(endpoints: list[int], sizes: list[int], max_num_tokens: int
+                   ) -> list[CompileRange]:
+    """[1, e0], [e0+1, e1], ... up to max_num_tokens, plus one single-size range per size."""
+    ranges, start = [], 1
+    for e in [e for e in endpoints if e < max_num_tokens] + [max_num_tokens]:
+        if e >= start:
+            ranges.append(CompileRange(start, e))
+            start = e + 1
+    return ranges + [CompileRange(s, s) for s in sorted(set(sizes))]
+
+
+class CompilerAdaptor:
+    name: ClassVar[str]
+
+    def __init__(self, graph_pass: Optional[Callable] = None,
+                 inductor_config: Optional[dict[str, Any]] = None):
+        self.graph_pass = graph_pass
+        self.inductor_config = dict(inductor_config or {})
+
+    def compute_hash(self) -> str:
+        factors = {"compiler": self.name, "inductor_config": self.inductor_config}
+        return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()
+                              ).hexdigest()[:16]
+
+    def compile(self, graph: torch.fx.GraphModule, example_inputs: list,
+                compile_range: CompileRange) -> tuple[Callable, Optional[SaveFn]]:
+        raise NotImplementedError
+
+    def load(self, path: Path) -> Callable:
+        raise NotImplementedError(f"the {self.name} compiler produces no artifacts to load")
+
+
+_ADAPTORS: dict[str, type[CompilerAdaptor]] = {}
+
+
+def register_compiler(name: str):
+    def deco(cls: type[CompilerAdaptor]) -> type[CompilerAdaptor]:
+        cls.name = name
+        _ADAPTORS[name] = cls
+        return cls
+    return deco
+
+
+def make_compiler(name: str, **kwargs: Any) -> CompilerAdaptor:
+    try:
+        return _ADAPTORS[name](**kwargs)
+    except KeyError:
+        raise ValueError(f"unknown compiler {name!r}; registered: {sorted(_ADAPTORS)}") from None
+
+
+def concretize_inputs(example_inputs: list, size: int) -> list:
+    """Real tensors/ints with the token symbol replaced by ``size``: shape, stride and storage
+    offset are concretized together since all three can hold the symbol."""
+    def conc(v: Any) -> int:
+        if isinstance(v, torch.SymInt):
+            expr = v.node.expr
+            return int(expr.xreplace({s: size for s in expr.free_symbols}))
+        return int(v)
+
+    out = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            shape = [conc(s) for s in x.shape]
+            stride = [conc(s) for s in x.stride()]
+            offset = conc(x.storage_offset())
+            extent = offset + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0) + 1
+            base = torch.zeros(extent, dtype=x.dtype, device=x.device)
+            out.append(base.as_strided(shape, stride, offset))
+        elif isinstance(x, torch.SymInt):
+            out.append(conc(x))
+        else:
+            out.append(x)
+    return out
+
+
+@register_compiler("inductor")
+class InductorStandalone(CompilerAdaptor):
+    """Inductor through ``torch._inductor.standalone_compile``; artifacts in the binary format
+    (one self-contained file, safe for several processes)."""
+
+    def compile(self, graph, example_inputs, compile_range):
+        from torch._inductor import standalone_compile
+
+        graph = copy.deepcopy(graph)
+        patches = dict(self.inductor_config)
+        if self.graph_pass is not None:
+            patches["post_grad_custom_post_pass"] = self.graph_pass
+        if compile_range.is_single_size:
+            inputs = concretize_inputs(example_inputs, compile_range.start)
+            dynamic = "from_example_inputs"
+        else:
+            inputs, dynamic = example_inputs, "from_graph"
+        artifact = standalone_compile(graph, inputs, dynamic_shapes=dynamic,
+                                      options={"config_patches": patches})
+
+        def save(path: Path) -> None:
+            artifact.save(path=str(path), format="binary")
+
+        return artifact, save
+
+    def load(self, path: Path) -> Callable:
+        from torch._inductor import CompiledArtifact
+
+        return CompiledArtifact.load(path=str(path), format="binary")
+
+
+@register_compiler("eager")
+class Eager(CompilerAdaptor):
+    """No compilation and no cache; passes (if any) run on an aten-level trace of the piece."""
+
+    def compile(self, graph, example_inputs, compile_range):
+        if self.graph_pass is None:
+            return graph, None
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        if compile_range.is_single_size:
+            example_inputs = concretize_inputs(example_inputs, compile_range.start)
+        aten = make_fx(torch.func.functionalize(graph, remove="mutations_and_views"),
+                       decomposition_table=select_decomp_table())(*example_inputs)
+        run = getattr(self.graph_pass, "run_on_graph_module", None)
+        if run is not None:
+            run(aten)
+        else:
+            self.graph_pass(aten.graph)
+            aten.recompile()
+        return aten, None

@@ -1,0 +1,354 @@
+"""The piecewise torch.compile backend: split at the splitting ops, compile each piece per
+token range (or load it from the artifact cache), and hand back the split module.
+
+Flow for the one Dynamo graph of a model:
+1. :func:`split_graph` cuts it with ``split_module(keep_original_order=True)`` so every
+   splitting op (attention by default) sits in its own submodule, run eagerly.
+2. :class:`PiecewiseBackend` walks the split module on Dynamo's fake inputs to learn each
+   piece's example inputs, compiles every (piece, range) once per *unique* piece graph, and
+   swaps each piece for a :class:`PiecewiseRuntime`.
+3. The program skeleton (split graph + which artifact each piece/range uses) is saved, so a
+   warm start can rebuild the whole callable with no Dynamo trace (:meth:`restore`).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from backends.compiler import CompileRange, CompilerAdaptor, compile_ranges
+from backends.graph_serde import NotSerializable, graph_from_json, graph_to_json, op_name
+from backends.piecewise_runtime import PiecewiseRuntime, RangeEntry
+
+logger = logging.getLogger(__name__)
+
+PROGRAM_BLOB = "program.json"
+
+
+@dataclass
+class PieceInfo:
+    name: str
+    index: int
+    is_splitting_op: bool
+
+
+def split_graph(gm: fx.GraphModule, splitting_ops: list[str]
+                ) -> tuple[fx.GraphModule, list[PieceInfo]]:
+    """Split ``gm`` so each splitting op is alone in its submodule; the rest between two
+    splitting ops forms one piece.  ``[]`` keeps the whole graph as one piece."""
+    wanted = {s.removesuffix(".default") for s in splitting_ops}
+    part: dict[fx.Node, int] = {}
+    split_ids: set[int] = set()
+    pid = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        name = op_name(node.target) if node.op == "call_function" else None
+        if name is not None and name.removesuffix(".default") in wanted:
+            pid += 1
+            part[node] = pid
+            split_ids.add(pid)
+            pid += 1
+        else:
+            part[node] = pid
+    split = split_module(gm, None, lambda n: part[n], keep_original_order=True)
+    pieces = []
+    for name, _ in split.named_children():
+        idx = int(name.removeprefix("submod_"))
+        pieces.append(PieceInfo(name, idx, idx in split_ids))
+    return split, pieces
+
+
+def graph_hash(gm: fx.GraphModule, example_inputs: list) -> str:
+    """Structural hash: node names are canonicalised so identical layers hash equal."""
+    names: dict[str, str] = {}
+    lines = []
+
+    def ref(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return names[a.name]
+        if isinstance(a, (list, tuple)):
+            return [ref(x) for x in a]
+        if isinstance(a, dict):
+            return {k: ref(v) for k, v in a.items()}
+        return repr(a)
+
+    for i, n in enumerate(gm.graph.nodes):
+        names[n.name] = f"n{i}"
+        lines.append(f"{n.op}|{n.target if n.op != 'placeholder' else ''}|"
+                     f"{ref(n.args)}|{ref(dict(n.kwargs))}")
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            lines.append(f"in|{x.dtype}|{tuple(x.shape)}|{x.stride()}|{x.device.type}")
+        else:
+            lines.append(f"in|{type(x).__name__}|{x}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
+
+
+def _token_source(example_inputs: list) -> tuple[int, Optional[int]]:
+    """Where a piece finds its token count: a SymInt argument, else a symbolic tensor dim."""
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.SymInt):
+            return i, None
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor):
+            for d, s in enumerate(x.shape):
+                if isinstance(s, torch.SymInt):
+                    return i, d
+    raise ValueError("piece has no input with a symbolic token dimension")
+
+
+@dataclass
+class BackendStats:
+    split_time_s: float = 0.0
+    compile_time_s: float = 0.0
+    num_pieces: int = 0
+    num_splitting_ops: int = 0
+    unique_graphs: int = 0
+    compiles: int = 0
+    loads: int = 0
+    shared: int = 0
+    piece_times: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class PiecewiseBackend:
+    """``backend(gm, example_inputs) -> callable`` for :class:`framework.compile.TraceOnce`.
+
+    ``store`` is an :class:`framework.cache.ArtifactStore` or None (no disk cache).
+    ``graph_pass`` (the pass manager) gets ``set_current_piece(name, range)`` before each
+    compile.
+    """
+
+    def __init__(self, *, compiler: CompilerAdaptor, splitting_ops: list[str],
+                 compile_ranges_endpoints: list[int], compile_sizes: list[int],
+                 max_num_tokens: int, store: Any = None, graph_pass: Any = None,
+                 progress: bool = False, dump_path: Optional[str] = None,
+                 wrap_piece: Optional[Callable[[Callable, PieceInfo], Callable]] = None):
+        self.compiler = compiler
+        self.splitting_ops = list(splitting_ops)
+        self.ranges = compile_ranges(compile_ranges_endpoints, compile_sizes, max_num_tokens)
+        self.max_num_tokens = max_num_tokens
+        self.store = store
+        self.graph_pass = graph_pass
+        self.progress = progress
+        self.dump_path = dump_path
+        self.wrap_piece = wrap_piece
+        self.stats = BackendStats()
+        self.pieces: list[PieceInfo] = []
+        self.runtimes: dict[str, PiecewiseRuntime] = {}
+        self._compiled: dict[tuple[str, CompileRange], Callable] = {}
+        self._program: Optional[dict] = None
+
+    # ------------------------------------------------------------------ compile
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        t0 = time.perf_counter()
+        split, self.pieces = split_graph(gm, self.splitting_ops)
+        self.stats.split_time_s = time.perf_counter() - t0
+        self.stats.num_pieces = sum(not p.is_splitting_op for p in self.pieces)
+        self.stats.num_splitting_ops = sum(p.is_splitting_op for p in self.pieces)
+        fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+        self._dump("split_graph.py", _module_code(split))
+        program = {"pieces": {}, "ranges": [[r.start, r.end] for r in self.ranges]}
+        t1 = time.perf_counter()
+        lock = self.store.lock() if self.store is not None else _nullcontext()
+        with lock:
+            piece_inputs = _piece_example_inputs(split, fakes)
+            bar = _progress(self.progress, len(self.pieces) - self.stats.num_splitting_ops)
+            for info in self.pieces:
+                if info.is_splitting_op:
+                    continue
+                sub = getattr(split, info.name)
+                inputs = piece_inputs[info.name]
+                ts = time.perf_counter()
+                runtime, record = self._build_piece(info, sub, inputs)
+                self.stats.piece_times[info.name] = time.perf_counter() - ts
+                self._install(split, info, runtime)
+                program["pieces"][info.name] = record
+                bar.update(1)
+            bar.close()
+        self.stats.compile_time_s = time.perf_counter() - t1
+        self.stats.unique_graphs = len({r["graph_hash"] for r in program["pieces"].values()})
+        try:
+            program["graph"] = graph_to_json(split, skip_submodules=set(program["pieces"]))
+            self._program = program
+        except NotSerializable as e:
+            logger.info("split graph not serializable (%s): warm starts will re-trace", e)
+        return split
+
+    def _build_piece(self, info: PieceInfo, sub: fx.GraphModule, inputs: list
+                     ) -> tuple[PiecewiseRuntime, dict]:
+        ghash = graph_hash(sub, inputs)
+        self._dump(f"{info.name}.py", sub.code)
+        single = not isinstance(sub.graph.output_node().args[0], (tuple, list))
+        entries, record = [], {"graph_hash": ghash, "size_from": list(_token_source(inputs)),
+                               "single_output": single, "entries": {}}
+        for rng in self.ranges:
+            fn, source = self._compile_or_load(info, sub, inputs, rng, ghash, single)
+            entries.append(RangeEntry(rng, fn, source))
+            record["entries"][str(rng)] = self._entry_key(info, rng)
+        size_from = tuple(record["size_from"])
+        return PiecewiseRuntime(info.name, entries, self.max_num_tokens, size_from), record
+
+    def _entry_key(self, info: PieceInfo, rng: CompileRange) -> str:
+        return f"{rng}/piece_{info.index}/{self.compiler.name}"
+
+    def _compile_or_load(self, info: PieceInfo, sub: fx.GraphModule, inputs: list,
+                         rng: CompileRange, ghash: str, single: bool) -> tuple[Callable, str]:
+        memo = (ghash, rng)
+        key = self._entry_key(info, rng)
+        if memo in self._compiled:
+            self.stats.shared += 1
+            if self.store is not None and self.compiler.name != "eager":
+                self.store.store(key, f"{ghash}-{rng}", _already_written)
+            return self._compiled[memo], "shared"
+        fn = self._load(key, single)
+        source = "loaded"
+        if fn is None:
+            if self.graph_pass is not None and hasattr(self.graph_pass, "set_current_piece"):
+                self.graph_pass.set_current_piece(info.name, rng)
+            fn, save = self.compiler.compile(sub, inputs, rng)
+            self.stats.compiles += 1
+            source = "compiled"
+            if self.store is not None and save is not None:
+                self.store.store(key, f"{ghash}-{rng}", save)
+        self._compiled[memo] = fn
+        return fn, source
+
+    def _load(self, key: str, single_output: bool) -> Optional[Callable]:
+        if self.store is None or self.compiler.name == "eager":
+            return None
+        path = self.store.lookup(key)
+        if path is None:
+            return None
+        try:
+            fn = self.compiler.load(path)
+        except Exception as e:  # a verified file that no longer loads: recompile
+            warnings.warn(f"artifact {path} failed to load ({type(e).__name__}: {e}); "
+                          f"recompiling it")
+            return None
+        self.stats.loads += 1
+        if single_output:  # a loaded artifact returns a flat list even for one output
+            return _first_output(fn)
+        return fn
+
+    def _install(self, split: fx.GraphModule, info: PieceInfo, runtime: PiecewiseRuntime):
+        self.runtimes[info.name] = runtime
+        fn = self.wrap_piece(runtime, info) if self.wrap_piece else runtime
+        split.__dict__[info.name] = fn  # instance dict wins over the submodule
+
+    # ------------------------------------------------------------------ warm start
+    def save_program(self, extra: dict) -> None:
+        """Persist the program skeleton (plus ``extra``, e.g. the argument binding)."""
+        if self.store is None or self._program is None:
+            return
+        self.store.store_blob(PROGRAM_BLOB, json.dumps({**self._program, **extra}).encode())
+
+    def restore(self) -> Optional[tuple[fx.GraphModule, dict]]:
+        """Rebuild the compiled program from the cache without Dynamo; None if incomplete."""
+        if self.store is None or self.compiler.name == "eager":
+            return None
+        blob = self.store.load_blob(PROGRAM_BLOB)
+        if blob is None:
+            return None
+        try:
+            program = json.loads(blob)
+            if program["ranges"] != [[r.start, r.end] for r in self.ranges]:
+                return None
+            modules = {}
+            for name, rec in program["pieces"].items():
+                entries = []
+                for rng in self.ranges:
+                    key = rec["entries"][str(rng)]
+                    fn = (self._compiled.get((rec["graph_hash"], rng))
+                          or self._load(key, rec["single_output"]))
+                    if fn is None:
+                        return None
+                    self._compiled[(rec["graph_hash"], rng)] = fn
+                    entries.append(RangeEntry(rng, fn, "loaded"))
+                size_from = (rec["size_from"][0], rec["size_from"][1])
+                runtime = PiecewiseRuntime(name, entries, self.max_num_tokens, size_from)
+                info = PieceInfo(name, int(name.removeprefix("submod_")), False)
+                self.runtimes[name] = runtime
+                modules[name] = self.wrap_piece(runtime, info) if self.wrap_piece else runtime
+            split = graph_from_json(program["graph"], modules)
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            warnings.warn(f"{self.store.dir / PROGRAM_BLOB} is unusable ({e}); re-tracing")
+            return None
+        self.stats.num_pieces = len(program["pieces"])
+        self.stats.unique_graphs = len({r["graph_hash"] for r in program["pieces"].values()})
+        return split, program
+
+    def _dump(self, name: str, text: str) -> None:
+        if self.dump_path:
+            import pathlib
+            p = pathlib.Path(self.dump_path)
+            p.mkdir(parents=True, exist_ok=True)
+            (p / name).write_text(text)
+
+
+def _piece_example_inputs(split: fx.GraphModule, fakes: list) -> dict[str, list]:
+    """Run the split module on fake inputs, recording each submodule's arguments."""
+    seen: dict[str, list] = {}
+
+    class Recorder(fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            seen[target] = list(args)
+            return super().call_module(target, args, kwargs)
+
+    # The placeholders' own fake mode: Dynamo hands backends a different TracingContext mode.
+    fake_mode = next(f.fake_mode for f in fakes if isinstance(f, torch.Tensor))
+    with fake_mode, torch.no_grad():
+        Recorder(split).run(*fakes)
+    return seen
+
+
+def _module_code(split: fx.GraphModule) -> str:
+    parts = [split.code]
+    for name, sub in split.named_children():
+        parts.append(f"# ---- {name}\n{getattr(sub, 'code', repr(sub))}")
+    return "\n".join(parts)
+
+
+def _first_output(fn: Callable) -> Callable:
+    def call(*args):
+        return fn(*args)[0]
+    return call
+
+
+def _already_written(path) -> None:
+    raise RuntimeError("identical piece's artifact vanished from the cache while compiling")
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _progress(enabled: bool, total: int):
+    if enabled:
+        try:
+            from tqdm import tqdm
+            return tqdm(total=total, desc="compiling pieces", leave=False)
+        except ImportError:  # pragma: no cover
+            pass
+
+    class _Silent:
+        def update(self, n): ...
+
+        def close(self): ...
+    return _Silent()

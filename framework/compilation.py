@@ -1,0 +1,174 @@
+"""Glue from a resolved :class:`CompilationConfig` to a compiled forward callable.
+
+``build_forward`` returns the callable the runner invokes for each step, for every
+compilation mode: eager (O0), stock ``torch.compile`` (baseline), or piecewise (trace once,
+split, passes, per-range compile, artifact cache, warm start without Dynamo).
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from framework.config import CompilationConfig, CompilationMode
+
+logger = logging.getLogger(__name__)
+
+
+def model_source_files(model: torch.nn.Module) -> list[str]:
+    """Source files of every module class in the model (what Dynamo will trace)."""
+    files = set()
+    for m in model.modules():
+        for cls in type(m).__mro__:
+            if cls.__module__.startswith("torch."):
+                break
+            try:
+                files.add(inspect.getsourcefile(cls))
+            except TypeError:
+                pass
+    return sorted(f for f in files if f)
+
+
+def file_hashes(files: list[str]) -> dict[str, str]:
+    out = {}
+    for f in files:
+        try:
+            out[Path(f).name + ":" + hashlib.sha256(f.encode()).hexdigest()[:8]] = \
+                hashlib.sha256(Path(f).read_bytes()).hexdigest()[:16]
+        except OSError:
+            out[f] = "missing"
+    return out
+
+
+_STACK_FILE = re.compile(r'File "([^"]+)", line')
+
+
+def traced_files(gm: torch.fx.GraphModule) -> list[str]:
+    """Project files whose code produced nodes of the Dynamo graph (from stack traces)."""
+    files = set()
+    for n in gm.graph.nodes:
+        for f in _STACK_FILE.findall(n.meta.get("stack_trace") or ""):
+            if "/torch/" not in f and Path(f).exists():
+                files.add(f)
+    return sorted(files)
+
+
+@dataclass
+class CompiledForward:
+    """The step callable plus what it took to build it."""
+
+    forward: Callable
+    mode: CompilationMode
+    stats: dict[str, Any] = field(default_factory=dict)
+    backend: Any = None
+    pass_manager: Any = None
+    trace_once: Any = None
+    store: Any = None
+    finalize: Optional[Callable[[], None]] = None
+    """Run after the first (tracing) forward: saves the program for warm starts."""
+
+
+def build_pass_manager(config: CompilationConfig, dtype: torch.dtype,
+                       quant_hash: Optional[str]):
+    if not config.pass_config.passes:
+        return None
+    from passes.manager import PassManager
+
+    return PassManager(config.pass_config, dtype=dtype, quant_config_hash=quant_hash,
+                       debug_dump_path=config.debug_dump_path)
+
+
+def build_forward(model: torch.nn.Module, config: CompilationConfig, *, model_hash: str,
+                  dtype: torch.dtype, quant_hash: Optional[str], model_tag: str = "model",
+                  wrap_piece: Optional[Callable] = None) -> CompiledForward:
+    if config.mode == CompilationMode.NONE:
+        return CompiledForward(model, config.mode)
+    if config.mode == CompilationMode.STOCK_TORCH_COMPILE:
+        from framework.compile import stock_compile
+        return CompiledForward(stock_compile(model), config.mode)
+    return _build_piecewise(model, config, model_hash=model_hash, dtype=dtype,
+                            quant_hash=quant_hash, model_tag=model_tag, wrap_piece=wrap_piece)
+
+
+def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, quant_hash,
+                     model_tag, wrap_piece) -> CompiledForward:
+    from backends.compiler import make_compiler
+    from backends.piecewise_backend import PiecewiseBackend
+    from framework.compile import ArgBinding, TraceOnce
+
+    passes = build_pass_manager(config, dtype, quant_hash)
+    compiler = make_compiler(config.backend, graph_pass=passes,
+                             inductor_config=config.inductor_config)
+    store = None
+    if config.use_cache and config.backend != "eager":
+        store = _open_store(model, config, compiler, passes, model_hash=model_hash, dtype=dtype,
+                            quant_hash=quant_hash, model_tag=model_tag)
+    backend = PiecewiseBackend(
+        compiler=compiler, splitting_ops=config.splitting_ops,
+        compile_ranges_endpoints=config.compile_ranges_endpoints,
+        compile_sizes=config.compile_sizes, max_num_tokens=config.max_num_tokens, store=store,
+        graph_pass=passes, progress=config.progress_bar, dump_path=config.debug_dump_path,
+        wrap_piece=wrap_piece)
+    out = CompiledForward(None, config.mode, backend=backend, pass_manager=passes, store=store)
+    traced = TraceOnce(model, backend)
+    out.trace_once = traced
+    t0 = time.perf_counter()
+    restored = backend.restore()
+    if restored is not None:
+        split, program = restored
+        if program.get("source_hashes") == file_hashes(program.get("source_files", [])):
+            traced.install(split, ArgBinding.from_json(program["binding"]))
+            out.stats["warm_restore_s"] = time.perf_counter() - t0
+            out.stats["dynamo_skipped"] = True
+        else:
+            logger.info("model source changed since the cached program; re-tracing")
+
+    def finalize() -> None:
+        if traced._binding is None or out.stats.get("dynamo_skipped"):
+            return
+        files = sorted(set(model_source_files(model)))
+        backend.save_program({"binding": traced._binding.to_json(), "source_files": files,
+                              "source_hashes": file_hashes(files)})
+        if config.debug_dump_path:
+            _dump_traced(traced, config.debug_dump_path)
+
+    out.finalize = finalize
+    out.forward = traced
+    return out
+
+
+def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_hash, model_tag):
+    from framework.cache import ArtifactStore, default_cache_dir
+    from framework.cache_key import env_factors, inductor_factors
+
+    factors = {
+        "env": env_factors(),
+        "compiler": inductor_factors() if compiler.name == "inductor" else {},
+        "compiler_adaptor": compiler.compute_hash(),
+        "compilation_config": config.compute_hash(),
+        "passes": passes.uuid() if passes is not None else None,
+        "model_config": model_hash,
+        "dtype": str(dtype),
+        "quantization": quant_hash,
+        "source": file_hashes(model_source_files(model)),
+    }
+    root = config.cache_dir or default_cache_dir()
+    return ArtifactStore.open(root, factors, rank=0, model_tag=model_tag)
+
+
+def _dump_traced(traced, path: str) -> None:
+    """Write depyf's decompiled view of the Dynamo-transformed bytecode, when available."""
+    try:
+        import depyf  # noqa: F401
+    except ImportError:
+        return
+    Path(path).mkdir(parents=True, exist_ok=True)
+    (Path(path) / "binding.json").write_text(json.dumps(traced._binding.to_json(), indent=1))

@@ -1,0 +1,177 @@
+"""The public entry point: load a Hugging Face folder, compile per the config, generate.
+
+    from framework import LLM
+    llm = LLM(model_dir, dtype="float32", optimization_level=0)
+    outs = llm.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)   # new tokens, greedy
+    llm.stats
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from framework.compilation import CompiledForward, build_forward
+from framework.config import CompilationConfig, CompilationMode
+from framework.kv_cache import (BlockAllocator, KVCacheSpec, allocate_kv_caches,
+                                num_blocks_for)
+from framework.runner import ModelRunner
+from framework.scheduler import Request, ScheduledChunk, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """A model, its compiled forward, a paged KV cache and a scheduler.
+
+    ``optimization_level`` (0–3) fills every field the ``compilation_config`` leaves unset;
+    when both are None the level is 0 (eager).
+    """
+
+    def __init__(self, model: str, dtype: str | torch.dtype = "float32",
+                 optimization_level: Optional[int] = None,
+                 compilation_config: Optional[CompilationConfig | dict] = None,
+                 quantization: Any = None, max_num_seqs: int = 8, max_model_len: int = 512,
+                 cache_dir: Optional[str] = None, seed: int = 0, *,
+                 max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
+                 attention_backend: str = "torch", kv_cache_memory_bytes: Optional[int] = None,
+                 device: Optional[str] = None, model_tag: Optional[str] = None):
+        from models.config import parse_dtype
+        from models.registry import load_model
+
+        t_start = time.perf_counter()
+        torch.manual_seed(seed)
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                        ("block_size", block_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"LLM.{name}: must be a positive int, got {v!r}")
+        self.device = torch.device(device or "cpu")
+        self.dtype = parse_dtype(dtype)
+        self.model, self.model_config = load_model(model, self.dtype, self.device)
+        self.quant_config, quant_hash = self._quantize(quantization)
+        cc = compilation_config or CompilationConfig()
+        if isinstance(cc, dict):
+            cc = CompilationConfig.from_dict(cc)
+        if cc.level is None:
+            cc = cc.replace(level=0 if optimization_level is None else optimization_level)
+        if cache_dir is not None:
+            cc = cc.replace(cache_dir=cache_dir)
+        max_num_tokens = max_num_batched_tokens or cc.max_num_tokens or max_model_len
+        self.config = cc.resolve(max_num_tokens=max_num_tokens,
+                                 has_cuda=self.device.type == "cuda")
+        max_num_tokens = self.config.max_num_tokens
+        self.max_model_len = max_model_len
+
+        mc = self.model_config
+        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, block_size)
+        num_blocks = num_blocks_for(spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                    memory_bytes=kv_cache_memory_bytes)
+        layer_names = self.model.attention_layer_names()
+        self.kv_caches = allocate_kv_caches(spec, layer_names, num_blocks, self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(self.allocator, block_size=block_size,
+                                   max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
+                                   max_model_len=max_model_len)
+        self.compiled: CompiledForward = build_forward(
+            self.model, self.config, model_hash=mc.compute_hash(), dtype=self.dtype,
+            quant_hash=quant_hash, model_tag=model_tag or _model_tag(mc))
+        self.runner = ModelRunner(
+            self.model, self.compiled.forward, kv_caches=self.kv_caches, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
+            max_model_len=max_model_len, device=self.device, attn_backend=attention_backend)
+        self._next_id = 0
+        self._startup = {"load_s": time.perf_counter() - t_start}
+        self._warmup()
+        self._startup["startup_s"] = time.perf_counter() - t_start
+
+    # ------------------------------------------------------------------ setup
+    def _quantize(self, quantization: Any) -> tuple[Any, Optional[str]]:
+        if quantization is None:
+            return None, None
+        from framework.quantization import QuantizationConfig
+        from passes.quant_schemes import quantize_model
+
+        qc = QuantizationConfig.parse(quantization)
+        if qc is None:
+            return None, None
+        self.quantized_layers = quantize_model(self.model, qc)
+        return qc, qc.compute_hash()
+
+    def dummy_run(self, num_tokens: int) -> None:
+        """One forward over ``num_tokens`` throw-away tokens (traces/compiles on first use)."""
+        req = Request(-1, [0] * num_tokens, max_new_tokens=1)
+        self.scheduler._reserve(req, num_tokens)
+        try:
+            self.runner.execute([ScheduledChunk(req, 0, num_tokens)])
+        finally:
+            self.allocator.free(req.block_ids)
+            if self.runner.trace:
+                self.runner.trace.pop()
+        for times in self.runner.step_times.values():
+            times.clear()
+
+    def _warmup(self) -> None:
+        if self.config.mode == CompilationMode.NONE:
+            return
+        t0 = time.perf_counter()
+        self.dummy_run(min(self.config.max_num_tokens, 16))
+        if self.compiled.finalize is not None:
+            self.compiled.finalize()
+        self._startup["compile_s"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int = 16, *,
+                 ignore_eos: bool = False) -> list[list[int]]:
+        """Greedy generation for every prompt, run together; returns the new tokens."""
+        if isinstance(prompt_token_ids, (str, bytes)) or not all(
+                isinstance(p, (list, tuple)) for p in prompt_token_ids):
+            raise TypeError("generate takes a list of prompts, each a list of token ids")
+        eos = frozenset() if ignore_eos else frozenset(self.model_config.eos_token_ids)
+        reqs = []
+        for p in prompt_token_ids:
+            bad = [t for t in p if not 0 <= int(t) < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary "
+                                 f"(0..{self.model_config.vocab_size - 1})")
+            reqs.append(Request(self._next_id, [int(t) for t in p], max_new_tokens, eos))
+            self._next_id += 1
+        for r in reqs:
+            self.scheduler.add(r)
+        while self.scheduler.has_work():
+            chunks = self.scheduler.schedule()
+            sampled, _ = self.runner.execute(chunks)
+            self.scheduler.update(chunks, sampled)
+        return [r.output for r in reqs]
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.config.mode.name, "level": self.config.level,
+                               "cudagraph_mode": self.config.cudagraph_mode.name,
+                               **self._startup}
+        for kind, times in self.runner.step_times.items():
+            if times:
+                ms = sorted(t * 1e3 for t in times)
+                out[f"{kind}_steps"] = len(ms)
+                out[f"{kind}_ms_median"] = statistics.median(ms)
+                out[f"{kind}_ms_p90"] = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
+        c = self.compiled
+        if c.trace_once is not None:
+            out["dynamo_time_s"] = c.trace_once.dynamo_time_s
+            out["dynamo_traces"] = c.trace_once.num_traces
+        if c.backend is not None:
+            out.update({f"compile_{k}": v for k, v in c.backend.stats.as_dict().items()})
+        if c.store is not None:
+            out.update({f"cache_{k}": v for k, v in c.store.stats.as_dict().items()})
+            out["cache_dir"] = str(c.store.dir)
+        if c.pass_manager is not None:
+            out["passes"] = c.pass_manager.stats()
+        out.update(c.stats)
+        return out
+
+
+def _model_tag(mc) -> str:
+    return f"{mc.architecture}-{mc.num_layers}l-{mc.hidden_size}h"

@@ -1,0 +1,180 @@
+"""Safetensors weight loading with Hugging Face tensor names.
+
+Only safetensors are read (``model.safetensors`` or a sharded ``model.safetensors.index.json``);
+pickled checkpoints are refused, never opened.  Checkpoint names map to ours by the model's
+``packed_modules_mapping``: ``...self_attn.q_proj.weight`` is row block 0 of
+``...self_attn.qkv_proj.weight``, ``...mlp.up_proj.weight`` block 1 of ``gate_up_proj``, and so
+on.  Every problem is one :class:`CheckpointError` naming the file and the tensor.
+
+Order of checks: find the files, read only their headers, compare the tensor names with what
+the model expects (missing / unexpected), then per tensor check dtype and shape before copying.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Float dtypes a checkpoint may hold (safetensors header spelling); they are cast at load.
+# Anything else (ints, fp8, ...) would need a quantization scheme and is refused.
+_FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+
+# Tensors some exporters write that carry nothing we need (recomputed from the config).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file and tensor."""
+
+
+def checkpoint_tensor_files(model_dir: Union[str, Path]) -> dict[str, Path]:
+    """Map every tensor name in the checkpoint to the safetensors file holding it."""
+    model_dir = Path(model_dir)
+    index, single = model_dir / INDEX_FILE, model_dir / SINGLE_FILE
+    if index.is_file():
+        return _read_index(index)
+    if single.is_file():
+        return {name: single for name in _read_header_names(single)}
+    pickles = sorted({p.name for pat in _PICKLE_PATTERNS for p in model_dir.glob(pat)})
+    if pickles:
+        raise CheckpointError(
+            f"{model_dir}: only pickle checkpoint(s) {pickles} found; piecewise never loads "
+            f"pickles (they can run arbitrary code). Convert to safetensors, e.g. "
+            f"`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)`, which writes "
+            f"{SINGLE_FILE}")
+    others = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    hint = f" (found {others} but no {INDEX_FILE} naming them)" if others else ""
+    raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def _read_index(index: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: cannot read the shard index ({type(e).__name__}: {e}); "
+                              f"it must be JSON with a 'weight_map' object") from None
+    files = {}
+    for name, shard in weight_map.items():
+        path = index.parent / shard
+        if not path.is_file():
+            raise CheckpointError(f"{path}: shard missing (listed in {index.name} for tensor "
+                                  f"{name!r}); re-download the checkpoint")
+        files[name] = path
+    return files
+
+
+def _read_header_names(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); the file is "
+                              f"corrupt or truncated, re-download it") from None
+
+
+def expected_checkpoint_tensors(model: nn.Module) -> dict[str, tuple[str, Optional[int]]]:
+    """HF tensor name -> (our parameter name, row-block index in a merged projection or None).
+
+    A tied ``lm_head.weight`` is not expected (it shares the embedding's Parameter).
+    """
+    packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
+    expected: dict[str, tuple[str, Optional[int]]] = {}
+    for name, _ in model.named_parameters():          # shared (tied) parameters appear once
+        module_path, _, attr = name.rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf in packed:
+            for i, part in enumerate(packed[leaf]):
+                expected[f"{parent}.{part}.{attr}"] = (name, i)
+        else:
+            expected[name] = (name, None)
+    return expected
+
+
+def _tied_lm_head(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def load_weights(model: nn.Module, model_dir: Union[str, Path]) -> None:
+    """Copy every checkpoint tensor into the (materialized) model, cast to its dtype."""
+    files = checkpoint_tensor_files(model_dir)
+    expected = expected_checkpoint_tensors(model)
+    optional = {"lm_head.weight"} if _tied_lm_head(model) else set()
+
+    missing = sorted(n for n in expected if n not in files)
+    if missing:
+        raise CheckpointError(
+            f"{_where(files, model_dir)}: missing tensor(s) {_short(missing)} that "
+            f"{type(model).__name__} needs; the checkpoint does not match its config.json")
+    unexpected = sorted(n for n in files if n not in expected and n not in optional
+                        and not n.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise CheckpointError(
+            f"{files[unexpected[0]]}: unexpected tensor(s) {_short(unexpected)}; "
+            f"{type(model).__name__} has no such parameter (wrong architecture in config.json?)")
+
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        _load_file(model, params, file, names, expected)
+
+
+def _load_file(model: nn.Module, params: dict[str, nn.Parameter], file: Path, names: list[str],
+               expected: dict[str, tuple[str, Optional[int]]]) -> None:
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); the file is "
+                              f"corrupt or truncated, re-download it") from None
+    with handle as f, torch.no_grad():
+        present = set(f.keys())
+        for hf_name in names:
+            if hf_name not in present:
+                raise CheckpointError(f"{file}: tensor {hf_name!r} is listed in the shard index "
+                                      f"but not stored in this shard")
+            param_name, block = expected[hf_name]
+            param = params[param_name]
+            target = param.data
+            if block is not None:
+                module = model.get_submodule(param_name.rpartition(".")[0])
+                start, size = module.shard_bounds(block)
+                target = target.narrow(0, start, size)
+            sl = f.get_slice(hf_name)
+            dtype = sl.get_dtype()
+            if dtype not in _FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"{file}: tensor {hf_name!r} has dtype {dtype}; only float checkpoints "
+                    f"({sorted(_FLOAT_DTYPES)}) are supported -- load a float checkpoint and "
+                    f"quantize at load time through the quantization config")
+            shape = list(sl.get_shape())
+            if shape != list(target.shape):
+                raise CheckpointError(f"{file}: tensor {hf_name!r} has shape {shape}, expected "
+                                      f"{list(target.shape)} (from config.json)")
+            try:
+                tensor = f.get_tensor(hf_name)
+            except Exception as e:
+                raise CheckpointError(f"{file}: cannot read tensor {hf_name!r} ({e}); the file "
+                                      f"is corrupt or truncated, re-download it") from None
+            target.copy_(tensor)
+
+
+def _where(files: dict[str, Path], model_dir: Union[str, Path]) -> str:
+    unique = sorted({str(p) for p in files.values()})
+    return unique[0] if len(unique) == 1 else f"{Path(model_dir) / INDEX_FILE}"
+
+
+def _short(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)} in all)"

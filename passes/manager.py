@@ -1,0 +1,186 @@
+"""The pass manager: runs the configured passes, in order, on every piece.
+
+It is Inductor's ``post_grad_custom_post_pass`` (a ``CustomGraphPass``, so :meth:`uuid` enters
+Inductor's FX-graph cache key) and, through :meth:`run_on_graph_module`, the graph pass of the
+eager adaptor.  Per pass and per piece it records wall time and match count; with
+``debug_dump_path`` it writes each piece's graph before the first pass and after every pass;
+with ``verify_passes`` it runs the differential check of :mod:`passes.verify` after each pass.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from framework.config import PassConfig
+from passes.base import CompileRange, GraphPass, PassContext
+from passes.registry import order_passes, resolve_pass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PieceRecord:
+    """One pass on one piece."""
+
+    piece: str
+    compile_range: Optional[tuple[int, int]]
+    time_s: float
+    matches: int
+    max_abs_error: Optional[float] = None
+    max_rel_error: Optional[float] = None
+
+
+@dataclass
+class PassRecord:
+    name: str
+    is_fusion: bool
+    pieces: list[PieceRecord] = field(default_factory=list)
+
+    @property
+    def total_time_s(self) -> float:
+        return sum(p.time_s for p in self.pieces)
+
+    @property
+    def total_matches(self) -> int:
+        return sum(p.matches for p in self.pieces)
+
+
+def _range_tuple(compile_range: Optional[CompileRange]) -> Optional[tuple[int, int]]:
+    return None if compile_range is None else (int(compile_range.start), int(compile_range.end))
+
+
+class PassManager(CustomGraphPass):
+    """Ordered passes from a resolved :class:`PassConfig` (``.passes`` is a list of names).
+
+    The backend calls :meth:`set_current_piece` before compiling each piece so records, dumps
+    and ``is_applicable`` see the piece's name and token range.
+    """
+
+    def __init__(self, pass_config: PassConfig, *, dtype: Optional[torch.dtype] = None,
+                 quant_config_hash: Optional[str] = None,
+                 debug_dump_path: Optional[str] = None):
+        if pass_config.passes is None:
+            raise ValueError("PassManager: PassConfig.passes is None; resolve the compilation "
+                             "config first (CompilationConfig.resolve) so the level fills it")
+        self.pass_config = pass_config
+        self.context = PassContext(dtype=dtype, quant_config_hash=quant_config_hash)
+        self.debug_dump_path = debug_dump_path
+        self.names = order_passes(list(pass_config.passes))
+        self.passes: list[GraphPass] = [resolve_pass(n)(self.context) for n in self.names]
+        self.records = {p.name: PassRecord(p.name, p.is_fusion) for p in self.passes}
+        self._piece = "graph"
+        self._range: Optional[CompileRange] = None
+        self._calls: dict[tuple[str, Optional[tuple[int, int]]], int] = {}
+        self._verifier = None
+        if pass_config.verify_passes:
+            from passes.verify import PassVerifier
+            self._verifier = PassVerifier(tolerance=pass_config.verify_tolerance, dtype=dtype)
+
+    # --- the backend's hooks -----------------------------------------------------------------
+
+    def set_current_piece(self, piece_name: str,
+                          compile_range: Optional[CompileRange] = None) -> None:
+        self._piece = piece_name
+        self._range = compile_range
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        piece, rng = self._piece, self._range
+        key = (piece, _range_tuple(rng))
+        # The same piece can reach us twice for one range (e.g. a recompile); keep both dumps.
+        call_index = self._calls[key] = self._calls.get(key, 0) + 1
+        dump_dir = self._dump_dir(piece, rng, call_index)
+        if dump_dir:
+            _write_graph(dump_dir, "00_before_passes.txt", graph, "input graph")
+        if self._verifier:
+            self._verifier.start_piece(graph, rng)
+        for i, p in enumerate(self.passes, start=1):
+            if not p.is_applicable(rng):
+                continue
+            p.match_count = 0
+            t0 = time.perf_counter()
+            p(graph)
+            elapsed = time.perf_counter() - t0
+            graph.lint()
+            record = PieceRecord(piece, _range_tuple(rng), elapsed, int(p.match_count))
+            self.records[p.name].pieces.append(record)
+            logger.debug("pass %s on %s %s: %d match(es) in %.1f ms", p.name, piece,
+                         record.compile_range, record.matches, elapsed * 1e3)
+            if dump_dir:
+                _write_graph(dump_dir, f"{i:02d}_after_{_safe(p.name)}.txt", graph,
+                             f"after pass {p.name} ({record.matches} matches)")
+            if self._verifier:
+                err = self._verifier.check_pass(p.name, graph)
+                record.max_abs_error, record.max_rel_error = err.max_abs, err.max_rel
+
+    def run_on_graph_module(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """Eager adaptor path: run the passes on an aten-level functional ``gm``, recompile."""
+        self(gm.graph)
+        gm.recompile()
+        return gm
+
+    # --- results -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Per pass: total time, total matches, and the per-piece records."""
+        return {name: {"total_time_s": r.total_time_s, "total_matches": r.total_matches,
+                       "pieces": [vars(p).copy() for p in r.pieces]}
+                for name, r in self.records.items()}
+
+    def warn_unmatched(self) -> list[str]:
+        """Log a warning naming each enabled fusion that ran on at least one piece and matched
+        nothing in all of them; returns those names.  (Pieces loaded from a cache never run
+        passes, so a fusion that never ran is not reported.)"""
+        unmatched = [r.name for r in self.records.values()
+                     if r.is_fusion and r.pieces and r.total_matches == 0]
+        for name in unmatched:
+            logger.warning("pass %s is enabled but matched nothing in the whole model (%d "
+                           "pieces); check the model's graph or disable it", name,
+                           len(self.records[name].pieces))
+        return unmatched
+
+    # --- cache key ---------------------------------------------------------------------------
+
+    def cache_uuid(self) -> str:
+        """Changes when the pass list, a pass's source, or a pass's config changes."""
+        payload = {
+            "passes": [[p.name, p.uuid()] for p in self.passes],
+            "dtype": str(self.context.dtype),
+            "quant_config_hash": self.context.quant_config_hash,
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def uuid(self) -> Optional[str]:
+        """Inductor's cache key part.  ``None`` (Inductor then bypasses its FX-graph cache)
+        while verifying or dumping, because a cache hit would skip the passes entirely."""
+        if self._verifier is not None or self.debug_dump_path:
+            return None
+        return self.cache_uuid()
+
+    # --- dumps -------------------------------------------------------------------------------
+
+    def _dump_dir(self, piece: str, rng: Optional[CompileRange], call_index: int) -> Optional[str]:
+        if not self.debug_dump_path:
+            return None
+        rng_name = "any" if rng is None else f"range_{rng.start}-{rng.end}"
+        suffix = "" if call_index == 1 else f"_call{call_index}"
+        path = os.path.join(self.debug_dump_path, "passes", _safe(piece), rng_name + suffix)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def _write_graph(directory: str, filename: str, graph: torch.fx.Graph, title: str) -> None:
+    with open(os.path.join(directory, filename), "w") as f:
+        f.write(f"# {title}\n{graph}\n")

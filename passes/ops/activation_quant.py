@@ -1,0 +1,53 @@
+"""Plain activation quantization: static per-tensor and dynamic per-token.
+
+These are the ops a quantized linear emits before its scaled matmul; the fusion passes fold
+them into a preceding RMSNorm or SiLU-and-mul.  Arithmetic: :mod:`passes.ops.quant_utils`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from passes.ops.kernel_registry import kernel_for, register_kernel, triton_available
+from passes.ops.quant_utils import check_out, per_token_scales, quantize
+
+_TRITON = "passes.ops.triton.activation"  # shares the row kernel with silu_and_mul
+
+
+def static_scaled_quant_torch(out: Tensor, x: Tensor, scale: Tensor) -> None:
+    out.copy_(quantize(x, scale, out.dtype))
+
+
+def dynamic_per_token_quant_torch(out: Tensor, x: Tensor, scales: Tensor) -> None:
+    s = per_token_scales(x, out.dtype)
+    scales.copy_(s)
+    out.copy_(quantize(x, s, out.dtype))
+
+
+for _name, _fn in [("static_scaled_quant", static_scaled_quant_torch),
+                   ("dynamic_per_token_quant", dynamic_per_token_quant_torch)]:
+    register_kernel(f"piecewise::{_name}", kernel=_fn)
+    if triton_available():
+        register_kernel(f"piecewise::{_name}", "cuda", f"{_TRITON}:{_name}")
+
+
+@torch.library.custom_op("piecewise::static_scaled_quant", mutates_args=("out",))
+def static_scaled_quant(out: Tensor, x: Tensor, scale: Tensor) -> None:
+    """``out = quant(x / scale)``; out int8 or float8_e4m3fn with x's shape, scale fp32 [1]."""
+    kernel_for("piecewise::static_scaled_quant", x.device.type)(out, x, scale)
+
+
+@static_scaled_quant.register_fake
+def _(out, x, scale) -> None:
+    check_out("piecewise::static_scaled_quant", out, x.shape)
+
+
+@torch.library.custom_op("piecewise::dynamic_per_token_quant", mutates_args=("out", "scales"))
+def dynamic_per_token_quant(out: Tensor, x: Tensor, scales: Tensor) -> None:
+    """Per-row absmax quant of ``x [T, K]`` into ``out``; fp32 scales ``[T, 1]`` written."""
+    kernel_for("piecewise::dynamic_per_token_quant", x.device.type)(out, x, scales)
+
+
+@dynamic_per_token_quant.register_fake
+def _(out, x, scales) -> None:
+    check_out("piecewise::dynamic_per_token_quant", out, x.shape)

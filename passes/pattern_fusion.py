@@ -1,0 +1,110 @@
+"""The pattern-matcher pass: fusions as small pattern objects.
+
+A :class:`FusionPattern` is (pattern fn, replacement fn, example inputs).  Both functions are
+plain torch (plus ``auto_functionalized`` calls of custom ops); Inductor's
+``register_replacement`` traces them with ``fwd_only`` -- the same decompositions that produced
+the post-grad graph -- so a pattern written as the model writes it matches the decomposed aten
+form.  A fusion pass is a :class:`PatternFusionPass` subclass whose :meth:`patterns` yields its
+pattern objects; they are registered into that pass's one ``PatternMatcherPass``.
+
+Scalars that vary between models (``eps``) are pattern arguments listed in
+``FusionPattern.scalars`` with a dummy trace value: they become wildcards of the pattern and are
+passed to the replacement as matched.  Integer sizes (split sizes, head counts derived from
+shapes) are re-derived by the matcher from each match's real shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable, Optional
+
+import torch
+from torch._higher_order_ops.auto_functionalize import auto_functionalized
+from torch._inductor.pattern_matcher import (Match, PatternMatcherPass, fwd_only,
+                                             register_replacement, stable_topological_sort)
+
+from passes.base import GraphPass, PassContext
+from passes.fx_utils import (canonicalize_auto_functionalized, mutable_arg_offset,
+                             schema_ordered)
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class FusionPattern:
+    """One rewrite rule: every subgraph computing ``pattern(*inputs)`` becomes
+    ``replacement(*inputs)``.  Both take the same arguments and return the same number of
+    tensors (the pattern's outputs are replaced one for one)."""
+
+    name: str
+    pattern: Callable[..., Any]
+    replacement: Callable[..., Any]
+    example_inputs: Callable[[], list[Any]]
+    """Built lazily: tensors the functions are traced with (small, right dtypes)."""
+    scalars: dict[str, float] = field(default_factory=dict)
+    """Scalar arguments (by name) matched as wildcards; value = dummy used while tracing
+    (pick one that cannot occur as another constant in the pattern)."""
+    extra_check: Optional[Callable[[Match], bool]] = None
+
+
+def call_mutating(op: torch._ops.OpOverload, **kwargs: Any) -> tuple[Any, ...]:
+    """In a pattern or replacement: the functional form of a mutating op, returning the new
+    values of its mutated arguments in schema order (``auto_functionalized`` v1)."""
+    result = auto_functionalized(op, **schema_ordered(op, kwargs))
+    offset = mutable_arg_offset(op)
+    names = [a.name for a in op._schema.arguments if a.alias_info is not None
+             and a.alias_info.is_write]
+    return tuple(result[offset + i] for i in range(len(names)))
+
+
+def float_dtypes(context: PassContext) -> tuple[torch.dtype, ...]:
+    """Activation dtypes to register patterns for: the model's, or all float dtypes."""
+    return (context.dtype,) if context.dtype is not None else FLOAT_DTYPES
+
+
+class PatternFusionPass(GraphPass):
+    """Runs one ``PatternMatcherPass`` holding every pattern of :meth:`patterns`.
+
+    Tracing patterns costs ~0.1-0.5 s each, so the matcher is built once per process for each
+    (pass class, config factors) and shared by every manager that uses the same config.
+    """
+
+    is_fusion: ClassVar[bool] = True
+    _matchers: ClassVar[dict[tuple, PatternMatcherPass]] = {}
+
+    def patterns(self) -> Iterable[FusionPattern]:
+        raise NotImplementedError(f"{type(self).__name__} must yield FusionPattern objects")
+
+    def config_factors(self) -> dict[str, Any]:
+        return {"dtypes": [str(d) for d in float_dtypes(self.context)]}
+
+    def __init__(self, context: Optional[PassContext] = None):
+        super().__init__(context)
+        key = (type(self), repr(sorted(self.config_factors().items())))
+        matcher = PatternFusionPass._matchers.get(key)
+        if matcher is None:
+            matcher = PatternMatcherPass(pass_name=self.name or type(self).__name__)
+            for p in self.patterns():
+                self._register(p, matcher)
+            PatternFusionPass._matchers[key] = matcher
+        self.matcher = matcher
+
+    @staticmethod
+    def _register(p: FusionPattern, matcher: PatternMatcherPass) -> None:
+        kwargs: dict[str, Any] = {}
+        if p.scalars:
+            kwargs["scalar_workaround"] = dict(p.scalars)
+        if p.extra_check is not None:
+            kwargs["extra_check"] = p.extra_check
+        # The example inputs are real tensors: trace without autograd, on CPU, once.
+        with torch.no_grad():
+            register_replacement(p.pattern, p.replacement, p.example_inputs(), fwd_only,
+                                 matcher, pattern_name=p.name, skip_duplicates=True, **kwargs)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        canonicalize_auto_functionalized(graph)
+        self.match_count = self.matcher.apply(graph)
+        if self.match_count:
+            # A replacement is inserted at the pattern's last output, which can precede an
+            # input defined later in the graph (e.g. the quant's ``empty`` out buffer).
+            stable_topological_sort(graph)
+            graph.eliminate_dead_code()
