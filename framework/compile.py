@@ -39,13 +39,31 @@ class ArgBinding:
 
     specs: tuple[tuple, ...]
     single_output: bool
+    arg_meta: tuple[tuple, ...] = ()
+    """``(index, dtype name, ndim)`` of each tensor argument at trace time."""
 
     def to_json(self) -> dict:
-        return {"specs": [list(s) for s in self.specs], "single_output": self.single_output}
+        return {"specs": [list(s) for s in self.specs], "single_output": self.single_output,
+                "arg_meta": [list(m) for m in self.arg_meta]}
 
     @classmethod
     def from_json(cls, data: dict) -> "ArgBinding":
-        return cls(tuple(tuple(s) for s in data["specs"]), bool(data["single_output"]))
+        return cls(tuple(tuple(s) for s in data["specs"]), bool(data["single_output"]),
+                   tuple(tuple(m) for m in data.get("arg_meta", ())))
+
+    def check_args(self, args: tuple, arg_names: list[str]) -> None:
+        """Raise :class:`RecompileError` when an argument differs in a way the compiled code
+        was not traced for (the token dimension is the only dynamic one)."""
+        for idx, dtype, ndim in self.arg_meta:
+            a = args[idx] if idx < len(args) else None
+            if not isinstance(a, torch.Tensor) or str(a.dtype) != dtype or a.dim() != ndim:
+                got = (f"{a.dtype}, {a.dim()}-d" if isinstance(a, torch.Tensor)
+                       else type(a).__name__)
+                raise RecompileError(
+                    f"argument {arg_names[idx]!r} was traced as a {ndim}-d {dtype} tensor but "
+                    f"got {got}: this would need a recompile, and piecewise compiles exactly "
+                    f"once. Keep argument dtypes and ranks fixed (only the token dimension "
+                    f"is dynamic).")
 
     def bind(self, module: torch.nn.Module) -> Callable[[tuple], list]:
         """A fast per-call binder for ``module``'s state."""
@@ -110,7 +128,15 @@ def _binding_from_graph(gm: torch.fx.GraphModule, module: torch.nn.Module,
             return None
     outputs = gm.graph.output_node().args[0]
     single = isinstance(outputs, (tuple, list)) and len(outputs) == 1
-    return ArgBinding(tuple(specs), single)
+    return ArgBinding(tuple(specs), single, _arg_meta(arg_names, example_inputs, specs))
+
+
+def _arg_meta(arg_names: list[str], example_inputs: list, specs: list[tuple]) -> tuple:
+    meta = {}
+    for spec, ex in zip(specs, example_inputs):
+        if spec[0] == "arg" and isinstance(ex, torch.Tensor):
+            meta[spec[1]] = (spec[1], str(ex.dtype), ex.dim())
+    return tuple(sorted(meta.values()))
 
 
 class TraceOnce:
@@ -133,6 +159,8 @@ class TraceOnce:
                                  else tensor_arg_dims(type(module).forward))
         self.on_traced = on_traced
         self.dynamo_time_s = 0.0
+        """Time of the first call spent in Dynamo itself (backend compile excluded)."""
+        self.backend_time_s = 0.0
         self.num_traces = 0
         self._compiled_fn: Optional[Callable] = None
         self._binding: Optional[ArgBinding] = None
@@ -155,7 +183,9 @@ class TraceOnce:
                 "once. Cause: a guard-relevant change in the inputs (dtype, rank, or a "
                 "non-token dimension changed). Keep input dtypes/ranks fixed.")
         self.num_traces += 1
+        t0 = time.perf_counter()
         compiled = self.backend(gm, example_inputs)
+        self.backend_time_s += time.perf_counter() - t0
         binding = _binding_from_graph(gm, self.module, self.arg_names, example_inputs)
         if binding is not None:
             self._compiled_fn, self._binding = compiled, binding
@@ -173,7 +203,7 @@ class TraceOnce:
                            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
         t0 = time.perf_counter()
         out = fn(*args)
-        self.dynamo_time_s = time.perf_counter() - t0
+        self.dynamo_time_s = time.perf_counter() - t0 - self.backend_time_s
         if self._binding is not None:
             self._binder = self._binding.bind(self.module)
         else:
@@ -182,6 +212,7 @@ class TraceOnce:
 
     def __call__(self, *args: Any) -> Any:
         if self._binder is not None:
+            self._binding.check_args(args, self.arg_names)
             out = self._compiled_fn(*self._binder(args))
             return out[0] if self._binding.single_output else out
         if self._dynamo_fn is not None:

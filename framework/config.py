@@ -172,7 +172,7 @@ class CompilationConfig(StrictConfig):
             logger.info("cudagraph_mode %s needs piecewise compilation; using FULL instead",
                         values["cudagraph_mode"].name)
             values["cudagraph_mode"] = CUDAGraphMode.FULL
-        pass_defaults = LEVEL_PASSES[level]
+        pass_defaults = level_passes(level, "cuda" if has_cuda else "cpu")
         values["pass_config"] = self.pass_config.replace(
             passes=self.pass_config.resolved_passes(pass_defaults), enable=[], disable=[])
         return self.replace(**values)
@@ -204,15 +204,29 @@ for _d in LEVEL_DEFAULTS.values():
                   "cudagraph_capture_sizes", "backend"):
         _d.setdefault(_name, None)
 
-LEVEL_PASSES: dict[int, list[str]] = {
-    0: [],
-    1: ["noop_elimination", "fix_functionalization"],
-    2: ["noop_elimination", "fuse_add_rmsnorm", "fuse_rmsnorm_quant", "fuse_silu_mul_quant",
-        "fix_functionalization"],
-    3: ["noop_elimination", "fuse_add_rmsnorm", "fuse_rmsnorm_quant", "fuse_silu_mul_quant",
-        "fuse_qk_norm_rope", "fix_functionalization"],
+_BASE = ["noop_elimination", "prepack_linear", "fix_functionalization"]
+_QUANT_FUSIONS = ["fuse_rmsnorm_quant", "fuse_silu_mul_quant"]
+LEVEL_PASSES: dict[tuple[int, str], list[str]] = {
+    # CPU: the fused ops have no faster kernel than Inductor's own fusion, so O1 keeps only
+    # clean-up and weight prepacking; O2 adds the quant fusions (they remove a quant op per
+    # norm/activation); O3 adds the remaining fusions as experimental.
+    (0, "cpu"): [],
+    (1, "cpu"): _BASE,
+    (2, "cpu"): _BASE + _QUANT_FUSIONS,
+    (3, "cpu"): _BASE + _QUANT_FUSIONS + ["fuse_add_rmsnorm", "fuse_qk_norm_rope"],
+    # GPU: Triton kernels back every fused op, so norm/activation-quant fusions start at O1.
+    (0, "cuda"): [],
+    (1, "cuda"): ["noop_elimination"] + _QUANT_FUSIONS + ["fix_functionalization"],
+    (2, "cuda"): ["noop_elimination", "fuse_add_rmsnorm"] + _QUANT_FUSIONS
+    + ["fix_functionalization"],
+    (3, "cuda"): ["noop_elimination", "fuse_add_rmsnorm"] + _QUANT_FUSIONS
+    + ["fuse_qk_norm_rope", "fix_functionalization"],
 }
-"""Default pass lists per level (names from the pass registry)."""
+"""Default pass lists per (level, device type); the manager keeps the canonical order."""
+
+
+def level_passes(level: int, device_type: str) -> list[str]:
+    return list(LEVEL_PASSES[(level, "cuda" if device_type == "cuda" else "cpu")])
 
 
 def register_hydra_configs() -> None:

@@ -140,10 +140,19 @@ class LLM:
             self._next_id += 1
         for r in reqs:
             self.scheduler.add(r)
+        first_logits: dict[int, torch.Tensor] = {}
         while self.scheduler.has_work():
             chunks = self.scheduler.schedule()
-            sampled, _ = self.runner.execute(chunks)
+            sampled, logits = self.runner.execute(chunks)
+            row = 0
+            for c, tok in zip(chunks, sampled):
+                if tok is not None:
+                    if not c.req.output:
+                        first_logits[c.req.req_id] = logits[row].float()
+                    row += 1
             self.scheduler.update(chunks, sampled)
+        self.first_token_logits = [first_logits[r.req_id] for r in reqs]
+        """Logits that chose each request's first new token (for agreement checks)."""
         return [r.output for r in reqs]
 
     # ------------------------------------------------------------------ stats

@@ -187,7 +187,7 @@ class ModelConfig(StrictConfig):
         )
         fields.update(overrides)
         try:
-            check_rope_scaling(scaling, f"{source}: {rope_field}")
+            check_rope_scaling(scaling, rope_field)
             return cls.from_dict(fields)
         except ValueError as e:
             msg = str(e)

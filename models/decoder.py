@@ -55,7 +55,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)                                       # [T, Hq, D]
             k = self.k_norm(k)                                       # [T, Hkv, D]
-        q, k = self.rotary_emb(positions, q, k)                        # [T, Hq, D], [T, Hkv, D]
+        q, k = self.rotary_emb(positions, q, k)                      # [T, Hq, D], [T, Hkv, D]
         out = self.attn(q, k, v)                                     # [T, Hq, D]
         return self.o_proj(out.view(-1, self.q_size))                # [T, H]
 

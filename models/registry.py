@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
 
 _MODELS: dict[str, type[nn.Module]] = {}
 
@@ -50,7 +53,7 @@ def get_model_class(architecture: str, source: str = "config.json") -> type[nn.M
 
 
 def load_model(model_dir: Union[str, Path], dtype: Union[torch.dtype, str] = torch.float32,
-               device: Union[str, torch.device] = "cpu"):
+               device: Union[str, torch.device] = "cpu") -> tuple[nn.Module, "ModelConfig"]:
     """Build the model of a Hugging Face folder on the meta device, materialize it on
     ``device`` and load its safetensors weights cast to ``dtype``.
 

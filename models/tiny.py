@@ -121,6 +121,7 @@ def ensure_tiny_model(cache_root: Union[str, Path, None] = None, arch: Optional[
     try:
         build_hf_model(family, kwargs, seed, dtype).save_pretrained(tmp)
         (tmp / "piecewise_recipe.json").write_text(recipe)
+        tmp.chmod(0o755)                    # mkdtemp makes it private; the cache is shared
         try:
             os.rename(tmp, final)           # atomic; fails if another process got there first
         except OSError:

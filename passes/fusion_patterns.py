@@ -31,7 +31,30 @@ def silu_and_mul_hf(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul_sliced(x: torch.Tensor) -> torch.Tensor:
+    """``models.decoder.DecoderMLP``: the same activation written with slices."""
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
 def quant_buffers(x: torch.Tensor, qdtype: torch.dtype = Q_INT8):
     """Example quantized output and per-token scales for ``x`` (trace inputs)."""
     return (torch.empty(x.shape, dtype=qdtype),
             torch.empty((*x.shape[:-1], 1), dtype=torch.float32))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``models.rotary.rotate_half``: (x1, x2) -> (-x2, x1) over the halves of the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+              cos_cache: torch.Tensor, sin_cache: torch.Tensor):
+    """``models.rotary.RotaryEmbedding.forward``: q [T, Hq, D], k [T, Hkv, D]; caches
+    ``[max_pos, D]`` with duplicated halves, indexed by ``positions [T]``."""
+    cos = cos_cache[positions].unsqueeze(1)
+    sin = sin_cache[positions].unsqueeze(1)
+    q = (q * cos) + (rotate_half(q) * sin)
+    k = (k * cos) + (rotate_half(k) * sin)
+    return q, k

@@ -56,6 +56,21 @@ def call_mutating(op: torch._ops.OpOverload, **kwargs: Any) -> tuple[Any, ...]:
     return tuple(result[offset + i] for i in range(len(names)))
 
 
+def views_to_reshapes(graph: torch.fx.Graph) -> None:
+    """``aten.view`` -> ``aten.reshape``, as Inductor's post-grad ``view_to_reshape`` does before
+    our passes run; applied to patterns and to eager-adaptor graphs so both spell views alike."""
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        node.target = torch.ops.aten.reshape.default
+
+
+def trace_pattern(fn: Callable[..., Any], args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+    """``fwd_only`` followed by the same view canonicalization the post-grad graph got."""
+    gm = fwd_only(fn, args, **kwargs)
+    views_to_reshapes(gm.graph)
+    gm.recompile()
+    return gm
+
+
 def float_dtypes(context: PassContext) -> tuple[torch.dtype, ...]:
     """Activation dtypes to register patterns for: the model's, or all float dtypes."""
     return (context.dtype,) if context.dtype is not None else FLOAT_DTYPES
@@ -97,10 +112,11 @@ class PatternFusionPass(GraphPass):
             kwargs["extra_check"] = p.extra_check
         # The example inputs are real tensors: trace without autograd, on CPU, once.
         with torch.no_grad():
-            register_replacement(p.pattern, p.replacement, p.example_inputs(), fwd_only,
+            register_replacement(p.pattern, p.replacement, p.example_inputs(), trace_pattern,
                                  matcher, pattern_name=p.name, skip_duplicates=True, **kwargs)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        views_to_reshapes(graph)
         canonicalize_auto_functionalized(graph)
         self.match_count = self.matcher.apply(graph)
         if self.match_count:

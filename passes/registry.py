@@ -94,16 +94,23 @@ def _import_pass(path: str) -> type[GraphPass]:
 
 
 def order_passes(names: list[str]) -> list[str]:
-    """Built-in names in canonical order; other passes (out-of-tree, or built-ins missing from
-    the canonical list) keep their relative position *before* ``fix_functionalization``, which
-    must stay last because it leaves the graph non-functional."""
+    """Built-in names sorted by :data:`CANONICAL_ORDER`; any other pass (out-of-tree) runs
+    right after the built-in that precedes it in ``names`` (first if none does);
+    ``fix_functionalization`` stays last because it leaves the graph non-functional."""
     rank = {n: i for i, n in enumerate(CANONICAL_ORDER)}
-    last = [n for n in names if n == "fix_functionalization"]
-    body = [n for n in names if n != "fix_functionalization"]
-    builtin = sorted((n for n in body if n in rank), key=rank.__getitem__)
-    # Stable merge: an unknown pass stays right after the canonical pass that preceded it.
-    out: list[str] = []
-    it = iter(builtin)
-    for n in body:
-        out.append(next(it) if n in rank else n)
-    return out + last
+    attached: dict[str | None, list[str]] = {}
+    previous: str | None = None
+    for n in names:
+        if n in rank:
+            previous = n
+        else:
+            attached.setdefault(previous, []).append(n)
+    out = list(attached.get(None, []))
+    for n in sorted((n for n in names if n in rank), key=rank.__getitem__):
+        if n == "fix_functionalization":
+            continue
+        out += [n, *attached.get(n, [])]
+    if "fix_functionalization" in names:
+        out += attached.get("fix_functionalization", [])
+        out.append("fix_functionalization")
+    return out

@@ -34,3 +34,10 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_checkpoint(tiny_checkpoint) -> Path:
     return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def compile_cache_dir(tmp_path_factory) -> str:
+    """One artifact-cache root shared by every test that is not about the cache itself, so
+    identical configurations compile once per session."""
+    return str(tmp_path_factory.mktemp("piecewise-cache"))

@@ -1,10 +1,11 @@
 """Plain-torch paged attention: the CPU path and the reference every other backend is tested
 against.  Correct for mixed batches (some requests prefill, some decode) and GQA.
 
-Per request it gathers the request's KV blocks into a contiguous ``[L, Hkv, D]`` view and
-runs SDPA with a bottom-right-aligned causal mask (the query is the last ``q_len`` positions
-of the context).  Its host-side loop over requests reads Python lists only, so it is safe in
-a CUDA graph only when captured per exact batch: it declares UNIFORM_SINGLE_TOKEN_DECODE.
+Pure-decode steps run batched over all requests (one gather, one masked matmul-softmax);
+other steps gather each request's KV blocks into a contiguous ``[L, Hkv, D]`` view and run
+SDPA with a bottom-right-aligned causal mask (the query is the last ``q_len`` positions of the
+context).  The decode path reads device tensors plus ``max_seq_len``; the prefill loop reads
+host lists, so only uniform single-token decode is graph-safe: UNIFORM_SINGLE_TOKEN_DECODE.
 """
 from __future__ import annotations
 
@@ -37,6 +38,47 @@ def causal_mask(q_len: int, kv_len: int, sliding_window: int,
     return mask
 
 
+def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     md: AttentionMetadata, scale: float, sliding_window: int) -> torch.Tensor:
+    """Batched single-token decode over all requests at once (no per-request loop).
+
+    q ``[B, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``; returns ``[B, Hq, D]``.
+    """
+    b, hq, d = q.shape
+    block_size, hkv = key_cache.shape[1], key_cache.shape[2]
+    nblk = -(-md.max_seq_len // block_size)
+    table = md.block_table[:b, :nblk].reshape(-1)
+    keys = key_cache.index_select(0, table).view(b, nblk * block_size, hkv, d)
+    values = value_cache.index_select(0, table).view(b, nblk * block_size, hkv, d)
+    qg = q.view(b, hkv, hq // hkv, d)                                  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float()       # [B, Hkv, G, L]
+    pos = torch.arange(nblk * block_size, device=q.device)
+    seq_lens = md.seq_lens[:b].to(torch.int64)[:, None]
+    invalid = pos[None, :] >= seq_lens                                  # [B, L]
+    if sliding_window > 0:
+        invalid |= pos[None, :] < seq_lens - sliding_window
+    scores.mul_(scale).masked_fill_(invalid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, values.permute(0, 2, 1, 3))              # [B, Hkv, G, D]
+    return out.view(b, hq, d)
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                      sliding_window: int) -> torch.Tensor:
+    """One request: q ``[q_len, Hq, D]`` attends to keys/values ``[L, Hkv, D]``."""
+    q_len, kv_len = q.shape[0], keys.shape[0]
+    hq, hkv = q.shape[1], keys.shape[1]
+    if hq != hkv:  # expand KV heads so SDPA can take its fused CPU kernel
+        keys = keys.repeat_interleave(hq // hkv, dim=1)
+        values = values.repeat_interleave(hq // hkv, dim=1)
+    plain_causal = q_len == kv_len and (sliding_window <= 0 or kv_len <= sliding_window)
+    mask = None if plain_causal else causal_mask(q_len, kv_len, sliding_window, q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
+        is_causal=plain_causal and q_len > 1, scale=scale)             # [Hq, q_len, D]
+    return out.transpose(0, 1)
+
+
 @register_backend("torch")
 class TorchPagedAttention(AttentionBackend):
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -47,20 +89,16 @@ class TorchPagedAttention(AttentionBackend):
         n = md.num_actual_tokens
         write_kv(k, v, kv_cache, md.slot_mapping, n)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        block_size = key_cache.shape[1]
-        hq, hkv = q.shape[1], k.shape[1]
-        qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
-        for i in range(md.num_reqs):
-            qs, qe, kv_len = qsl[i], qsl[i + 1], seq_lens[i]
-            nblk = -(-kv_len // block_size)
-            blocks = md.block_table[i, :nblk]
-            keys = key_cache[blocks].flatten(0, 1)[:kv_len]      # [L, Hkv, D]
-            values = value_cache[blocks].flatten(0, 1)[:kv_len]
-            qi = q[qs:qe].transpose(0, 1)                          # [Hq, q_len, D]
-            mask = causal_mask(qe - qs, kv_len, sliding_window, q.device)
-            oi = F.scaled_dot_product_attention(
-                qi, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
-                scale=scale, enable_gqa=hq != hkv)                 # [Hq, q_len, D]
-            out[qs:qe] = oi.transpose(0, 1)
+        if md.max_query_len == 1:
+            out[:n] = decode_attention(q[:n], key_cache, value_cache, md, scale, sliding_window)
+        else:
+            block_size = key_cache.shape[1]
+            qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
+            for i in range(md.num_reqs):
+                qs, qe, kv_len = qsl[i], qsl[i + 1], seq_lens[i]
+                blocks = md.block_table[i, :-(-kv_len // block_size)]
+                keys = key_cache.index_select(0, blocks).flatten(0, 1)[:kv_len]
+                values = value_cache.index_select(0, blocks).flatten(0, 1)[:kv_len]
+                out[qs:qe] = prefill_attention(q[qs:qe], keys, values, scale, sliding_window)
         if out.shape[0] > n:
             out[n:].zero_()

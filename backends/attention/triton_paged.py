@@ -19,13 +19,14 @@ everything that changes from step to step (query_start_loc, seq_lens, block_tabl
 slot_mapping) is read from device tensors inside the kernels.  Nothing syncs with the host,
 so one graph per descriptor replays correctly for any mix of prefill and decode.
 
-Triton is imported only if present and kernels are JIT-wrapped at first use, so importing this
-module never fails and ``TRITON_INTERPRET=1`` set before the first call (not before the
-import) selects the interpreter; on CPU tensors the interpreter is required.
+Triton is imported at the first kernel call, not at import, so importing this module never
+fails (nor imports triton) and ``TRITON_INTERPRET=1`` set before triton's first import in the
+process selects the interpreter; on CPU tensors the interpreter is required.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import torch
@@ -33,12 +34,11 @@ import torch
 from backends.attention.common import (AttentionBackend, AttentionCGSupport, AttentionMetadata,
                                        register_backend)
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
+triton = None
+tl = None
+"""Bound by :func:`_kernels` on first use: importing triton at module import would fix the
+interpreter-or-compiler choice of ``triton.language`` before tests can set TRITON_INTERPRET
+(and ``torch._inductor`` imports triton early), so the kernel bodies read ``tl`` from here."""
 
 _REQ_CHUNK = 64
 """Requests scanned per vector step while a program finds its request."""
@@ -128,13 +128,17 @@ def _paged_attention_kernel(
 
 @functools.cache
 def _kernels(interpret: bool):
-    """JIT-wrap the kernels on first use (``TRITON_INTERPRET`` is read at wrap time)."""
+    """Import triton and JIT-wrap the kernels on first use (``TRITON_INTERPRET`` is read at
+    wrap time)."""
     del interpret  # part of the cache key only
+    global triton, tl
+    import triton
+    import triton.language as tl
     return triton.jit(_write_kv_kernel), triton.jit(_paged_attention_kernel)
 
 
 def _get_kernels(device: torch.device):
-    if triton is None:
+    if importlib.util.find_spec("triton") is None:
         raise RuntimeError("the 'triton' attention backend needs the triton package; install "
                            "it or use attention backend 'torch'")
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -142,7 +146,17 @@ def _get_kernels(device: torch.device):
         raise RuntimeError("the 'triton' attention backend got CPU tensors: set "
                            "TRITON_INTERPRET=1 to run its kernels in the interpreter, or use "
                            "attention backend 'torch' on CPU")
-    return _kernels(interpret)
+    kernels = _kernels(interpret)
+    if device.type == "cpu" and not _language_is_interpreted():
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported in this "
+                           "process (triton.language is built for the compiler); set it in "
+                           "the environment before Python starts")
+    return kernels
+
+
+def _language_is_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.sum, InterpretedFunction)
 
 
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from passes.ops.kernel_registry import kernel_for, register_kernel, triton_available
-from passes.ops.quant_utils import check_out, per_token_scales, quantize
+from passes.ops.quant_utils import (INT8_MAX, INT8_MIN, MIN_DYNAMIC_SCALE, check_out, quant_max,
+                                    quantize)
 
 _TRITON = "passes.ops.triton.activation"  # shares the row kernel with silu_and_mul
 
@@ -19,9 +20,17 @@ def static_scaled_quant_torch(out: Tensor, x: Tensor, scale: Tensor) -> None:
 
 
 def dynamic_per_token_quant_torch(out: Tensor, x: Tensor, scales: Tensor) -> None:
-    s = per_token_scales(x, out.dtype)
-    scales.copy_(s)
-    out.copy_(quantize(x, s, out.dtype))
+    # Same arithmetic as per_token_scales + quantize, in fewer eager kernels (this is the
+    # unfused CPU hot path): one fp32 scratch copy, absmax via an inf-norm, in-place steps.
+    y = x.to(torch.float32, copy=True)
+    torch.linalg.vector_norm(y, float("inf"), dim=-1, keepdim=True, out=scales)
+    scales.div_(quant_max(out.dtype)).clamp_(min=MIN_DYNAMIC_SCALE)
+    y.div_(scales)
+    if out.dtype == torch.int8:
+        y.round_().clamp_(INT8_MIN, INT8_MAX)
+    else:
+        y.clamp_(-quant_max(out.dtype), quant_max(out.dtype))
+    out.copy_(y)
 
 
 for _name, _fn in [("static_scaled_quant", static_scaled_quant_torch),

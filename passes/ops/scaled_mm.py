@@ -44,8 +44,8 @@ WEIGHT_ONLY_PACKED_MAX_M = 16
 
 def _epilogue(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Optional[Tensor],
               out_dtype: torch.dtype) -> Tensor:
-    y = acc.float().mul_(x_scale.float()).mul_(w_scale.float().reshape(1, -1)
-                                              if w_scale.numel() > 1 else w_scale.float())
+    # int32 * fp32 promotes to fp32 in one kernel (no separate int->float pass)
+    y = torch.mul(acc, x_scale).mul_(w_scale.reshape(1, -1) if w_scale.numel() > 1 else w_scale)
     if bias is not None:
         y.add_(bias.float())
     return y.to(out_dtype)

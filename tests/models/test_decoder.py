@@ -146,3 +146,18 @@ class _CompiledView:
 
     def compute_logits(self, hidden):
         return self.model.compute_logits(hidden)
+
+
+def test_qwen2_per_layer_sliding_window_matches_transformers(tmp_path):
+    """Qwen2/3 window only layers >= max_window_layers when use_sliding_window is set."""
+    from checkpoints import build_family_checkpoint
+    path = build_family_checkpoint(tmp_path / "c", "qwen2", use_sliding_window=True,
+                                   sliding_window=8, max_window_layers=1)
+    model, config = load_model(path, torch.float32)
+    assert [l.self_attn.attn.sliding_window for l in model.model.layers] == [-1, 8]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts(config.vocab_size, lens=(20, 9), seed=4)
+    tokens, logits = PagedHarness(model).greedy(prompts, NEW_TOKENS, return_logits=True)
+    for p, new, ours in zip(prompts, tokens, logits):
+        ref = _hf_logits(hf, p + new[:-1])[len(p) - 1:]
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)

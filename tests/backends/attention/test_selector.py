@@ -73,17 +73,21 @@ def test_reasons_say_why():
     assert "cannot be captured" in reason and "attention runs eagerly" in reason
 
 
-@register_backend("_test_never")
-class _Never(AttentionBackend):
-    cudagraph_support = S.NEVER
+@pytest.fixture
+def fake_backends():
+    """Two backends with fixed support levels, removed again so the registry stays clean."""
+    from backends.attention import common
+
+    made = {}
+    for name, level in (("_test_never", S.NEVER), ("_test_uniform", S.UNIFORM_BATCH)):
+        made[name] = register_backend(name)(
+            type(name, (AttentionBackend,), {"cudagraph_support": level}))
+    yield made
+    for name in made:
+        common._BACKENDS.pop(name, None)
 
 
-@register_backend("_test_uniform")
-class _Uniform(AttentionBackend):
-    cudagraph_support = S.UNIFORM_BATCH
-
-
-def test_min_support_over_layers():
+def test_min_support_over_layers(fake_backends):
     assert min_support(["_test_uniform", "_test_uniform"]) is S.UNIFORM_BATCH
     assert min_support(["_test_uniform", "_test_never", "_test_uniform"]) is S.NEVER
     assert min_support([]) is S.ALWAYS
@@ -91,7 +95,7 @@ def test_min_support_over_layers():
         min_support(["nope"])
 
 
-def test_select_logs_one_line(caplog):
+def test_select_logs_one_line(caplog, fake_backends):
     with caplog.at_level(logging.INFO, logger="backends.attention.selector"):
         assert select_cudagraph_mode(M.FULL, ["_test_uniform"] * 4) is FAP
         assert select_cudagraph_mode(M.PIECEWISE, ["_test_never"]) is M.PIECEWISE

@@ -1,0 +1,71 @@
+"""``piecewise::prepacked_linear(x, w, bias)``: a linear on a oneDNN-prepacked copy of ``w``.
+
+Inductor prepacks weights for oneDNN only when they are constants (freezing); weights that
+arrive as graph inputs are multiplied unpacked.  This op hides the packed tensor (opaque
+``layout=torch._mkldnn``, which cannot be an Inductor graph input) behind a custom op: the
+weight is packed ONCE per (address, shape, dtype) -- and again only if it is modified in place
+(its version counter moves) -- then every call runs ``mkldnn._linear_pointwise``.
+
+Registration: ``torch.library.Library`` define + a CPU impl + ``register_fake``, not
+``torch.library.custom_op``: on this op (a few tens of µs of work per decode GEMV) the
+``custom_op`` wrapper's Python layers are measurable per call (numbers in passes/README.md);
+the op is functional (no mutation, output never aliases an input), so nothing that
+``custom_op`` adds (autograd registration, mutation checks) is needed, and ``opcheck`` passes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_PACKED: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
+"""(data_ptr, shape, dtype) -> (packed weight, weight version, weight): the weight itself is
+kept so its memory cannot be reused by another tensor while the entry exists."""
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def mkldnn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_reorder_linear_weight")
+
+
+def packed_weight(w: torch.Tensor) -> torch.Tensor:
+    """The oneDNN-packed form of ``w [N, K]``, packed on first use."""
+    key = (w.data_ptr(), tuple(w.shape), w.dtype)
+    entry = _PACKED.get(key)
+    if entry is None or entry[1] != w._version:
+        entry = (torch.ops.mkldnn._reorder_linear_weight(w.contiguous()), w._version, w)
+        _PACKED[key] = entry
+    return entry[0]
+
+
+def clear_packed_weights() -> None:
+    """Drop every packed weight (e.g. before loading new weights into the same buffers)."""
+    _PACKED.clear()
+
+
+def prepacked_linear_cpu(x: torch.Tensor, w: torch.Tensor,
+                         bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if x.dtype != w.dtype or w.dtype not in PACKABLE_DTYPES:
+        raise TypeError(f"piecewise::prepacked_linear: x ({x.dtype}) and w ({w.dtype}) must "
+                        f"share a dtype in {PACKABLE_DTYPES}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(x2, packed_weight(w), bias, "none", [], "")
+    return out.reshape(*lead, w.shape[0])
+
+
+def _fake(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"piecewise::prepacked_linear: x has {x.shape[-1]} features, w is "
+                         f"{tuple(w.shape)} ([out_features, in_features])")
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+_LIB = torch.library.Library("piecewise", "FRAGMENT")
+_LIB.define("prepacked_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor")
+_LIB.impl("prepacked_linear", prepacked_linear_cpu, "CPU")
+torch.library.register_fake("piecewise::prepacked_linear", _fake, lib=_LIB)
+
+prepacked_linear = torch.ops.piecewise.prepacked_linear.default

@@ -1,0 +1,104 @@
+"""The artifact cache through the whole stack: warm start in a fresh process, corrupted
+artifacts and index, several processes starting cold on one directory."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [[3, 17, 42, 9, 100], [8, 1, 250]]
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, warnings
+    warnings.simplefilter("always")
+    from framework import LLM, CompilationConfig
+    path, cache, level = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with warnings.catch_warnings(record=True) as caught:
+        llm = LLM(path, optimization_level=level, cache_dir=cache, max_num_seqs=2,
+                  max_model_len=64, compilation_config=CompilationConfig(progress_bar=False))
+    out = llm.generate(%r, 8, ignore_eos=True)
+    s = llm.stats
+    print("RESULT" + json.dumps({"out": out, "compiles": s["compile_compiles"],
+        "loads": s["compile_loads"], "traces": s["dynamo_traces"],
+        "pieces": s["compile_num_pieces"], "warnings": [str(w.message) for w in caught]}))
+""" % (PROMPTS,))
+
+
+def run_job(path, cache, level=1, background=False):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-c", SCRIPT, str(path), str(cache), str(level)]
+    if background:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return parse(proc.returncode, proc.stdout, proc.stderr)
+
+
+def parse(rc, stdout, stderr):
+    assert rc == 0, stderr[-3000:]
+    line = next(l for l in stdout.splitlines() if l.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+@pytest.fixture(scope="module")
+def reference(llama_checkpoint):
+    from framework import LLM
+    llm = LLM(str(llama_checkpoint), optimization_level=0, max_num_seqs=2, max_model_len=64)
+    return llm.generate(PROMPTS, 8, ignore_eos=True)
+
+
+def artifacts(cache):
+    return sorted(Path(cache).glob("*/rank_0/*/artifacts/*"))
+
+
+@pytest.mark.slow
+def test_warm_start_in_fresh_process_loads_everything(llama_checkpoint, reference, tmp_path):
+    cold = run_job(llama_checkpoint, tmp_path)
+    assert cold["out"] == reference
+    assert cold["compiles"] > 0 and cold["traces"] == 1
+    warm = run_job(llama_checkpoint, tmp_path)
+    assert warm["out"] == reference
+    assert warm["compiles"] == 0
+    assert warm["loads"] == cold["compiles"]
+    assert warm["traces"] == 0, "warm start should rebuild the program without Dynamo"
+
+
+@pytest.mark.slow
+def test_corrupt_artifact_and_index_are_recompiled(llama_checkpoint, reference, tmp_path):
+    cold = run_job(llama_checkpoint, tmp_path)
+    victim = artifacts(tmp_path)[0]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    warm = run_job(llama_checkpoint, tmp_path)
+    assert warm["out"] == reference
+    assert warm["compiles"] >= 1
+    assert any(victim.name in w for w in warm["warnings"]), warm["warnings"]
+    index = next(Path(tmp_path).glob("*/rank_0/*/index.json"))
+    index.write_text("{ not json")
+    again = run_job(llama_checkpoint, tmp_path)
+    assert again["out"] == reference
+    assert any("index.json" in w for w in again["warnings"]), again["warnings"]
+    assert cold["pieces"] == again["pieces"]
+
+
+@pytest.mark.slow
+def test_concurrent_cold_starts_share_one_artifact_set(llama_checkpoint, reference, tmp_path):
+    procs = [run_job(llama_checkpoint, tmp_path, background=True) for _ in range(3)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        results.append(parse(p.returncode, out, err))
+    assert all(r["out"] == reference for r in results)
+    assert sum(r["compiles"] for r in results) == max(r["compiles"] for r in results), \
+        "exactly one process should compile; the others load"
+    from framework.cache import read_index
+    index_files = list(Path(tmp_path).glob("*/rank_0/*/index.json"))
+    assert len(index_files) == 1
+    index = read_index(index_files[0])
+    referenced = {e["artifact"] for e in index["entries"].values()}
+    on_disk = {str(p.relative_to(index_files[0].parent)) for p in artifacts(tmp_path)}
+    assert referenced == on_disk
+    assert not list(Path(tmp_path).rglob("*.tmp*"))

@@ -1,0 +1,40 @@
+"""Architecture registry and load_model (meta build, materialize, load)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from models.decoder import DecoderForCausalLM
+from models.registry import get_model_class, load_model, register_model, supported_architectures
+
+
+def test_supported_architectures():
+    assert supported_architectures() == ["LlamaForCausalLM", "MistralForCausalLM",
+                                         "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert get_model_class("Qwen3ForCausalLM") is DecoderForCausalLM
+
+
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(ValueError, match=r"'PhiForCausalLM' is not supported.*LlamaForCausalLM"):
+        get_model_class("PhiForCausalLM")
+
+
+def test_registering_a_name_twice_is_an_error():
+    with pytest.raises(ValueError, match="already registered"):
+        @register_model("LlamaForCausalLM")
+        class Other(nn.Module):
+            pass
+
+
+def test_meta_build_rebuilds_rope_cache(llama_checkpoint):
+    """The cos/sin cache is not in the checkpoint: after the meta build it must be recomputed,
+    equal to a model constructed directly on CPU."""
+    model, config = load_model(llama_checkpoint, torch.float32)
+    direct = DecoderForCausalLM(config)
+    torch.testing.assert_close(model.model.rotary_emb.cos_cache, direct.model.rotary_emb.cos_cache,
+                               atol=0, rtol=0)
+    torch.testing.assert_close(model.model.rotary_emb.sin_cache, direct.model.rotary_emb.sin_cache,
+                               atol=0, rtol=0)
+    # One shared rotary module, not one per layer.
+    assert all(l.self_attn.rotary_emb is model.model.rotary_emb for l in model.model.layers)

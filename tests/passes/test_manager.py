@@ -1,0 +1,138 @@
+import logging
+import os
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from framework.config import PassConfig
+from graph_test_backend import TestBackend, compile_with, count_op
+from passes.manager import PassManager
+
+aten = torch.ops.aten
+OOT = "oot_pass_example:SubToAddNeg"
+
+
+def manager(*names, **kwargs):
+    return PassManager(PassConfig(passes=list(names)), **kwargs)
+
+
+def test_uuid_is_stable_for_the_same_config():
+    a = manager("noop_elimination", "fuse_add_rmsnorm", dtype=torch.bfloat16)
+    b = manager("noop_elimination", "fuse_add_rmsnorm", dtype=torch.bfloat16)
+    assert a.uuid() == b.uuid() == a.cache_uuid()
+    # Flags that do not change the produced graph do not change the key.
+    c = PassManager(PassConfig(passes=["noop_elimination", "fuse_add_rmsnorm"],
+                               warn_on_no_match=False), dtype=torch.bfloat16)
+    assert c.uuid() == a.uuid()
+
+
+def test_uuid_changes_with_pass_list_and_config():
+    base = manager("noop_elimination", "fuse_add_rmsnorm", dtype=torch.bfloat16)
+    assert manager("noop_elimination", dtype=torch.bfloat16).uuid() != base.uuid()
+    assert manager("noop_elimination", "fuse_add_rmsnorm",
+                   dtype=torch.float32).uuid() != base.uuid()
+    assert manager("noop_elimination", "fuse_add_rmsnorm", dtype=torch.bfloat16,
+                   quant_config_hash="abc").uuid() != base.uuid()
+
+
+def test_uuid_changes_when_a_pass_source_changes(tmp_path, monkeypatch):
+    src = tmp_path / "my_tmp_pass_mod.py"
+    src.write_text(textwrap.dedent("""
+        from passes.base import GraphPass
+
+        class MyPass(GraphPass):
+            def __call__(self, graph):
+                self.match_count = 0
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = manager("my_tmp_pass_mod:MyPass").uuid()
+    assert manager("my_tmp_pass_mod:MyPass").uuid() == first
+    src.write_text(src.read_text() + "\n# an edit\n")
+    os.utime(src, ns=(1, 1))  # make sure the mtime differs even on coarse clocks
+    assert manager("my_tmp_pass_mod:MyPass").uuid() != first
+    sys.modules.pop("my_tmp_pass_mod", None)
+
+
+def test_oot_pass_by_import_path_is_applied_counted_and_keyed():
+    pm = manager("noop_elimination", OOT, "fix_functionalization")
+    assert manager("noop_elimination", "fix_functionalization").uuid() != pm.uuid()
+    backend = TestBackend(pm)
+
+    def f(a, b):
+        return (a - b) * 3
+
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    out = compile_with(f, backend, a, b)
+    torch.testing.assert_close(out, f(a, b))
+    assert count_op(backend.graph_before, aten.sub.Tensor) == 1
+    assert count_op(backend.graph_after, aten.sub.Tensor) == 0
+    assert count_op(backend.graph_after, aten.neg.default) == 1
+    stats = pm.stats()
+    assert list(stats) == ["noop_elimination", OOT, "fix_functionalization"]
+    assert stats[OOT]["total_matches"] == 1
+    assert stats[OOT]["pieces"][0]["time_s"] >= 0
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+
+def _graph_with_sub():
+    gm = torch.fx.symbolic_trace(lambda a, b: (a - b) * 2)
+    return gm
+
+
+def test_records_per_piece_dump_and_eager_path(tmp_path):
+    pm = manager(OOT, debug_dump_path=str(tmp_path))
+    assert pm.uuid() is None  # dumping: Inductor must not skip the passes via its cache
+    for piece in ("submod_0", "submod_2"):
+        pm.set_current_piece(piece, _Range(1, 16))
+        gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: (a - b) * 2)(
+            torch.randn(3), torch.randn(3))
+        gm = pm.run_on_graph_module(gm)
+        a, b = torch.randn(3), torch.randn(3)
+        torch.testing.assert_close(gm(a, b), (a - b) * 2)
+    pieces = pm.stats()[OOT]["pieces"]
+    assert [(p["piece"], p["compile_range"], p["matches"]) for p in pieces] == \
+        [("submod_0", (1, 16), 1), ("submod_2", (1, 16), 1)]
+    dump = tmp_path / "passes" / "submod_2" / "range_1-16"
+    files = sorted(os.listdir(dump))
+    assert files == ["00_before_passes.txt", "01_after_oot_pass_example_SubToAddNeg.txt"]
+    assert "aten.sub.Tensor" in (dump / files[0]).read_text()
+    assert "aten.sub.Tensor" not in (dump / files[1]).read_text()
+
+
+def test_is_applicable_skips_a_pass_for_a_range():
+    from oot_pass_example import SubToAddNeg
+
+    class OnlyLarge(SubToAddNeg):
+        def is_applicable(self, compile_range):
+            return compile_range is None or compile_range.start > 8
+
+    import oot_pass_example
+    oot_pass_example.OnlyLarge = OnlyLarge
+    pm = manager("oot_pass_example:OnlyLarge")
+    for rng in (_Range(1, 8), _Range(9, 64)):
+        pm.set_current_piece("p", rng)
+        pm.run_on_graph_module(torch.fx.experimental.proxy_tensor.make_fx(
+            lambda a, b: a - b)(torch.randn(2), torch.randn(2)))
+    assert [p["compile_range"] for p in pm.stats()["oot_pass_example:OnlyLarge"]["pieces"]] == \
+        [(9, 64)]
+
+
+def test_warn_unmatched_names_the_fusion(caplog):
+    pm = manager("noop_elimination", "fuse_add_rmsnorm", dtype=torch.float32)
+    assert pm.warn_unmatched() == []  # nothing ran yet (e.g. every piece came from the cache)
+    pm.run_on_graph_module(torch.fx.experimental.proxy_tensor.make_fx(
+        lambda a: a * 2)(torch.randn(2)))
+    with caplog.at_level(logging.WARNING, logger="passes.manager"):
+        assert pm.warn_unmatched() == ["fuse_add_rmsnorm"]  # noop_elimination is no fusion
+    assert "fuse_add_rmsnorm is enabled but matched nothing" in caplog.text
+
+
+def test_unresolved_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="PassConfig.passes is None"):
+        PassManager(PassConfig())
