@@ -150,6 +150,7 @@ class PiecewiseBackend:
         self.runtimes: dict[str, PiecewiseRuntime] = {}
         self._compiled: dict[tuple[str, CompileRange], Callable] = {}
         self._program: Optional[dict] = None
+        self._installed: dict[str, Callable] = {}
 
     # ------------------------------------------------------------------ compile
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
@@ -246,7 +247,12 @@ class PiecewiseBackend:
     def _install(self, split: fx.GraphModule, info: PieceInfo, runtime: PiecewiseRuntime):
         self.runtimes[info.name] = runtime
         fn = self.wrap_piece(runtime, info) if self.wrap_piece else runtime
+        self._installed[info.name] = fn
         split.__dict__[info.name] = fn  # instance dict wins over the submodule
+
+    def split_wrappers(self) -> list:
+        """What stands in each piece's place in the split module (runtime or its wrapper)."""
+        return list(self._installed.values())
 
     # ------------------------------------------------------------------ warm start
     def save_program(self, extra: dict) -> None:
@@ -282,6 +288,7 @@ class PiecewiseBackend:
                 info = PieceInfo(name, int(name.removeprefix("submod_")), False)
                 self.runtimes[name] = runtime
                 modules[name] = self.wrap_piece(runtime, info) if self.wrap_piece else runtime
+                self._installed[name] = modules[name]
             split = graph_from_json(program["graph"], modules)
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             warnings.warn(f"{self.store.dir / PROGRAM_BLOB} is unusable ({e}); re-tracing")

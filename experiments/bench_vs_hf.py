@@ -447,7 +447,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch._dynamo.config.recompile_limit = 64      # (b) recompiles per dtype and batch size
+    if "hf_compile" in args.contenders:
+        torch._dynamo.config.recompile_limit = 64  # (b) recompiles per dtype and batch size
     if args.worker:
         print(RESULT_MARK + json.dumps(startup_worker(args)), flush=True)
         return {}
@@ -458,6 +459,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_vs_hf-"))
     work.mkdir(parents=True, exist_ok=True)
     # This process's compiles go to their own fresh Inductor cache (read lazily by Inductor).
+    saved_inductor_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-main")
     path = model_path(args)
     vocab = _vocab_size(path)
@@ -478,6 +480,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
             for dtype in args.dtypes:
                 result["startup"] += measure_startup(order, dtype, args, work, log)
     finally:
+        if saved_inductor_dir is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved_inductor_dir
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     result["targets"] = targets(result["latency"], result["startup"])

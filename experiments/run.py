@@ -16,6 +16,7 @@ import platform
 import random
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,11 +46,63 @@ def make_prompts(workload: DictConfig, vocab_size: int, seed: int) -> list[list[
             for _ in range(int(workload.num_prompts))]
 
 
+def synthetic_task_of(model_path: str):
+    """The synthetic task a trained checkpoint was made for (experiments.train_synthetic writes
+    it into the folder's metrics.json), or None for any other model."""
+    metrics = Path(model_path) / "metrics.json"
+    if not metrics.is_file():
+        return None
+    try:
+        name = json.loads(metrics.read_text()).get("task")
+    except (OSError, ValueError, AttributeError):
+        return None
+    from experiments.synthetic_task import get_task, task_names
+    return get_task(name) if name in task_names() else None
+
+
+def job_prompts(cfg: DictConfig, model_path: str, vocab_size: int
+                ) -> tuple[list[list[int]], int, bool, Optional[list[list[int]]]]:
+    """(prompts, max_new_tokens, ignore_eos, answers). A synthetic-task checkpoint gets
+    ``workload.num_prompts`` held-out prompts of its task (answers known, so exact match is
+    measured); any other model the workload's random prompts (answers None)."""
+    task = synthetic_task_of(model_path)
+    if task is None:
+        return (make_prompts(cfg.workload, vocab_size, int(cfg.seed)),
+                int(cfg.workload.max_new_tokens), bool(cfg.workload.ignore_eos), None)
+    logger.info("%s is a %r synthetic-task checkpoint: %d held-out prompts, exact match "
+                "recorded", model_path, task.name, int(cfg.workload.num_prompts))
+    keys = task.held_out_keys(int(cfg.workload.num_prompts), int(cfg.seed))
+    prompts, answers = task.split(task.sequences(keys))
+    # The answer ends with EOS: the model must stop by itself for an exact match.
+    return prompts, task.answer_len + 1, False, answers
+
+
 def compilation_config(cfg: DictConfig) -> CompilationConfig:
     data = OmegaConf.to_container(cfg.compile, resolve=True, enum_to_str=True)
     if cfg.cache_dir is not None:
         data["cache_dir"] = str(cfg.cache_dir)
+    toggles = cfg.get("toggle_passes")
+    if toggles:
+        data["pass_config"] = toggle_passes(data.get("pass_config") or {}, list(toggles),
+                                            level=2 if data.get("level") is None
+                                            else int(data["level"]),
+                                            device_type=str(cfg.get("device") or "cpu"))
     return CompilationConfig.from_dict(data)
+
+
+def toggle_passes(pass_config: dict, names: list[str], level: int, device_type: str) -> dict:
+    """``pass_config`` with each of ``names`` flipped against the level's default pass list on
+    ``device_type`` (or the explicit ``passes`` list): a pass that would run goes to
+    ``disable``, one that would not goes to ``enable``. ``toggle_passes=[x]`` is how
+    conf/experiment/ablate_passes.yaml switches one pass on/off against O2 on any device,
+    though O2's list differs between CPU and CUDA (framework.config.LEVEL_PASSES)."""
+    from framework.config import level_passes
+    runs = pass_config.get("passes")
+    runs = set(level_passes(level, device_type) if runs is None else runs)
+    out = dict(pass_config)
+    out["disable"] = list(out.get("disable") or []) + [n for n in names if n in runs]
+    out["enable"] = list(out.get("enable") or []) + [n for n in names if n not in runs]
+    return out
 
 
 def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
@@ -84,7 +137,33 @@ def agreement(outputs: list[list[int]], reference: list[list[int]],
             "outputs_equal": outputs == reference}
 
 
+@contextmanager
+def compiler_caches_under(cache_dir: Optional[str]):
+    """Point Inductor's and Triton's own on-disk caches (FX graphs, generated code, compiled
+    kernels) into ``cache_dir`` while the job runs, so a fresh ``cache_dir`` means a cold
+    compile and not a hit in a global cache that an earlier job filled. ``None``: untouched."""
+    if cache_dir is None:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(Path(cache_dir).resolve() / "triton")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    with compiler_caches_under(cfg.cache_dir):
+        return _run_job(cfg, out_dir)
+
+
+def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
     model_path = resolve_model_path(cfg.model)
@@ -92,10 +171,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = build_llm(cfg, model_path, cc)
     cold_s = time.perf_counter() - t0
-    prompts = make_prompts(cfg.workload, llm.model_config.vocab_size, int(cfg.seed))
+    prompts, max_new_tokens, ignore_eos, answers = job_prompts(
+        cfg, model_path, llm.model_config.vocab_size)
     t1 = time.perf_counter()
-    outputs = llm.generate(prompts, max_new_tokens=int(cfg.workload.max_new_tokens),
-                           ignore_eos=bool(cfg.workload.ignore_eos))
+    outputs = llm.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     gen_s = time.perf_counter() - t1
     stats = llm.stats
     new_tokens = sum(len(o) for o in outputs)
@@ -111,10 +190,14 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         else:
             ref_llm = build_llm(OmegaConf.merge(cfg, {"quantization": None}), model_path,
                                 CompilationConfig(level=0))
-            ref_out = ref_llm.generate(prompts, max_new_tokens=int(cfg.workload.max_new_tokens),
-                                       ignore_eos=bool(cfg.workload.ignore_eos))
+            ref_out = ref_llm.generate(prompts, max_new_tokens=max_new_tokens,
+                                       ignore_eos=ignore_eos)
             agree = agreement(outputs, ref_out, llm.first_token_logits,
                               ref_llm.first_token_logits)
+    accuracy = None
+    if answers is not None:
+        from experiments.synthetic_task import exact_match
+        accuracy = {"exact_match": exact_match(outputs, answers), "n": len(answers)}
     trace = llm.runner.trace or []
     padding = _padding(trace, llm.config.cudagraph_capture_sizes)
     _write_trace(out_dir / "trace.jsonl", trace, llm.config.max_num_tokens)
@@ -144,7 +227,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "tokens_per_s": new_tokens / gen_s if gen_s > 0 else None,
         "passes": passes,
         "agreement": agree,
-        "accuracy": None,
+        "accuracy": accuracy,
         "padding_waste": padding,
         "capture_sizes": llm.config.cudagraph_capture_sizes,
         "stats": {k: v for k, v in stats.items() if k != "passes"},
@@ -195,13 +278,20 @@ def summary(r: dict[str, Any]) -> str:
 
 def main_entry(cfg: DictConfig) -> Optional[float]:
     from hydra.core.hydra_config import HydraConfig
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    from hydra.types import RunMode
+
+    from experiments.tracking import log_mlflow, require_tracking
+    require_tracking(cfg.tracking)  # a missing mlflow fails now, not after the compile
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
     result = run_job(cfg, out_dir)
     (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
     print(summary(result))
     if cfg.tracking == "mlflow":
-        from experiments.tracking import log_mlflow
-        log_mlflow(result, out_dir)
+        # One store per sweep (its folder) so every job of a multirun shows in one MLflow UI.
+        multirun = hydra_cfg.mode == RunMode.MULTIRUN
+        log_mlflow(result, out_dir, tracking_uri=cfg.get("tracking_uri"),
+                   store_root=Path(hydra_cfg.sweep.dir) if multirun else out_dir)
     decode = result["latency_ms"]["decode"]
     return decode["median"] if decode else None
 
@@ -218,11 +308,11 @@ def register_resolvers() -> None:
 
 register_hydra_configs()
 register_resolvers()
-try:
-    from framework.quantization import register_hydra_configs as _register_quant
-    _register_quant()
-except ImportError:  # pragma: no cover
-    pass
+# framework.quantization.register_hydra_configs() is deliberately not called: it stores a
+# config *group* named "quantization", which makes Hydra treat the top-level `quantization`
+# value of config.yaml as a group and reject `quantization=int8_per_token` ("Could not
+# override 'quantization'. No match in the defaults list"). Values are checked by
+# QuantizationConfig.parse when the LLM is built.
 
 main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(main_entry)
 

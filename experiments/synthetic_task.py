@@ -217,49 +217,72 @@ def read_task_name(model_dir: str | Path) -> str:
     return Path(model_dir).name
 
 
+@dataclass
+class GenerationRun:
+    outputs: list[list[int]]
+    """Greedy new tokens per prompt (ending with EOS when the model stopped)."""
+    first_token_logits: torch.Tensor
+    """``[n, vocab]`` float32 logits that chose each prompt's first new token."""
+    quantized_layers: int
+    """Linear layers the quantization config rewrote (0 unquantized): proof it applied."""
+
+
 def generate(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int,
              quantization: Any = None, optimization_level: int = 0,
-             **llm_kwargs: Any) -> list[list[int]]:
+             **llm_kwargs: Any) -> GenerationRun:
     """Greedy outputs of ``framework.LLM`` for ``prompts`` (one batched ``generate``)."""
     from framework.llm import LLM
 
+    llm_kwargs.setdefault("max_num_seqs", 64)
+    llm_kwargs.setdefault("max_model_len", 64)
     llm = LLM(str(model_dir), dtype="float32", optimization_level=optimization_level,
-              quantization=quantization, max_model_len=64,
-              max_num_seqs=llm_kwargs.pop("max_num_seqs", 64), **llm_kwargs)
-    return llm.generate(prompts, max_new_tokens=max_new_tokens)
+              quantization=quantization, **llm_kwargs)
+    outputs = llm.generate(prompts, max_new_tokens=max_new_tokens)
+    return GenerationRun(outputs, torch.stack(llm.first_token_logits),
+                         len(getattr(llm, "quantized_layers", None) or {}))
 
 
 def evaluate(model_dir: str | Path, quantization: Any = None, optimization_level: int = 0,
              n: int = 200, seed: int = 1234, task: Optional[str] = None,
-             reference: Optional[list[list[int]]] = None, **llm_kwargs: Any) -> dict[str, Any]:
+             reference: Optional[dict[str, Any]] = None, **llm_kwargs: Any) -> dict[str, Any]:
     """Exact match of ``LLM(model_dir, quantization=..., optimization_level=...)`` on ``n``
     held-out prompts, and its greedy-token agreement with the unquantized O0 model.
 
-    ``reference``: the unquantized O0 outputs for the same ``n``/``seed`` (from an earlier
-    call's ``"outputs"``), so a sweep runs the reference once; computed when needed and not
-    given.  Returns ``{"task", "n", "exact_match", "correct", "quantization",
-    "optimization_level", "token_agreement_vs": {"unquantized_O0": float}, "outputs",
-    "examples", "seconds"}``.
+    ``task``: default from the folder's ``metrics.json``.  ``reference``: an earlier result of
+    this function for the unquantized O0 model with the same ``n``/``seed``, so a sweep runs
+    the reference once; computed when needed and not given.  ``llm_kwargs`` go to ``LLM``.
+
+    Returns ``{"task", "n", "seed", "exact_match", "correct", "quantization",
+    "optimization_level", "quantized_layers", "token_agreement_vs": {"unquantized_O0": float},
+    "max_logit_diff_vs": {"unquantized_O0": float}`` (first new token), ``"outputs",
+    "first_token_logits", "examples", "seconds"}``.
     """
     t = get_task(task or read_task_name(model_dir))
     prompts, answers = t.split(t.sequences(t.held_out_keys(n, seed)))
     t0 = time.perf_counter()
-    outputs = generate(model_dir, prompts, t.answer_len + 1, quantization, optimization_level,
-                       **llm_kwargs)
+    run = generate(model_dir, prompts, t.answer_len + 1, quantization, optimization_level,
+                   **llm_kwargs)
     seconds = time.perf_counter() - t0
     if quantization is None and optimization_level == 0:
-        reference = outputs
-    elif reference is None:
-        reference = generate(model_dir, prompts, t.answer_len + 1, None, 0, **llm_kwargs)
-    em = exact_match(outputs, answers)
+        ref_outputs, ref_logits = run.outputs, run.first_token_logits
+    elif reference is not None:
+        if reference["n"] != n or reference["seed"] != seed or reference["task"] != t.name:
+            raise ValueError("evaluate: reference was computed for another task, n or seed")
+        ref_outputs, ref_logits = reference["outputs"], reference["first_token_logits"]
+    else:
+        ref = generate(model_dir, prompts, t.answer_len + 1, None, 0, **llm_kwargs)
+        ref_outputs, ref_logits = ref.outputs, ref.first_token_logits
+    em = exact_match(run.outputs, answers)
     return {
         "task": t.name, "n": n, "seed": seed, "exact_match": em,
         "correct": round(em * n), "quantization": quantization,
-        "optimization_level": optimization_level,
-        "token_agreement_vs": {"unquantized_O0": token_agreement(outputs, reference)},
-        "outputs": outputs,
+        "optimization_level": optimization_level, "quantized_layers": run.quantized_layers,
+        "token_agreement_vs": {"unquantized_O0": token_agreement(run.outputs, ref_outputs)},
+        "max_logit_diff_vs": {
+            "unquantized_O0": float((run.first_token_logits - ref_logits).abs().max())},
+        "outputs": run.outputs, "first_token_logits": run.first_token_logits,
         "examples": [f"{decode(p)}{decode(o)}  (want {decode(a)})"
-                     for p, o, a in list(zip(prompts, outputs, answers))[:3]],
+                     for p, o, a in list(zip(prompts, run.outputs, answers))[:3]],
         "seconds": seconds,
     }
 
@@ -280,13 +303,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     res = evaluate(args.model_dir, args.quantization, args.optimization_level, args.n, args.seed)
     if args.json:
-        print(json.dumps({k: v for k, v in res.items() if k != "outputs"}))
+        print(json.dumps({k: v for k, v in res.items()
+                          if k not in ("outputs", "first_token_logits")}))
         return 0
     agree = res["token_agreement_vs"]["unquantized_O0"]
     print(f"task {res['task']}  n={res['n']}  quantization={res['quantization']}  "
           f"O{res['optimization_level']}")
     print(f"exact match: {res['exact_match']:.3f} ({res['correct']}/{res['n']})  "
-          f"token agreement vs unquantized O0: {agree:.4f}  ({res['seconds']:.1f} s)")
+          f"quantized layers: {res['quantized_layers']}  ({res['seconds']:.1f} s)")
+    print(f"vs unquantized O0: token agreement {agree:.4f}, max first-token logit diff "
+          f"{res['max_logit_diff_vs']['unquantized_O0']:.4g}")
     for line in res["examples"]:
         print("  " + line)
     return 0

@@ -37,6 +37,7 @@ from experiments.synthetic_task import (EOS_ID, SYMBOLS, VOCAB_SIZE, SyntheticTa
 
 EVAL_N = 200
 EVAL_SEED = 1234
+SMOKE_N = 50
 QUANT_SHORTHANDS = ("int8_per_token", "int8_per_channel_weight_only")
 
 
@@ -50,10 +51,11 @@ class TrainRecipe:
     num_layers: int = 2
     num_heads: int = 4
     batch_size: int = 128
-    max_steps: int = 3000
-    lr: float = 3e-3
+    max_steps: int = 1500
+    lr: float = 1e-3
+    """3e-3 leaves this model stuck at chance on the sum digits (loss ~1.38) for 600+ steps."""
     warmup_steps: int = 100
-    weight_decay: float = 0.1
+    weight_decay: float = 0.0
     eval_every: int = 100
     val_size: int = 512
     target: float = 0.995
@@ -107,11 +109,8 @@ def train(recipe: TrainRecipe, log=print) -> tuple[Any, dict[str, Any]]:
     torch.use_deterministic_algorithms(True)
     model = build_model(recipe, task)
     params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=recipe.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98),
+                            weight_decay=recipe.weight_decay)
     data = torch.Generator().manual_seed(recipe.seed + 1)
     val = task.sequences(task.sample_keys(recipe.val_size,
                                           torch.Generator().manual_seed(recipe.seed + 2),
@@ -157,23 +156,27 @@ def _quantization_available() -> Optional[str]:
     return None
 
 
-def evaluate_checkpoint(model_dir: Path, n: int = EVAL_N, seed: int = EVAL_SEED,
+def evaluate_checkpoint(model_dir: Path, task: str, n: int = EVAL_N, seed: int = EVAL_SEED,
                         log=print) -> dict[str, Any]:
     """Exact match through ``framework.LLM`` at O0: unquantized and per int8 shorthand.
 
-    Also records the exact match over the first 50 prompts (a prefix of the same set), which
-    the test suite reproduces cheaply."""
-    base = evaluate(model_dir, None, 0, n=n, seed=seed)
-    task = get_task(base["task"])
-    _, answers = task.split(task.sequences(task.held_out_keys(n, seed)))
+    Also records the exact match over the first ``SMOKE_N`` prompts (a prefix of the same
+    set: see ``SyntheticTask.held_out_keys``), which the test suite reproduces cheaply."""
+    base = evaluate(model_dir, None, 0, n=n, seed=seed, task=task)
+    t = get_task(task)
+    _, answers = t.split(t.sequences(t.held_out_keys(n, seed)))
 
     def summary(res: dict[str, Any]) -> dict[str, Any]:
-        k = min(50, n)
+        k = min(SMOKE_N, n)
         return {"exact_match": res["exact_match"],
-                f"exact_match_first_{k}": exact_match(res["outputs"][:k], answers[:k]),
-                "token_agreement_vs_unquantized_O0": res["token_agreement_vs"]["unquantized_O0"]}
+                "exact_match_first_smoke_n": exact_match(res["outputs"][:k], answers[:k]),
+                "quantized_layers": res["quantized_layers"],
+                "token_agreement_vs_unquantized_O0": res["token_agreement_vs"]["unquantized_O0"],
+                "max_first_token_logit_diff_vs_unquantized_O0":
+                    res["max_logit_diff_vs"]["unquantized_O0"]}
 
-    out = {"n": n, "seed": seed, "dtype": "float32", "optimization_level": 0,
+    out = {"n": n, "seed": seed, "smoke_n": min(SMOKE_N, n), "dtype": "float32",
+           "optimization_level": 0,
            "unquantized": summary(base)}
     log(f"held-out exact match through framework.LLM (O0, n={n}): {base['exact_match']:.3f}")
     why_not = _quantization_available()
@@ -182,23 +185,26 @@ def evaluate_checkpoint(model_dir: Path, n: int = EVAL_N, seed: int = EVAL_SEED,
         log(f"quantized evaluation skipped: {why_not}")
         return out
     for name in QUANT_SHORTHANDS:
-        res = evaluate(model_dir, name, 0, n=n, seed=seed, reference=base["outputs"])
+        res = evaluate(model_dir, name, 0, n=n, seed=seed, task=task, reference=base)
         out[name] = summary(res)
         log(f"  {name}: exact match {res['exact_match']:.3f}, token agreement "
-            f"{res['token_agreement_vs']['unquantized_O0']:.4f}")
+            f"{res['token_agreement_vs']['unquantized_O0']:.4f}, max first-token logit diff "
+            f"{res['max_logit_diff_vs']['unquantized_O0']:.3g} ({res['quantized_layers']} "
+            f"layers quantized)")
     return out
 
 
-def save(model, record: dict[str, Any], recipe: TrainRecipe, out: Path, log=print) -> Path:
+def save(model, record: dict[str, Any], recipe: TrainRecipe, out: Path, log=print,
+         eval_n: int = EVAL_N) -> Path:
     """Write the checkpoint and metrics.json into ``out`` atomically (temp dir + rename)."""
     task = get_task(recipe.task)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp)                      # safetensors (transformers >= 5)
-        for extra in ("generation_config.json",):       # decoding settings live in config.json
-            (tmp / extra).unlink(missing_ok=True)
+        # safetensors (the only format of transformers >= 5); config.json and
+        # generation_config.json carry eos_token_id, so greedy decoding stops after the answer.
+        model.save_pretrained(tmp)
         metrics = {
             "task": task.name, "description": task.description,
             "format": {"symbols": SYMBOLS, "eos_token_id": EOS_ID, "vocab_size": VOCAB_SIZE,
@@ -206,9 +212,12 @@ def save(model, record: dict[str, Any], recipe: TrainRecipe, out: Path, log=prin
             "recipe": asdict(recipe),
             "torch": torch.__version__,
             "training": record,
-            "eval": evaluate_checkpoint(tmp, log=log),
+            "eval": evaluate_checkpoint(tmp, task.name, n=eval_n, log=log),
         }
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        tmp.chmod(0o755)                                # mkdtemp makes it private
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -269,7 +269,7 @@ class CUDAGraphWrapper:
         entry = self._entries.get(descriptor)
         if entry is None:
             return self._capture(descriptor, args, kwargs)
-        if self.debug:
+        if self.debug and entry.input_signature is not None:
             self._check_inputs(entry, args, kwargs)
         self.graph_ops.replay(entry.graph)
         if self.debug:

@@ -4,21 +4,23 @@ Built once from the (already support-downgraded) configuration mode and the capt
 Every key it can return is known up front, so :meth:`CudagraphDispatcher.capture_plan` lists
 exactly the graphs to capture at start-up and a step never meets an unexpected descriptor.
 
-Keys per configuration mode (``s`` = a capture size, ``q`` = uniform decode query length):
+Keys per configuration mode (``s`` = a capture size, ``q`` = uniform decode query length,
+``R`` = max_num_reqs):
 
 =====================  ===============================================  ====================
 mode                   FULL keys                                        PIECEWISE keys
 =====================  ===============================================  ====================
 NONE                   --                                               --
 PIECEWISE              --                                               ``(s)``
-FULL                   ``(s, num_reqs=s, uniform=False)``               --
+FULL                   ``(s, num_reqs=min(s, R), uniform=False)``       --
 FULL_DECODE_ONLY       ``(s, num_reqs=s//q, uniform=True)`` (q | s)     --
 FULL_AND_PIECEWISE     ``(s, num_reqs=s//q, uniform=True)`` (q | s)     ``(s)``
 =====================  ===============================================  ====================
 
-A general FULL graph is keyed with ``num_reqs = s``: the most requests ``s`` tokens can hold,
-so the runner pads any batch of at most ``s`` tokens to ``s`` request slots (zero-length
-padded requests) and one graph serves every mix.  Dispatch tries FULL (exact key), then
+A general FULL graph is keyed with ``num_reqs = min(s, max_num_reqs)``: the most requests
+``s`` tokens can hold, so the runner pads any batch of at most ``s`` tokens to that many
+request slots (zero-length padded requests) and one graph serves every mix.  Uniform keys
+need ``s // q <= max_num_reqs``.  Dispatch tries FULL (exact key), then
 PIECEWISE (relaxed key), then NONE with the descriptor unpadded; token counts above the
 largest capture size always run without graphs.
 
@@ -42,7 +44,7 @@ class CudagraphDispatcher:
 
     def __init__(self, cudagraph_mode: CUDAGraphMode, capture_sizes: list[int],
                  max_num_tokens: int, uniform_decode_query_len: int = 1, *,
-                 lora_enabled: bool = False):
+                 max_num_reqs: Optional[int] = None, lora_enabled: bool = False):
         mode = CUDAGraphMode.parse(cudagraph_mode)
         if mode is None:
             raise ValueError("CudagraphDispatcher: cudagraph_mode must be set (resolve the "
@@ -55,6 +57,11 @@ class CudagraphDispatcher:
         if isinstance(q, bool) or not isinstance(q, int) or q <= 0:
             raise ValueError(f"CudagraphDispatcher: uniform_decode_query_len must be a "
                              f"positive int, got {q!r}")
+        if max_num_reqs is not None and (isinstance(max_num_reqs, bool)
+                                         or not isinstance(max_num_reqs, int)
+                                         or max_num_reqs <= 0):
+            raise ValueError(f"CudagraphDispatcher: max_num_reqs must be a positive int or "
+                             f"None, got {max_num_reqs!r}")
         if capture_sizes is None or not isinstance(capture_sizes, (list, tuple)):
             raise ValueError(f"CompilationConfig.cudagraph_capture_sizes: expected a list of "
                              f"token counts, got {capture_sizes!r}")
@@ -66,19 +73,22 @@ class CudagraphDispatcher:
         self.max_num_tokens = max_num_tokens
         self.uniform_decode_query_len = q
         self.max_capture_size = self.capture_sizes[-1] if self.capture_sizes else 0
+        self.max_num_reqs = max_num_reqs if max_num_reqs is not None else max_num_tokens
+        r_max = self.max_num_reqs
         if mode is not _NONE and not self.capture_sizes:
             logger.info("cudagraph_mode %s with no capture sizes: every step runs without "
                         "graphs", mode.name)
 
         lora_flags = (False, True) if lora_enabled else (False,)
         self._keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {_FULL: set(), _PIECEWISE: set()}
-        uniform_sizes = [s for s in self.capture_sizes if s % q == 0]
+        # A uniform key needs s // q request slots in the runner's buffers.
+        uniform_sizes = [s for s in self.capture_sizes if s % q == 0 and s // q <= r_max]
         for has_lora in lora_flags:
             if mode in (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
                 self._keys[_FULL].update(BatchDescriptor(s, s // q, True, has_lora)
                                          for s in uniform_sizes)
             if mode is _FULL:
-                self._keys[_FULL].update(BatchDescriptor(s, s, False, has_lora)
+                self._keys[_FULL].update(BatchDescriptor(s, min(s, r_max), False, has_lora)
                                          for s in self.capture_sizes)
             if mode.has_piecewise():
                 self._keys[_PIECEWISE].update(BatchDescriptor(s, None, False, has_lora)
@@ -90,8 +100,8 @@ class CudagraphDispatcher:
         self._padded = pad_all
         self._full_uniform = [self._table(_FULL, pad_uniform, lambda s: (s, s // q, True), lora)
                               for lora in (False, True)]
-        self._full_general = [self._table(_FULL, pad_all, lambda s: (s, s, False), lora)
-                              for lora in (False, True)]
+        self._full_general = [self._table(_FULL, pad_all, lambda s: (s, min(s, r_max), False),
+                                          lora) for lora in (False, True)]
         self._piecewise = [self._table(_PIECEWISE, pad_all, lambda s: (s, None, False), lora)
                            for lora in (False, True)]
 
@@ -125,10 +135,11 @@ class CudagraphDispatcher:
         tokens (so ``num_tokens == num_reqs * uniform_decode_query_len``).
         """
         if num_tokens <= 0 or num_reqs <= 0 or num_reqs > num_tokens \
-                or num_tokens > self.max_num_tokens:
+                or num_tokens > self.max_num_tokens or num_reqs > self.max_num_reqs:
             raise ValueError(f"CudagraphDispatcher.dispatch: need 0 < num_reqs <= num_tokens "
-                             f"<= max_num_tokens={self.max_num_tokens}, got num_tokens="
-                             f"{num_tokens}, num_reqs={num_reqs}")
+                             f"<= max_num_tokens={self.max_num_tokens} and num_reqs <= "
+                             f"max_num_reqs={self.max_num_reqs}, got num_tokens={num_tokens}, "
+                             f"num_reqs={num_reqs}")
         if uniform_decode and num_tokens != num_reqs * self.uniform_decode_query_len:
             raise ValueError(
                 f"CudagraphDispatcher.dispatch: uniform_decode with num_tokens={num_tokens} "

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from framework.compilation import CompiledForward, build_forward
+from framework.graph_capture import capture_graphs, setup_graphs
 from framework.config import CompilationConfig, CompilationMode
 from framework.kv_cache import (BlockAllocator, KVCacheSpec, allocate_kv_caches,
                                 num_blocks_for)
@@ -38,7 +39,8 @@ class LLM:
                  cache_dir: Optional[str] = None, seed: int = 0, *,
                  max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
                  attention_backend: str = "torch", kv_cache_memory_bytes: Optional[int] = None,
-                 device: Optional[str] = None, model_tag: Optional[str] = None):
+                 device: Optional[str] = None, model_tag: Optional[str] = None,
+                 graph_ops: Any = None):
         from models.config import parse_dtype
         from models.registry import load_model
 
@@ -60,8 +62,10 @@ class LLM:
         if cache_dir is not None:
             cc = cc.replace(cache_dir=cache_dir)
         max_num_tokens = max_num_batched_tokens or cc.max_num_tokens or max_model_len
+        # graph_ops (tests only) supplies emulated CUDA-graph calls, so graph modes resolve
+        # as they would on a GPU.
         self.config = cc.resolve(max_num_tokens=max_num_tokens,
-                                 has_cuda=self.device.type == "cuda")
+                                 has_cuda=self.device.type == "cuda" or graph_ops is not None)
         max_num_tokens = self.config.max_num_tokens
         self.max_model_len = max_model_len
 
@@ -75,16 +79,24 @@ class LLM:
         self.scheduler = Scheduler(self.allocator, block_size=block_size,
                                    max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
                                    max_model_len=max_model_len)
+        self.graphs = setup_graphs(self.config, attention_backend=attention_backend,
+                                   max_num_seqs=max_num_seqs, graph_ops=graph_ops)
         self.compiled: CompiledForward = build_forward(
             self.model, self.config, model_hash=mc.compute_hash(), dtype=self.dtype,
-            quant_hash=quant_hash, model_tag=model_tag or _model_tag(mc))
+            quant_hash=quant_hash, model_tag=model_tag or _model_tag(mc),
+            wrap_piece=self.graphs.wrap_piece())
         self.runner = ModelRunner(
-            self.model, self.compiled.forward, kv_caches=self.kv_caches, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
-            max_model_len=max_model_len, device=self.device, attn_backend=attention_backend)
+            self.model, self.graphs.wrap_forward(self.compiled.forward),
+            kv_caches=self.kv_caches, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_tokens=max_num_tokens, max_model_len=max_model_len, device=self.device,
+            attn_backend=attention_backend, dispatch=self.graphs.dispatcher.dispatch)
         self._next_id = 0
         self._startup = {"load_s": time.perf_counter() - t_start}
+        if self.quant_config is not None:
+            self._calibrate(seed)
         self._warmup()
+        self._startup.update(capture_graphs(self.runner, self.graphs,
+                                            progress=self.config.progress_bar))
         self._startup["startup_s"] = time.perf_counter() - t_start
 
     # ------------------------------------------------------------------ setup
@@ -100,9 +112,23 @@ class LLM:
         self.quantized_layers = quantize_model(self.model, qc)
         return qc, qc.compute_hash()
 
-    def dummy_run(self, num_tokens: int) -> None:
+    def _calibrate(self, seed: int) -> None:
+        """Static activation scales: absmax over one eager forward of seeded random tokens."""
+        from passes.quant_schemes import calibrate_activation_scales
+
+        gen = torch.Generator().manual_seed(seed)
+        n = min(self.config.max_num_tokens, 64)
+        tokens = torch.randint(self.model_config.vocab_size, (n,), generator=gen).tolist()
+        compiled, self.runner.forward = self.runner.forward, self.model
+        try:
+            self.calibrated_scales = calibrate_activation_scales(
+                self.model, lambda: self.dummy_run(n, tokens))
+        finally:
+            self.runner.forward = compiled
+
+    def dummy_run(self, num_tokens: int, token_ids: Optional[list[int]] = None) -> None:
         """One forward over ``num_tokens`` throw-away tokens (traces/compiles on first use)."""
-        req = Request(-1, [0] * num_tokens, max_new_tokens=1)
+        req = Request(-1, token_ids or [0] * num_tokens, max_new_tokens=1)
         self.scheduler._reserve(req, num_tokens)
         try:
             self.runner.execute([ScheduledChunk(req, 0, num_tokens)])
@@ -159,7 +185,7 @@ class LLM:
     @property
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.config.mode.name, "level": self.config.level,
-                               "cudagraph_mode": self.config.cudagraph_mode.name,
+                               "cudagraph_mode": self.graphs.mode.name,
                                **self._startup}
         for kind, times in self.runner.step_times.items():
             if times:

@@ -104,12 +104,24 @@ class ModelRunner:
         self.padding_mask[:n].fill_(True)
         self.padding_mask[n:n_pad].fill_(False)
 
-    def build_context(self, chunks: list[ScheduledChunk]) -> tuple[ForwardContext, int, int]:
-        """Stage a step's inputs; returns the forward context, real and padded token counts."""
+    def build_context(self, chunks: list[ScheduledChunk],
+                      force: Optional[tuple[CUDAGraphMode, BatchDescriptor]] = None
+                      ) -> tuple[ForwardContext, int, int]:
+        """Stage a step's inputs; returns the forward context, real and padded token counts.
+        ``force`` replaces the dispatcher's choice (graph capture uses it)."""
         n, num_reqs, qsl, seq_lens = self._stage(chunks)
         uniform_decode = all(c.num_tokens == 1 for c in chunks)
-        mode, desc = self.dispatch(n, num_reqs, uniform_decode)
+        mode, desc = force or self.dispatch(n, num_reqs, uniform_decode)
         n_pad = desc.num_tokens
+        real_reqs = num_reqs
+        if mode == CUDAGraphMode.FULL and desc.num_reqs and desc.num_reqs > num_reqs:
+            # A full graph is captured for desc.num_reqs requests: the extra ones have no
+            # query tokens, an empty context and the null block.
+            extra = desc.num_reqs - num_reqs
+            qsl = qsl + [qsl[-1]] * extra
+            seq_lens = seq_lens + [0] * extra
+            self._np["block_table"][num_reqs:desc.num_reqs] = BlockAllocator.NULL_BLOCK
+            num_reqs = desc.num_reqs
         self._copy_in(n, n_pad, num_reqs, qsl, seq_lens)
         md = AttentionMetadata(
             backend=self.attn_backend, num_actual_tokens=n, num_reqs=num_reqs,
@@ -118,6 +130,7 @@ class ModelRunner:
             seq_lens=self.seq_lens[:num_reqs], block_table=self.block_table[:num_reqs],
             slot_mapping=self.slot_mapping[:n_pad], query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens)
+        num_reqs = real_reqs
         ctx = ForwardContext(
             attn_metadata=dict.fromkeys(self.layer_names, md), kv_caches=self.kv_caches,
             slot_mapping=self.slot_mapping[:n_pad], cudagraph_runtime_mode=mode,
@@ -133,11 +146,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[Optional[int]], torch.Tensor]:
+    def execute(self, chunks: list[ScheduledChunk],
+                force: Optional[tuple[CUDAGraphMode, BatchDescriptor]] = None
+                ) -> tuple[list[Optional[int]], torch.Tensor]:
         """Run one step; returns the sampled token per chunk (None when the chunk ends
         mid-prompt) and the logits of the sampling chunks."""
         t0 = time.perf_counter()
-        ctx, n, n_pad = self.build_context(chunks)
+        ctx, n, n_pad = self.build_context(chunks, force)
         with set_forward_context(ctx):
             hidden = self.forward(self.input_ids[:n_pad], self.positions[:n_pad])
         qsl = ctx.attn_metadata[self.layer_names[0]].query_start_loc_cpu

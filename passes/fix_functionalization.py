@@ -8,7 +8,9 @@ when it is provably safe and leaves every other node to Inductor:
 * each mutated argument is produced by a non-aliasing op (a fresh tensor, not a view and not a
   graph input), and
 * every other use of it comes before the call in graph order (nobody reads the old value
-  later), and no tensor is passed as two mutated arguments.
+  later), and no tensor is passed as two mutated arguments;
+* for ops that add ``x`` into ``residual`` in place (and leave ``x`` alone) the two operands are
+  swapped when only ``x`` is safe to overwrite (see ``SWAPPABLE_ADD_OPERANDS``).
 
 Before::
 
@@ -55,6 +57,22 @@ def _is_fresh_tensor(node: Any) -> bool:
     return False
 
 
+SWAPPABLE_ADD_OPERANDS = {
+    "piecewise::fused_add_rms_norm": ("x", "residual"),
+    "piecewise::fused_add_rms_norm_static_quant": ("x", "residual"),
+    "piecewise::rms_norm_dynamic_quant": ("x", "residual"),
+}
+"""Ops computing ``residual <- x + residual``: the operands may trade places (IEEE addition is
+commutative, and in the functional form only the *values* of the results are observed), which
+lets the in-place sum land in the fresh tensor when ``residual`` is a graph input -- the usual
+case in a piece, whose residual stream arrives from the previous piece."""
+
+
+def _safe_to_mutate(arg: Any, node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> bool:
+    return _is_fresh_tensor(arg) and not any(
+        u is not node and order.get(u, -1) > order[node] for u in arg.users)
+
+
 @register_pass("fix_functionalization")
 class FixFunctionalizationPass(GraphPass):
     __doc__ = __doc__
@@ -82,15 +100,18 @@ class FixFunctionalizationPass(GraphPass):
                 or len(node.users) != sum(map(len, users.values()))):
             return False  # op results in use, or a non-getitem user: leave it to Inductor
         names, _ = get_mutable_args(op)
+        swap = SWAPPABLE_ADD_OPERANDS.get(op._schema.name)
+        if swap and "x" not in names and kwargs.get("residual") is not None:
+            a, b = swap
+            if (not _safe_to_mutate(kwargs[b], node, order)
+                    and _safe_to_mutate(kwargs[a], node, order)):
+                kwargs[a], kwargs[b] = kwargs[b], kwargs[a]
         mutated = [kwargs[n] for n in names]
         present = [m for m in mutated if m is not None]
         if len(set(present)) != len(present):
             return False
-        for arg in present:
-            if not _is_fresh_tensor(arg):
-                return False
-            if any(u is not node and order.get(u, -1) > order[node] for u in arg.users):
-                return False
+        if not all(_safe_to_mutate(arg, node, order) for arg in present):
+            return False
         with graph.inserting_before(node):
             call = graph.call_function(op, (), kwargs)
         call.meta["val"] = None

@@ -4,8 +4,8 @@ Rules (shapes compared on the fake values, symbolic sizes included):
 
 * ``reshape``/``_unsafe_view`` of a view/reshape, or ``view`` of a ``view``: the outer one reads
   the inner one's input directly (chains collapse to one reshape);
-* ``view``/``reshape``/``_unsafe_view``/``expand`` whose output shape equals its input's shape:
-  replaced by its input;
+* ``view``/``reshape``/``_unsafe_view``/``expand``/``alias`` whose output shape equals its
+  input's shape: replaced by its input;
 * ``slice.Tensor(x, dim, 0, end, 1)`` with ``end >= x.size(dim)``: replaced by ``x``.
 
 Before::
@@ -33,7 +33,9 @@ from passes.registry import register_pass
 
 aten = torch.ops.aten
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-SAME_SHAPE_NOOPS = RESHAPES + (aten.expand.default,)
+SAME_SHAPE_NOOPS = RESHAPES + (aten.expand.default, aten.alias.default)
+TO_THE_END = 2 ** 62
+"""Slice ends at or above this mean "to the end" (Python's ``x[a:]`` traces as INT64_MAX)."""
 
 
 def _val(node: Any) -> Any:
@@ -58,7 +60,7 @@ def _is_full_slice(node: torch.fx.Node) -> bool:
     step = node.args[4] if len(node.args) > 4 else 1
     if step != 1 or start not in (None, 0):
         return False
-    if end is None:
+    if end is None or (isinstance(end, int) and end >= TO_THE_END):
         return True
     if isinstance(end, torch.fx.Node):
         end = _val(end)

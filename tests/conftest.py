@@ -6,6 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton picks interpreter vs compiler when it is first imported (torch._inductor.config
+# imports it), so CPU runs must choose the interpreter before anything else does.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Test helpers (checkpoints.py, paged_harness.py) import as top-level modules whatever the
 # pytest import mode.

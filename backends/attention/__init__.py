@@ -2,7 +2,12 @@
 every backend whose implementation is available on this machine."""
 from backends.attention.common import (AttentionBackend, AttentionCGSupport, AttentionMetadata,
                                        available_backends, get_backend, register_backend)
+import importlib.util
+
 from backends.attention import torch_paged  # noqa: F401  (registers "torch")
+
+if importlib.util.find_spec("triton") is not None:  # triton is imported at first kernel call
+    from backends.attention import triton_paged  # noqa: F401  (registers "triton")
 
 __all__ = ["AttentionBackend", "AttentionCGSupport", "AttentionMetadata", "available_backends",
            "get_backend", "register_backend"]

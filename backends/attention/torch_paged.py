@@ -4,8 +4,9 @@ against.  Correct for mixed batches (some requests prefill, some decode) and GQA
 Pure-decode steps run batched over all requests (one gather, one masked matmul-softmax);
 other steps gather each request's KV blocks into a contiguous ``[L, Hkv, D]`` view and run
 SDPA with a bottom-right-aligned causal mask (the query is the last ``q_len`` positions of the
-context).  The decode path reads device tensors plus ``max_seq_len``; the prefill loop reads
-host lists, so only uniform single-token decode is graph-safe: UNIFORM_SINGLE_TOKEN_DECODE.
+context).  Both paths size their work with host-side numbers (``max_seq_len``, the real token
+count, the per-request lists), which a CUDA graph would freeze at capture: NEVER.  FULL graphs
+come from the Triton backend.
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 @register_backend("torch")
 class TorchPagedAttention(AttentionBackend):
-    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    cudagraph_support = AttentionCGSupport.NEVER
 
     @staticmethod
     def forward(q, k, v, out, kv_cache, md: AttentionMetadata, scale: float,

@@ -13,8 +13,10 @@ SIZES = [1, 2, 4, 8, 16, 24, 32]
 MAX_TOKENS = 48
 
 
-def reference(mode, sizes, n, reqs, uniform, q=1, has_lora=False, lora_enabled=False):
+def reference(mode, sizes, n, reqs, uniform, q=1, has_lora=False, lora_enabled=False,
+              max_reqs=None):
     """The dispatch rule written out plainly (the tables must agree with it)."""
+    max_reqs = max_reqs or MAX_TOKENS
     unpadded = (M.NONE, BatchDescriptor(n, reqs, uniform, has_lora))
     if has_lora and not lora_enabled:
         return unpadded
@@ -23,11 +25,11 @@ def reference(mode, sizes, n, reqs, uniform, q=1, has_lora=False, lora_enabled=F
         return unpadded
     s = sizes[i]
     if uniform and mode in (M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE):
-        usizes = [x for x in sizes if x % q == 0 and x >= n]
+        usizes = [x for x in sizes if x % q == 0 and x >= n and x // q <= max_reqs]
         if usizes:
             return M.FULL, BatchDescriptor(usizes[0], usizes[0] // q, True, has_lora)
     if mode is M.FULL:
-        return M.FULL, BatchDescriptor(s, s, False, has_lora)
+        return M.FULL, BatchDescriptor(s, min(s, max_reqs), False, has_lora)
     if mode in (M.PIECEWISE, M.FULL_AND_PIECEWISE):
         return M.PIECEWISE, BatchDescriptor(s, None, False, has_lora)
     return unpadded
@@ -46,12 +48,17 @@ def mixes(n, q=1):
 
 @pytest.mark.parametrize("mode", list(M))
 @pytest.mark.parametrize("q", [1, 2])
-def test_every_mode_token_count_and_mix(mode, q):
-    d = CudagraphDispatcher(mode, SIZES, MAX_TOKENS, uniform_decode_query_len=q)
+@pytest.mark.parametrize("max_reqs", [None, 12])
+def test_every_mode_token_count_and_mix(mode, q, max_reqs):
+    d = CudagraphDispatcher(mode, SIZES, MAX_TOKENS, uniform_decode_query_len=q,
+                            max_num_reqs=max_reqs)
     for n in range(1, MAX_TOKENS + 1):
         for reqs, uniform in mixes(n, q):
+            if reqs > (max_reqs or MAX_TOKENS):
+                continue
             got = d.dispatch(n, reqs, uniform)
-            assert got == reference(mode, SIZES, n, reqs, uniform, q), (mode, n, reqs, uniform)
+            assert got == reference(mode, SIZES, n, reqs, uniform, q, max_reqs=max_reqs), \
+                (mode, n, reqs, uniform)
             runtime, desc = got
             assert runtime in (M.NONE, M.PIECEWISE, M.FULL)
             if runtime is not M.NONE:
@@ -95,6 +102,17 @@ def test_multi_token_uniform_decode_uses_divisible_sizes():
     assert BatchDescriptor(3, 1, True) not in d.keys(M.FULL)
     with pytest.raises(ValueError, match="uniform_decode_query_len=2"):
         d.dispatch(3, 2, True)
+
+
+def test_request_slots_are_capped_by_max_num_reqs():
+    d = CudagraphDispatcher(M.FULL, SIZES, MAX_TOKENS, max_num_reqs=6)
+    # a general FULL graph of 24 tokens has 6 request slots, not 24
+    assert d.dispatch(17, 6, False) == (M.FULL, BatchDescriptor(24, 6, False))
+    d = CudagraphDispatcher(M.FULL_AND_PIECEWISE, SIZES, MAX_TOKENS, max_num_reqs=6)
+    # 5 decodes would pad to 8 request slots > 6: no FULL key, piecewise instead
+    assert d.dispatch(5, 5, True) == (M.PIECEWISE, BatchDescriptor(8))
+    assert d.dispatch(4, 4, True) == (M.FULL, BatchDescriptor(4, 4, True))
+    assert max(k.num_reqs for k in d.keys(M.FULL)) == 4
 
 
 def test_lora_keys():
@@ -142,6 +160,7 @@ def test_bad_capture_sizes(sizes, match):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_num_tokens=0), "max_num_tokens"),
     (dict(uniform_decode_query_len=0), "uniform_decode_query_len"),
+    (dict(max_num_reqs=0), "max_num_reqs"),
     (dict(cudagraph_mode="SOMETIMES"), "unknown CUDAGraphMode"),
 ])
 def test_bad_arguments(kwargs, match):
@@ -151,10 +170,11 @@ def test_bad_arguments(kwargs, match):
         CudagraphDispatcher(**args)
 
 
-@pytest.mark.parametrize("n,reqs", [(0, 1), (4, 0), (2, 3), (MAX_TOKENS + 1, 1)])
+@pytest.mark.parametrize("n,reqs", [(0, 1), (4, 0), (2, 3), (MAX_TOKENS + 1, 1), (20, 17)])
 def test_bad_dispatch_arguments(n, reqs):
-    d = CudagraphDispatcher(M.PIECEWISE, SIZES, MAX_TOKENS)
-    with pytest.raises(ValueError, match="0 < num_reqs <= num_tokens <= max_num_tokens=48"):
+    d = CudagraphDispatcher(M.PIECEWISE, SIZES, MAX_TOKENS, max_num_reqs=16)
+    with pytest.raises(ValueError, match="0 < num_reqs <= num_tokens <= max_num_tokens=48 "
+                                         "and num_reqs <= max_num_reqs=16"):
         d.dispatch(n, reqs, False)
 
 

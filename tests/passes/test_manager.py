@@ -8,6 +8,7 @@ import torch
 
 from framework.config import PassConfig
 from graph_test_backend import TestBackend, compile_with, count_op
+from oot_pass_example import SubToAddNeg
 from passes.manager import PassManager
 
 aten = torch.ops.aten
@@ -80,11 +81,6 @@ class _Range:
         self.start, self.end = start, end
 
 
-def _graph_with_sub():
-    gm = torch.fx.symbolic_trace(lambda a, b: (a - b) * 2)
-    return gm
-
-
 def test_records_per_piece_dump_and_eager_path(tmp_path):
     pm = manager(OOT, debug_dump_path=str(tmp_path))
     assert pm.uuid() is None  # dumping: Inductor must not skip the passes via its cache
@@ -105,21 +101,18 @@ def test_records_per_piece_dump_and_eager_path(tmp_path):
     assert "aten.sub.Tensor" not in (dump / files[1]).read_text()
 
 
+class OnlyLarge(SubToAddNeg):
+    def is_applicable(self, compile_range):
+        return compile_range is None or compile_range.start > 8
+
+
 def test_is_applicable_skips_a_pass_for_a_range():
-    from oot_pass_example import SubToAddNeg
-
-    class OnlyLarge(SubToAddNeg):
-        def is_applicable(self, compile_range):
-            return compile_range is None or compile_range.start > 8
-
-    import oot_pass_example
-    oot_pass_example.OnlyLarge = OnlyLarge
-    pm = manager("oot_pass_example:OnlyLarge")
+    pm = manager(f"{__name__}:OnlyLarge")
     for rng in (_Range(1, 8), _Range(9, 64)):
         pm.set_current_piece("p", rng)
         pm.run_on_graph_module(torch.fx.experimental.proxy_tensor.make_fx(
             lambda a, b: a - b)(torch.randn(2), torch.randn(2)))
-    assert [p["compile_range"] for p in pm.stats()["oot_pass_example:OnlyLarge"]["pieces"]] == \
+    assert [p["compile_range"] for p in pm.stats()[f"{__name__}:OnlyLarge"]["pieces"]] == \
         [(9, 64)]
 
 

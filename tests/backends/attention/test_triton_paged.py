@@ -19,7 +19,8 @@ TOL = dict(atol=2e-4, rtol=2e-4) if ON_GPU else dict(atol=1e-5, rtol=1e-5)  # GP
 
 triton = pytest.importorskip("triton")
 
-from backends.attention.common import AttentionCGSupport, AttentionMetadata, get_backend  # noqa: E402
+from backends.attention.common import (AttentionCGSupport, AttentionMetadata,  # noqa: E402
+                                       get_backend)
 from backends.attention import torch_paged  # noqa: E402,F401  (registers "torch")
 from backends.attention import triton_paged  # noqa: E402
 
@@ -56,7 +57,7 @@ HEAD_DIM = 16
 
 
 def make_batch(requests, *, hq=4, hkv=2, num_blocks=24, pad_tokens=0, pad_reqs=0,
-               dtype=torch.float32, seed=0):
+               dtype=torch.float32, seed=0, max_blocks=None):
     """``requests``: list of (context already cached, new query tokens).  Returns q, k, v,
     kv_cache (old context filled with random K/V) and metadata; blocks are shuffled so the
     block table really is indirect.  Padding tokens get slot -1; padded requests have zero
@@ -66,7 +67,7 @@ def make_batch(requests, *, hq=4, hkv=2, num_blocks=24, pad_tokens=0, pad_reqs=0
     random.Random(seed).shuffle(free)
     n = sum(ql for _, ql in requests)
     total = n + pad_tokens
-    max_blocks = max(-(-(c + ql) // BLOCK_SIZE) for c, ql in requests)
+    max_blocks = max_blocks or max(-(-(c + ql) // BLOCK_SIZE) for c, ql in requests)
     reqs = len(requests) + pad_reqs
     block_table = torch.zeros(reqs, max_blocks, dtype=torch.int32)
     slot_mapping = torch.full((total,), -1, dtype=torch.int64)
@@ -179,7 +180,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from backends.attention import triton_paged
 
-dtype = sys.argv[1]
 index_ptrs = {"slot_mapping_ptr": "*i64", "block_table_ptr": "*i32",
               "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32"}
 write_kv, attention = triton_paged._kernels(False)
@@ -187,40 +187,68 @@ kernels = {
     write_kv: dict(ROW=128, BLOCK_ROW=128),
     attention: dict(GROUP=4, HEAD_DIM=64, BLOCK_G=4, BLOCK_D=64, BLOCK_N=16, REQ_CHUNK=64),
 }
-for kernel, constexprs in kernels.items():
-    code = kernel.fn.__code__
-    signature = {}
-    for name in code.co_varnames[:code.co_argcount]:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in index_ptrs:
-            signature[name] = index_ptrs[name]
-        elif name.endswith("_ptr"):
-            signature[name] = "*" + dtype
-        else:
-            signature[name] = "fp32" if name == "scale" else "i32"
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                              target=GPUTarget("cuda", 90, 32))
-    assert "ptx" in compiled.asm, kernel.fn.__name__
+for dtype in sys.argv[1:]:
+    for kernel, constexprs in kernels.items():
+        code = kernel.fn.__code__
+        signature = {}
+        for name in code.co_varnames[:code.co_argcount]:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name in index_ptrs:
+                signature[name] = index_ptrs[name]
+            elif name.endswith("_ptr"):
+                signature[name] = "*" + dtype
+            else:
+                signature[name] = "fp32" if name == "scale" else "i32"
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert "ptx" in compiled.asm, kernel.fn.__name__
 print("compiled")
 """
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_kernels_compile_for_gpu_without_one(dtype, tmp_path):
+def test_kernels_compile_for_gpu_without_one(tmp_path):
     """The interpreter skips Triton's code generator; compiling to PTX for sm_90 (no GPU
     needed) catches what only the real compiler rejects (types across branches and loops).
     A subprocess: with TRITON_INTERPRET=1 triton.language itself is built for the
     interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, dtype], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=120)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, "bf16", "fp16"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower()
                                  or "GPUTarget" in proc.stderr):
         pytest.skip(f"this triton cannot compile for CUDA here: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "compiled" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_full_cuda_graph_replays_a_different_mix():
+    """The ALWAYS claim: captured once, the kernels replay correctly for another batch of the
+    same padded shape (8 tokens, 3 requests) with different lengths, blocks and contents."""
+    shape = dict(pad_tokens=2, max_blocks=4)
+    static = make_batch([(5, 1), (0, 3), (2, 2)], seed=1, **shape)        # 6 real tokens
+    other = make_batch([(9, 2), (3, 1), (0, 3)], seed=2, **shape)         # 6 real tokens
+    q, k, v, cache, md = static
+    out = torch.empty_like(q)
+    scale = HEAD_DIM ** -0.5
+    backend = get_backend("triton")
+    backend.forward(q, k, v, out, cache, md, scale, 0)                    # warm-up (JIT)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward(q, k, v, out, cache, md, scale, 0)
+    q2, k2, v2, cache2, md2 = other
+    for dst, src in ((q, q2), (k, k2), (v, v2), (cache, cache2),
+                     (md.query_start_loc, md2.query_start_loc), (md.seq_lens, md2.seq_lens),
+                     (md.block_table, md2.block_table), (md.slot_mapping, md2.slot_mapping)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_cache = torch.empty_like(q2), cache2.clone()
+    get_backend("torch").forward(q2, k2, v2, ref_out, ref_cache, md2, scale, 0)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(cache, ref_cache, atol=0, rtol=0)

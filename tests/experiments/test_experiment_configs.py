@@ -1,0 +1,157 @@
+"""Every file of conf/experiment/ composes, every job of its sweep is a valid configuration with
+exactly one baseline, and one tiny job of it really runs.
+
+The sweep of each file is expanded the way Hydra's basic sweeper expands it
+(``BasicSweeper.split_arguments``), so a typo in a pass name, a quantization shorthand or a
+size list fails here rather than in job 5 of a cluster sweep.
+"""
+from pathlib import Path
+
+import pytest
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from experiments.size_chooser import choose_sizes
+from experiments.trace import read_trace, token_histogram
+from experiments.run import compilation_config
+from framework.config import level_passes
+from framework.quantization import SHORTHANDS, QuantizationConfig
+from hydra_job_harness import CONF_DIR, TINY, compose_job, run_job_in_process
+from passes.registry import CANONICAL_ORDER, resolve_pass
+
+EXPERIMENT_DIR = CONF_DIR / "experiment"
+
+# One fast job per experiment file (O0 or O1 with the eager compiler: no Inductor compile; the
+# Inductor path is covered by tests/experiments/test_run.py). Never the baseline job, so the
+# job exercises the swept setting.
+SMOKE_JOBS = {
+    "ablate_levels": ["compile=O1", "compile.backend=eager", "compile.pass_config.passes=[]"],
+    "ablate_passes": ["compile=O0", "toggle_passes=[fuse_add_rmsnorm]"],
+    "ablate_quant": ["compile=O0", "quantization=int8_per_channel_weight_only"],
+    "sweep_sizes": ["compile=O0", "size_set=chosen_k4"],
+    "bench_vs_hf": ["compile=O0", "workload.prompt_len_min=8", "workload.prompt_len_max=8"],
+}
+EXPERIMENTS = sorted(p.stem for p in EXPERIMENT_DIR.glob("*.yaml"))
+NO_CACHE = "cache_dir=null"  # ${hydra:runtime.output_dir} only resolves inside a job
+
+
+def sweep_jobs(name: str) -> list[list[str]]:
+    """The override lists of every job ``-m experiment=<name>`` launches."""
+    cfg = compose_job([f"experiment={name}"], hydra_node=True)
+    params = cfg.hydra.sweeper.params or {}
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def test_every_experiment_file_has_a_smoke_job():
+    assert set(EXPERIMENTS) == set(SMOKE_JOBS), (
+        "conf/experiment/ and SMOKE_JOBS differ: give every experiment file a tiny smoke job")
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_file_is_global_package_with_its_name(name):
+    text = (EXPERIMENT_DIR / f"{name}.yaml").read_text()
+    assert text.splitlines()[0] == "# @package _global_"
+    cfg = compose_job([f"experiment={name}", NO_CACHE])
+    assert cfg.experiment_name == name
+    # a fresh artifact cache per job: compile.cold_s must really be cold
+    raw = OmegaConf.load(EXPERIMENT_DIR / f"{name}.yaml")
+    assert OmegaConf.to_container(raw)["cache_dir"] == "${hydra:runtime.output_dir}/compile_cache"
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_sweep_job_is_valid_and_exactly_one_is_the_baseline(name):
+    jobs = sweep_jobs(name)
+    assert len(jobs) >= 2, f"{name}: a sweep needs at least two jobs"
+    baselines = []
+    for overrides in jobs:
+        cfg = compose_job([f"experiment={name}", NO_CACHE, *overrides])
+        assert cfg.experiment_name == name
+        cc = compilation_config(cfg)  # what the job builds, pass toggles applied
+        for pass_name in cc.pass_config.disable + cc.pass_config.enable:
+            resolve_pass(pass_name)  # raises on an unknown pass name
+        QuantizationConfig.parse(OmegaConf.to_container(cfg, resolve=True)["quantization"])
+        assert isinstance(cfg.baseline, bool)
+        if cfg.baseline:
+            baselines.append(overrides)
+    assert len(baselines) == 1, f"{name}: baseline jobs {baselines}"
+
+
+def _sweep_configs(name: str) -> list:
+    return [compose_job([f"experiment={name}", NO_CACHE, *job]) for job in sweep_jobs(name)]
+
+
+def test_ablate_levels_sweeps_all_levels_with_O0_baseline():
+    cfgs = _sweep_configs("ablate_levels")
+    assert sorted(c.compile.level for c in cfgs) == [0, 1, 2, 3]
+    assert [c.compile.level for c in cfgs if c.baseline] == [0]
+
+
+def test_ablate_passes_flips_every_registered_pass_once_against_O2():
+    cfgs = _sweep_configs("ablate_passes")
+    assert {c.compile.level for c in cfgs} == {2}
+    toggled = sorted(tuple(c.toggle_passes) for c in cfgs)
+    assert toggled == sorted([()] + [(p,) for p in CANONICAL_ORDER])
+    o2 = set(level_passes(2, "cpu"))  # the jobs run on the CPU here
+    for c in cfgs:
+        passes = compilation_config(c).resolve(max_num_tokens=64, has_cuda=False) \
+            .pass_config.passes
+        flipped = set(c.toggle_passes)
+        assert set(passes) == o2 ^ flipped, (list(c.toggle_passes), passes)
+    # quantized, so the quant fusions have something to match
+    assert {c.quantization for c in cfgs} == {"int8_per_token"}
+
+
+def test_ablate_quant_covers_none_and_every_shorthand():
+    cfgs = _sweep_configs("ablate_quant")
+    assert sorted(map(str, (c.quantization for c in cfgs))) == sorted(
+        ["None", *SHORTHANDS])
+    assert [c.quantization for c in cfgs if c.baseline] == [None]
+
+
+def test_bench_vs_hf_is_the_benchmark_shape():
+    cfgs = _sweep_configs("bench_vs_hf")
+    assert {(c.compile.level, c.dtype, c.workload.num_prompts) for c in cfgs} == {
+        (lvl, dt, b) for lvl in (0, 1, 2) for dt in ("float32", "bfloat16") for b in (1, 8)}
+    assert {(c.workload.prompt_len_min, c.workload.prompt_len_max,
+             c.workload.max_new_tokens) for c in cfgs} == {(64, 64, 32)}
+
+
+def test_sweep_sizes_chosen_sets_are_the_choosers_answer_on_the_committed_trace():
+    cfg = compose_job(["experiment=sweep_sizes", NO_CACHE])
+    trace = read_trace(EXPERIMENT_DIR / "traces" / "sweep_sizes.jsonl")
+    assert trace.max_num_tokens == cfg.max_num_batched_tokens
+    hist = token_histogram(trace)
+    for k in (4, 8):
+        assert list(cfg.size_sets[f"chosen_k{k}"]) == choose_sizes(hist, k), (
+            f"size_sets.chosen_k{k} is stale: rerun experiments.size_chooser on the trace "
+            f"(commands in conf/experiment/sweep_sizes.yaml)")
+    cfgs = _sweep_configs("sweep_sizes")
+    pairs = {(c.size_set, c.compile_size_set) for c in cfgs}
+    assert pairs == {(s, c) for s in ("default", "pow2", "chosen_k4", "chosen_k8")
+                     for c in ("none", "chosen_k4")}
+    chosen = next(c for c in cfgs if c.size_set == "chosen_k8" and c.compile_size_set == "none")
+    assert list(chosen.compile.cudagraph_capture_sizes) == cfg.size_sets.chosen_k8
+    assert list(chosen.compile.compile_sizes) == []
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_one_tiny_job_runs(name, tmp_path):
+    results = run_job_in_process([f"experiment={name}", *TINY, *SMOKE_JOBS[name]],
+                                 tmp_path / name)
+    assert results["experiment"] == name
+    assert results["baseline"] is False
+    assert results["latency_ms"]["decode"]["median"] > 0
+    assert results["tokens_per_s"] > 0
+    assert 0.0 <= results["agreement"]["token_agreement"] <= 1.0
+    # the per-job artifact cache lives in the job folder
+    assert results["config"]["cache_dir"] == str(tmp_path / name / "compile_cache")
+    assert (tmp_path / name / "trace.jsonl").is_file()
+    if name == "sweep_sizes":
+        assert results["capture_sizes"] == [8, 34, 77, 128]
+        assert 0.0 <= results["padding_waste"] < 1.0
+    if name == "ablate_quant":
+        assert results["config"]["quantization"] == "int8_per_channel_weight_only"
+    if name == "bench_vs_hf":
+        assert results["config"]["dtype"] == "bfloat16"

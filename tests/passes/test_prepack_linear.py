@@ -1,0 +1,55 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework.config import PassConfig
+from graph_test_backend import TestBackend, assert_close_to_eager, compile_with, count_op
+from passes.manager import PassManager
+from passes.ops_prepack import _PACKED, clear_packed_weights, mkldnn_available
+
+aten = torch.ops.aten
+pytestmark = pytest.mark.skipif(not mkldnn_available(), reason="needs oneDNN (mkldnn)")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_opcheck_and_numerics(dtype):
+    x, w, b = torch.randn(3, 64, dtype=dtype), torch.randn(48, 64, dtype=dtype), \
+        torch.randn(48, dtype=dtype)
+    for bias in (None, b):
+        torch.library.opcheck(torch.ops.piecewise.prepacked_linear.default, (x, w, bias))
+        out = torch.ops.piecewise.prepacked_linear(x, w, bias)
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(out, F.linear(x, w, bias), atol=tol, rtol=tol)
+
+
+def test_weight_packed_once_and_repacked_after_in_place_update():
+    clear_packed_weights()
+    x, w = torch.randn(2, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
+    torch.ops.piecewise.prepacked_linear(x, w, None)
+    packed = next(iter(_PACKED.values()))[0]
+    torch.ops.piecewise.prepacked_linear(x, w, None)
+    assert len(_PACKED) == 1 and next(iter(_PACKED.values()))[0] is packed
+    w.mul_(2)  # weights reloaded in place: the version counter moves, the pack is redone
+    out = torch.ops.piecewise.prepacked_linear(x, w, None)
+    torch.testing.assert_close(out, F.linear(x, w), atol=5e-2, rtol=5e-2)
+
+
+def test_linears_with_weight_inputs_are_rewritten():
+    dtype = torch.bfloat16
+    pm = PassManager(PassConfig(passes=["prepack_linear"]), dtype=dtype)
+    backend = TestBackend(pm)
+
+    def f(x, w1, b1, w2, w_int):
+        h = F.linear(x, w1, b1)                       # addmm
+        y = F.linear(torch.relu(h), w2)               # mm
+        return y, x.float() @ w_int.float().t()       # not a weight placeholder: kept
+
+    args = [torch.randn(2, 32, dtype=dtype), torch.randn(48, 32, dtype=dtype),
+            torch.randn(48, dtype=dtype), torch.randn(16, 48, dtype=dtype),
+            torch.randint(-3, 3, (8, 32), dtype=torch.int8)]
+    out = compile_with(f, backend, *args)
+    after = backend.graph_after
+    assert count_op(after, torch.ops.piecewise.prepacked_linear) == 2
+    assert count_op(after, aten.addmm) == 0 and count_op(after, aten.mm) == 1
+    assert pm.stats()["prepack_linear"]["total_matches"] == 2
+    assert_close_to_eager(out, f(*args), dtype)

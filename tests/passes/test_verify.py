@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from framework.config import PassConfig
+from passes.base import GraphPass
+from passes.manager import PassManager
+from passes.verify import PassVerificationError, compare, concrete_size, random_inputs
+
+aten = torch.ops.aten
+
+
+class MulToAdd(GraphPass):
+    """Test-only broken pass: turns every ``a * b`` into ``a + b``."""
+
+    def __call__(self, graph):
+        self.match_count = 0
+        for node in graph.find_nodes(op="call_function", target=aten.mul.Tensor):
+            node.target = aten.add.Tensor
+            self.match_count += 1
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+
+def _traced(fn, *args):
+    return torch.fx.experimental.proxy_tensor.make_fx(fn, tracing_mode="symbolic")(*args)
+
+
+def _f(x, w):
+    h = torch.relu(x) * w
+    return h.sum(-1), h - x
+
+
+def test_broken_pass_fails_naming_pass_and_first_diverging_node():
+    pm = PassManager(PassConfig(passes=["noop_elimination", f"{__name__}:MulToAdd"],
+                                verify_passes=True))
+    assert pm.uuid() is None  # verifying: Inductor's cache must not skip the passes
+    pm.set_current_piece("submod_0", _Range(1, 64))
+    gm = _traced(_f, torch.randn(5, 8), torch.randn(8))
+    with pytest.raises(PassVerificationError) as e:
+        pm.run_on_graph_module(gm)
+    msg = str(e.value)
+    assert f"pass '{__name__}:MulToAdd'" in msg
+    assert "first diverging node: mul" in msg  # the node the pass changed (kept its name)
+
+
+def test_correct_passes_report_their_error():
+    pm = PassManager(PassConfig(passes=["noop_elimination", "oot_pass_example:SubToAddNeg"],
+                                verify_passes=True))
+    pm.set_current_piece("submod_0", _Range(1, 64))
+    pm.run_on_graph_module(_traced(_f, torch.randn(5, 8), torch.randn(8)))
+    rec = pm.stats()["oot_pass_example:SubToAddNeg"]["pieces"][0]
+    assert rec["matches"] == 1 and rec["max_abs_error"] == 0.0
+
+
+def test_random_inputs_bind_the_token_count_from_the_range():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    def fake(t, *dims):  # only the token dimension is symbolic, as in a piece
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dims]))
+
+    graph = torch.fx.Graph()
+    for name, val in (("x", fake(torch.randn(5, 8, dtype=torch.bfloat16), True, False)),
+                      ("pos", fake(torch.arange(5), True)),
+                      ("w", fake(torch.randn(8), False))):
+        graph.placeholder(name).meta["val"] = val
+    x, pos, w = random_inputs(graph, size=concrete_size(_Range(3, 3)))
+    assert x.shape == (3, 8) and x.dtype == torch.bfloat16 and w.shape == (8,)
+    assert pos.dtype == torch.int64 and pos.shape == (3,) and int(pos.min()) >= 0
+    assert concrete_size(_Range(1, 512)) == 8 and concrete_size(_Range(100, 512)) == 100
+
+
+def test_compare_allows_one_quant_step_and_dtype_tolerance():
+    a = torch.tensor([1, 2, 3], dtype=torch.int8)
+    assert compare(a, a + 1, 1e-4)[2]
+    assert not compare(a, a + 2, 1e-4)[2]
+    b = torch.tensor([0.001, 4.0], dtype=torch.bfloat16)
+    assert compare(b, b * 1.01, 5e-2)[2]
+    assert compare(b, b + torch.tensor([0.1, 0], dtype=b.dtype), 5e-2)[2]  # judged vs scale 4
+    assert not compare(b, b * 1.2, 5e-2)[2]
+    assert not compare(b, b[:1], 5e-2)[2]  # shape change is a failure
