@@ -269,7 +269,11 @@ def startup_worker(args: argparse.Namespace) -> dict:
         t2 = time.perf_counter()
         st = llm.stats
         res.update(construct_s=t1 - t0, first_steps_s=t2 - t1, total_s=t2 - t0,
-                   load_s=st.get("load_s"), dynamo_skipped=bool(st.get("dynamo_skipped")),
+                   # load_s: LLM setup before the warm-up forward (weights, and on a warm
+                   # start the artifact restore, warm_restore_s, which is part of it)
+                   load_s=st.get("load_s"), warm_restore_s=st.get("warm_restore_s"),
+                   warmup_compile_s=st.get("compile_s"),
+                   dynamo_skipped=bool(st.get("dynamo_skipped")),
                    dynamo_time_s=st.get("dynamo_time_s"), compiles=st.get("compile_compiles"),
                    loads=st.get("compile_loads"), cache_hits=st.get("cache_hits"),
                    cache_misses=st.get("cache_misses"))
@@ -287,7 +291,7 @@ def startup_worker(args: argparse.Namespace) -> dict:
 
 
 def run_worker(name: str, dtype: str, args: argparse.Namespace, inductor_dir: Path,
-               cache_dir: Path, log: Callable) -> dict:
+               cache_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "experiments.bench_vs_hf", "--worker", name, "--dtypes", dtype,
            "--prompt-len", str(args.prompt_len), "--cache-dir", str(cache_dir)]
     cmd += ["--model-dir", args.model_dir] if args.model_dir else ["--preset", args.preset]
@@ -315,14 +319,14 @@ def measure_startup(names: list[str], dtype: str, args: argparse.Namespace, work
         for d in (ind, pw):
             shutil.rmtree(d, ignore_errors=True)   # cold means cold, whatever ran before
             d.mkdir(parents=True)
-        cold = run_worker(name, dtype, args, ind, pw, log)
+        cold = run_worker(name, dtype, args, ind, pw)
         row = {"dtype": dtype, "contender": name, "cold": cold}
         # What the targets compare: (b)/(c): first prefill + first decode; the project: LLM
         # construction (includes compile and weight load) + first prefill + first decode.
         row["cold_s"] = cold["total_s"] if name in LEVELS else cold["first_steps_s"]
         log(f"  cold {name} {dtype}: {row['cold_s']:.1f}s")
         if name in WARM_CONTENDERS:
-            warm = run_worker(name, dtype, args, ind, pw, log)
+            warm = run_worker(name, dtype, args, ind, pw)
             row["warm"] = warm
             row["warm_s"] = warm["construct_s"] if name in LEVELS else warm["first_steps_s"]
             log(f"  warm {name} {dtype}: {row['warm_s']:.2f}s")

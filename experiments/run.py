@@ -140,14 +140,18 @@ def agreement(outputs: list[list[int]], reference: list[list[int]],
 @contextmanager
 def compiler_caches_under(cache_dir: Optional[str]):
     """Point Inductor's and Triton's own on-disk caches (FX graphs, generated code, compiled
-    kernels) into ``cache_dir`` while the job runs, so a fresh ``cache_dir`` means a cold
-    compile and not a hit in a global cache that an earlier job filled. ``None``: untouched."""
+    kernels) into ``cache_dir`` while the job runs, and drop Inductor's in-memory caches of
+    earlier jobs in this process (the basic launcher runs a whole sweep in one process, joblib
+    reuses its workers), so a fresh ``cache_dir`` means a cold compile and not a hit in a cache
+    an earlier job filled. ``None``: untouched."""
     if cache_dir is None:
         yield
         return
     saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(Path(cache_dir).resolve() / "triton")
+    from torch._inductor.utils import clear_inductor_caches
+    clear_inductor_caches()
     try:
         yield
     finally:
@@ -156,6 +160,33 @@ def compiler_caches_under(cache_dir: Optional[str]):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+_compiler_warmed_up = False
+
+
+def warm_up_compiler() -> Optional[float]:
+    """Pay Inductor's one-time start-up of this process (imports, C++ toolchain probing; ~10 s
+    on a small CPU, whatever the model) on a throw-away function and cache, so ``cold_s``
+    measures the model's own trace + compile and is comparable between the first compiling
+    job of an in-process sweep and the later ones (or a job alone in its process). Returns
+    the seconds spent, None when this process already paid it."""
+    global _compiler_warmed_up
+    if _compiler_warmed_up:
+        return None
+    import tempfile
+
+    from torch._inductor.utils import clear_inductor_caches
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, compiler_caches_under(tmp):
+        fn = torch.compile(lambda x, w: torch.nn.functional.silu(x @ w) * x.sum(-1, True),
+                           dynamic=True, fullgraph=True)
+        fn(torch.randn(8, 16), torch.randn(16, 16))
+        torch._dynamo.reset()
+        clear_inductor_caches()  # nothing of the throw-away compile may serve the job
+    _compiler_warmed_up = True
+    return time.perf_counter() - t0
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
@@ -168,6 +199,9 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         torch.set_num_threads(int(cfg.num_threads))
     model_path = resolve_model_path(cfg.model)
     cc = compilation_config(cfg)
+    process_init_s = None
+    if cc.level != 0 and cc.backend in (None, "inductor"):
+        process_init_s = warm_up_compiler()
     t0 = time.perf_counter()
     llm = build_llm(cfg, model_path, cc)
     cold_s = time.perf_counter() - t0
@@ -213,7 +247,7 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "resolved_compilation": llm.config.to_dict(),
         "versions": {"torch": torch.__version__, "piecewise": "0.1.0",
                      "python": platform.python_version()},
-        "compile": {"cold_s": cold_s, "warm_s": warm_s,
+        "compile": {"cold_s": cold_s, "warm_s": warm_s, "process_init_s": process_init_s,
                     "dynamo_s": stats.get("dynamo_time_s"),
                     "pieces": stats.get("compile_num_pieces"),
                     "unique_artifacts": stats.get("compile_unique_graphs"),
@@ -273,6 +307,9 @@ def summary(r: dict[str, Any]) -> str:
         + ("n/a" if agree is None else "yes" if agree["outputs_equal"]
            else f"no (agreement {agree['token_agreement']:.3f})"),
     ]
+    if r.get("accuracy"):
+        lines.append(f"  exact match {r['accuracy']['exact_match']:.3f} "
+                     f"({r['accuracy']['n']} held-out prompts)")
     return "\n".join(lines)
 
 

@@ -103,10 +103,19 @@ def _lr_at(step: int, recipe: TrainRecipe) -> float:
 
 
 def train(recipe: TrainRecipe, log=print) -> tuple[Any, dict[str, Any]]:
-    """Train per ``recipe``; returns ``(hf_model, training record)``."""
-    task = get_task(recipe.task)
+    """Train per ``recipe``; returns ``(hf_model, training record)``.  The thread count and
+    deterministic-algorithms flag are process-wide, so they are restored afterwards."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(recipe.threads)
     torch.use_deterministic_algorithms(True)
+    try:
+        return _train(recipe, get_task(recipe.task), log)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _train(recipe: TrainRecipe, task: SyntheticTask, log) -> tuple[Any, dict[str, Any]]:
     model = build_model(recipe, task)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98),

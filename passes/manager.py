@@ -137,10 +137,13 @@ class PassManager(CustomGraphPass):
 
     def warn_unmatched(self) -> list[str]:
         """Log a warning naming each enabled fusion that ran on at least one piece and matched
-        nothing in all of them; returns those names.  (Pieces loaded from a cache never run
+        nothing in all of them (unless ``PassConfig.warn_on_no_match`` is off); returns those
+        names.  (Pieces loaded from a cache never run
         passes, so a fusion that never ran is not reported.)"""
         unmatched = [r.name for r in self.records.values()
                      if r.is_fusion and r.pieces and r.total_matches == 0]
+        if not self.pass_config.warn_on_no_match:
+            return unmatched
         for name in unmatched:
             logger.warning("pass %s is enabled but matched nothing in the whole model (%d "
                            "pieces); check the model's graph or disable it", name,

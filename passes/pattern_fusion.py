@@ -56,6 +56,20 @@ def call_mutating(op: torch._ops.OpOverload, **kwargs: Any) -> tuple[Any, ...]:
     return tuple(result[offset + i] for i in range(len(names)))
 
 
+def _scalars_are_constants(p: FusionPattern) -> Callable[[Match], bool]:
+    """A scalar wildcard must have matched a Python number: a graph that computes ``eps`` as a
+    tensor or symbol (fully dynamic traces can) cannot be passed to an op's ``float`` arg."""
+
+    def check(match: Match) -> bool:
+        for name in p.scalars:
+            value = match.kwargs.get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return False
+        return p.extra_check is None or p.extra_check(match)
+
+    return check
+
+
 def views_to_reshapes(graph: torch.fx.Graph) -> None:
     """``aten.view`` -> ``aten.reshape``, as Inductor's post-grad ``view_to_reshape`` does before
     our passes run; applied to patterns and to eager-adaptor graphs so both spell views alike."""
@@ -108,8 +122,7 @@ class PatternFusionPass(GraphPass):
         kwargs: dict[str, Any] = {}
         if p.scalars:
             kwargs["scalar_workaround"] = dict(p.scalars)
-        if p.extra_check is not None:
-            kwargs["extra_check"] = p.extra_check
+        kwargs["extra_check"] = _scalars_are_constants(p)
         # The example inputs are real tensors: trace without autograd, on CPU, once.
         with torch.no_grad():
             register_replacement(p.pattern, p.replacement, p.example_inputs(), trace_pattern,

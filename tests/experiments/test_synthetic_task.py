@@ -209,3 +209,15 @@ def test_cli_prints_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["task"] == "addition" and out["n"] == 8 and 0.0 <= out["exact_match"] <= 1.0
     assert "outputs" not in out
+
+
+@pytest.mark.slow
+def test_compiled_o2_keeps_the_accuracy(tmp_path):
+    """The piecewise-compiled model (O2, Inductor) answers like the eager one."""
+    rec = _metrics()["eval"]
+    n, seed = rec["smoke_n"], rec["seed"]
+    base = evaluate(ADDITION, n=n, seed=seed)
+    res = evaluate(ADDITION, optimization_level=2, n=n, seed=seed, reference=base,
+                   cache_dir=str(tmp_path / "cache"))
+    assert res["exact_match"] >= base["exact_match"] - 1 / n
+    assert res["token_agreement_vs"]["unquantized_O0"] >= 0.98
