@@ -145,22 +145,36 @@ class InductorStandalone(CompilerAdaptor):
 
 @register_compiler("eager")
 class Eager(CompilerAdaptor):
-    """No compilation and no cache; passes (if any) run on an aten-level trace of the piece."""
+    """No compilation and no cache.  With passes, the piece is traced to a functional aten
+    graph by AOTAutograd (Inductor's decompositions, so patterns see what they see under
+    Inductor), the passes run on it, and the graph runs eagerly."""
 
     def compile(self, graph, example_inputs, compile_range):
         if self.graph_pass is None:
             return graph, None
+        from torch._functorch.aot_autograd import aot_module_simplified
         from torch._inductor.decomposition import select_decomp_table
-        from torch.fx.experimental.proxy_tensor import make_fx
 
         if compile_range.is_single_size:
             example_inputs = concretize_inputs(example_inputs, compile_range.start)
-        aten = make_fx(torch.func.functionalize(graph, remove="mutations_and_views"),
-                       decomposition_table=select_decomp_table())(*example_inputs)
         run = getattr(self.graph_pass, "run_on_graph_module", None)
-        if run is not None:
-            run(aten)
-        else:
-            self.graph_pass(aten.graph)
-            aten.recompile()
-        return aten, None
+
+        def fw_compiler(gm: torch.fx.GraphModule, _inputs):
+            if run is not None:
+                run(gm)
+            else:
+                self.graph_pass(gm.graph)
+                gm.recompile()
+            return gm
+
+        graph = copy.deepcopy(graph)
+        output = graph.graph.output_node()
+        single = not isinstance(output.args[0], (tuple, list))
+        if single:  # AOTAutograd wants tuple outputs
+            output.args = ((output.args[0],),)
+            graph.recompile()
+        compiled = aot_module_simplified(graph, example_inputs, fw_compiler=fw_compiler,
+                                         decompositions=select_decomp_table())
+        if single:
+            return (lambda *args: compiled(*args)[0]), None
+        return compiled, None
