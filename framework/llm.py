@@ -79,6 +79,7 @@ class LLM:
         self.scheduler = Scheduler(self.allocator, block_size=block_size,
                                    max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
                                    max_model_len=max_model_len)
+        self._prepack_lm_head()
         self.graphs = setup_graphs(self.config, attention_backend=attention_backend,
                                    max_num_seqs=max_num_seqs, graph_ops=graph_ops)
         self.compiled: CompiledForward = build_forward(
@@ -111,6 +112,16 @@ class LLM:
             return None, None
         self.quantized_layers = quantize_model(self.model, qc)
         return qc, qc.compute_hash()
+
+    def _prepack_lm_head(self) -> None:
+        """The LM head runs outside the compiled graph; give it the prepacked path too when
+        the ``prepack_linear`` pass is on (it is the largest matmul of a small model)."""
+        head = getattr(self.model, "lm_head", None)
+        if head is None or "prepack_linear" not in self.config.pass_config.passes:
+            return
+        from passes.ops_prepack import PrepackedLinearMethod
+        if PrepackedLinearMethod.applies_to(head):
+            head.linear_method = PrepackedLinearMethod()
 
     def _calibrate(self, seed: int) -> None:
         """Static activation scales: absmax over one eager forward of seeded random tokens."""

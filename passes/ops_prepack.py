@@ -69,3 +69,18 @@ _LIB.impl("prepacked_linear", prepacked_linear_cpu, "CPU")
 torch.library.register_fake("piecewise::prepacked_linear", _fake, lib=_LIB)
 
 prepacked_linear = torch.ops.piecewise.prepacked_linear.default
+
+
+class PrepackedLinearMethod:
+    """A ``linear_method`` for layers that run outside compiled graphs (the LM head): the
+    same prepacked oneDNN path the ``prepack_linear`` pass gives graph linears."""
+
+    @staticmethod
+    def applies_to(layer: torch.nn.Module) -> bool:
+        w = getattr(layer, "weight", None)
+        return (mkldnn_available() and isinstance(w, torch.Tensor) and w.dim() == 2
+                and w.device.type == "cpu" and w.dtype in PACKABLE_DTYPES
+                and getattr(layer, "linear_method", None) is None)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return prepacked_linear(x, layer.weight, layer.bias)

@@ -14,6 +14,10 @@ Before (``w`` a bf16/fp32 placeholder ``[N, K]``)::
 After::
 
     y   = piecewise.prepacked_linear.default(x, w, None)   # (x, w, b) for addmm
+
+An ``addmm`` whose input is a full ``[T, N]`` tensor (Inductor folds a residual add into the
+matmul) becomes ``aten.add(prepacked_linear(x, w, None), r)``; Inductor fuses that add into
+the next pointwise kernel.
 """
 from __future__ import annotations
 
@@ -65,8 +69,8 @@ class PrepackLinearPass(GraphPass):
             elif node.target == aten.addmm.default and not node.kwargs:
                 bias, x, wt = node.args
                 bval = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
-                if not isinstance(bval, torch.Tensor) or bval.dim() != 1:
-                    continue  # addmm with a broadcast 2-D input is not a linear bias
+                if not isinstance(bval, torch.Tensor) or bval.dim() not in (1, 2):
+                    continue
             else:
                 continue
             w = _transposed_weight(wt)
@@ -74,8 +78,14 @@ class PrepackLinearPass(GraphPass):
             if w is None or not isinstance(xval, torch.Tensor) or \
                     xval.dtype != w.meta["val"].dtype:
                 continue
+            residual = None
+            if bias is not None and bias.meta["val"].dim() == 2:
+                residual, bias = bias, None
             with graph.inserting_before(node):
                 new = graph.call_function(prepacked_linear, (x, w, bias))
+                if residual is not None:
+                    new.meta.update(node.meta)
+                    new = graph.call_function(aten.add.Tensor, (new, residual))
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)

@@ -53,3 +53,19 @@ def test_linears_with_weight_inputs_are_rewritten():
     assert count_op(after, aten.addmm) == 0 and count_op(after, aten.mm) == 1
     assert pm.stats()["prepack_linear"]["total_matches"] == 2
     assert_close_to_eager(out, f(*args), dtype)
+
+
+def test_addmm_with_a_residual_input_becomes_linear_plus_add():
+    dtype = torch.bfloat16
+    pm = PassManager(PassConfig(passes=["prepack_linear"]), dtype=dtype)
+    backend = TestBackend(pm)
+
+    def f(x, w, r):
+        return torch.addmm(r, x, w.t())                # residual folded into the matmul
+
+    args = [torch.randn(3, 32, dtype=dtype), torch.randn(16, 32, dtype=dtype),
+            torch.randn(3, 16, dtype=dtype)]
+    out = compile_with(f, backend, *args)
+    assert count_op(backend.graph_after, torch.ops.piecewise.prepacked_linear) == 1
+    assert count_op(backend.graph_after, aten.addmm) == 0
+    assert_close_to_eager(out, f(*args), dtype)
