@@ -39,6 +39,23 @@ def causal_mask(q_len: int, kv_len: int, sliding_window: int,
     return mask
 
 
+def _decode_mask(md: AttentionMetadata, b: int, length: int, sliding_window: int,
+                 device: torch.device) -> torch.Tensor:
+    """Key positions each request must not see; built once per step, shared by all layers
+    (the metadata object is shared)."""
+    cache = md.__dict__.setdefault("_decode_masks", {})
+    key = (b, length, sliding_window)
+    mask = cache.get(key)
+    if mask is None:
+        pos = torch.arange(length, device=device)[None, :]
+        seq_lens = md.seq_lens[:b].to(torch.int64)[:, None]
+        mask = pos >= seq_lens                                          # [B, L]
+        if sliding_window > 0:
+            mask |= pos < seq_lens - sliding_window
+        cache[key] = mask
+    return mask
+
+
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      md: AttentionMetadata, scale: float, sliding_window: int) -> torch.Tensor:
     """Batched single-token decode over all requests at once (no per-request loop).
@@ -53,11 +70,7 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     values = value_cache.index_select(0, table).view(b, nblk * block_size, hkv, d)
     qg = q.view(b, hkv, hq // hkv, d)                                  # [B, Hkv, G, D]
     scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float()       # [B, Hkv, G, L]
-    pos = torch.arange(nblk * block_size, device=q.device)
-    seq_lens = md.seq_lens[:b].to(torch.int64)[:, None]
-    invalid = pos[None, :] >= seq_lens                                  # [B, L]
-    if sliding_window > 0:
-        invalid |= pos[None, :] < seq_lens - sliding_window
+    invalid = _decode_mask(md, b, nblk * block_size, sliding_window, q.device)  # [B, L]
     scores.mul_(scale).masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, values.permute(0, 2, 1, 3))              # [B, Hkv, G, D]

@@ -155,3 +155,14 @@ def test_one_tiny_job_runs(name, tmp_path):
         assert results["config"]["quantization"] == "int8_per_channel_weight_only"
     if name == "bench_vs_hf":
         assert results["config"]["dtype"] == "bfloat16"
+
+
+def test_committed_sweep_sizes_trace_is_the_trace_of_its_workload(tmp_path):
+    """The scheduler still produces the committed trace for sweep_sizes' workload (else the
+    chosen_k* sets are tuned for a workload that no longer exists: regenerate them)."""
+    run_job_in_process(["experiment=sweep_sizes", "compile=O0", "check_agreement=false",
+                        "num_threads=1"], tmp_path / "job")
+    fields = ("num_tokens", "num_reqs", "num_decode", "num_prefill_tokens")
+    steps = lambda trace: [tuple(getattr(s, f) for f in fields) for s in trace.steps]  # noqa
+    assert steps(read_trace(tmp_path / "job" / "trace.jsonl")) == steps(
+        read_trace(EXPERIMENT_DIR / "traces" / "sweep_sizes.jsonl"))
