@@ -27,10 +27,13 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -m "not bench" $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m experiments.bench $(ARGS)
+
+bench-save: $(STAMP)
+	$(BIN)/python -m experiments.bench --save $(ARGS)
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -35,6 +35,7 @@ LAUNCHERS = {
 
 
 def _compose_launcher(name, *extra):
+    import experiments.run  # noqa: F401  (registers the config schemas with the ConfigStore)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="smoke"):
         cfg = compose("config", overrides=[f"hydra/launcher={name}", *extra],
                       return_hydra_config=True)
@@ -81,6 +82,7 @@ def test_joblib_local_runs_jobs_in_parallel_processes(tmp_path):
     app = tmp_path / "app.py"
     app.write_text(
         "import os, hydra\n"
+        "import experiments.run  # registers the config schemas\n"
         f"@hydra.main(config_path={str(CONF_DIR)!r}, config_name='config', version_base='1.3')\n"
         "def main(cfg):\n"
         "    open(os.path.join(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir,\n"
