@@ -118,7 +118,7 @@ def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, qua
         graph_pass=passes, progress=config.progress_bar, dump_path=config.debug_dump_path,
         wrap_piece=wrap_piece)
     out = CompiledForward(None, config.mode, backend=backend, pass_manager=passes, store=store)
-    traced = TraceOnce(model, backend)
+    traced = TraceOnce(model, backend, dump_path=config.debug_dump_path)
     out.trace_once = traced
     t0 = time.perf_counter()
     restored = backend.restore()
@@ -138,7 +138,9 @@ def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, qua
         backend.save_program({"binding": traced._binding.to_json(), "source_files": files,
                               "source_hashes": file_hashes(files)})
         if config.debug_dump_path:
-            _dump_traced(traced, config.debug_dump_path)
+            Path(config.debug_dump_path).mkdir(parents=True, exist_ok=True)
+            (Path(config.debug_dump_path) / "binding.json").write_text(
+                json.dumps(traced._binding.to_json(), indent=1))
 
     out.finalize = finalize
     out.forward = traced
@@ -162,13 +164,3 @@ def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_has
     }
     root = config.cache_dir or default_cache_dir()
     return ArtifactStore.open(root, factors, rank=0, model_tag=model_tag)
-
-
-def _dump_traced(traced, path: str) -> None:
-    """Write depyf's decompiled view of the Dynamo-transformed bytecode, when available."""
-    try:
-        import depyf  # noqa: F401
-    except ImportError:
-        return
-    Path(path).mkdir(parents=True, exist_ok=True)
-    (Path(path) / "binding.json").write_text(json.dumps(traced._binding.to_json(), indent=1))

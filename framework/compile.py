@@ -14,11 +14,13 @@ Any attempt to recompile (only possible when falling back to the Dynamo path) ru
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -150,7 +152,8 @@ class TraceOnce:
 
     def __init__(self, module: torch.nn.Module, backend: Backend, *,
                  dynamic_arg_dims: Optional[dict[str, int]] = None,
-                 on_traced: Optional[Callable[[ArgBinding], None]] = None):
+                 on_traced: Optional[Callable[[ArgBinding], None]] = None,
+                 dump_path: Optional[str] = None):
         self.module = module
         self.backend = backend
         forward = module.forward
@@ -158,6 +161,7 @@ class TraceOnce:
         self.dynamic_arg_dims = (dynamic_arg_dims if dynamic_arg_dims is not None
                                  else tensor_arg_dims(type(module).forward))
         self.on_traced = on_traced
+        self.dump_path = dump_path
         self.dynamo_time_s = 0.0
         """Time of the first call spent in Dynamo itself (backend compile excluded)."""
         self.backend_time_s = 0.0
@@ -202,7 +206,8 @@ class TraceOnce:
                            backend=self._capturing_backend,
                            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
         t0 = time.perf_counter()
-        out = fn(*args)
+        with _decompiled_bytecode_dump(self.dump_path):
+            out = fn(*args)
         self.dynamo_time_s = time.perf_counter() - t0 - self.backend_time_s
         if self._binding is not None:
             self._binder = self._binding.bind(self.module)
@@ -224,6 +229,18 @@ class TraceOnce:
                     raise RecompileError(f"the compiled model would recompile: {e}") from e
                 raise
         return self._first_call(*args)
+
+
+def _decompiled_bytecode_dump(path: Optional[str]):
+    """depyf writes Dynamo's transformed bytecode, decompiled to Python, under ``path``."""
+    if not path:
+        return contextlib.nullcontext()
+    try:
+        import depyf
+    except ImportError:
+        logger.warning("depyf is not installed: no decompiled bytecode in %s", path)
+        return contextlib.nullcontext()
+    return depyf.prepare_debug(str(Path(path) / "depyf"))
 
 
 def stock_compile(module: torch.nn.Module) -> Callable:

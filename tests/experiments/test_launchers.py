@@ -5,6 +5,7 @@ config groups: they must compose, point at the plugin's launcher class, and use 
 of the plugin's own config class (a field the plugin does not know would be passed on to
 sbatch / ray and fail on the cluster, far from where it was written).
 """
+import os
 import subprocess
 import sys
 import warnings
@@ -91,7 +92,8 @@ def test_joblib_local_runs_jobs_in_parallel_processes(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, str(app), "-m", "hydra/launcher=joblib_local",
                            f"hydra.sweep.dir={sweep}", "+x=1,2"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(CONF_DIR.parent)))
     assert proc.returncode == 0, proc.stderr
     assert "n_jobs=2" in proc.stdout + proc.stderr
     assert "validated against ConfigStore schema" not in proc.stderr

@@ -76,28 +76,30 @@ def test_env_factors_are_deterministic_and_track_versions_and_cpu(monkeypatch):
     (inductor_config, "max_autotune", True),
     (functorch_config, "donated_buffer", False),
 ])
-def test_compiler_config_changes_the_key(monkeypatch, module, name, value):
+def test_compiler_config_changes_the_key(module, name, value):
+    # torch config modules must be changed through patch(): monkeypatch's undo deletes the
+    # entry from the config module instead of restoring it.
     before = inductor_factors()
-    monkeypatch.setattr(module, name, value)
-    after = inductor_factors()
+    with module.patch({name: value}):
+        after = inductor_factors()
     assert compute_cache_key({"c": after})[0] != compute_cache_key({"c": before})[0]
     group = "inductor" if module is inductor_config else "functorch"
     assert after[group]["changed_from_default"][name] == value
 
 
-def test_custom_post_grad_pass_enters_by_uuid(monkeypatch):
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", _NamedPass("pm-1"))
-    first = inductor_factors()
+def test_custom_post_grad_pass_enters_by_uuid():
+    with inductor_config.patch(post_grad_custom_post_pass=_NamedPass("pm-1")):
+        first = inductor_factors()
     assert first["custom_passes"]["post_grad_custom_post_pass"] == {"uuid": "pm-1"}
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", _NamedPass("pm-2"))
-    assert compute_cache_key(inductor_factors())[0] != compute_cache_key(first)[0]
+    with inductor_config.patch(post_grad_custom_post_pass=_NamedPass("pm-2")):
+        assert compute_cache_key(inductor_factors())[0] != compute_cache_key(first)[0]
 
 
-def test_compiler_config_paths_do_not_change_the_key(monkeypatch, tmp_path):
+def test_compiler_config_paths_do_not_change_the_key(tmp_path):
     before = inductor_factors()
-    monkeypatch.setattr(inductor_config, "global_cache_dir", str(tmp_path / "x"))
-    monkeypatch.setattr(inductor_config.aot_inductor, "output_path", str(tmp_path / "y"))
-    assert inductor_factors() == before
+    with inductor_config.patch({"global_cache_dir": str(tmp_path / "x"),
+                                "aot_inductor.output_path": str(tmp_path / "y")}):
+        assert inductor_factors() == before
 
 
 def test_compilation_config_paths_do_not_change_its_hash():
