@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from framework.torch_compat import forget_dynamo_cache
+
 logger = logging.getLogger(__name__)
 
 Backend = Callable[[torch.fx.GraphModule, list], Callable]
@@ -211,6 +213,7 @@ class TraceOnce:
         self.dynamo_time_s = time.perf_counter() - t0 - self.backend_time_s
         if self._binding is not None:
             self._binder = self._binding.bind(self.module)
+            forget_dynamo_cache(type(self.module).forward.__code__)
         else:
             self._dynamo_fn = fn
         return out

@@ -2,6 +2,7 @@
 padding and capture plan as on a GPU, with replay re-running the captured call on the
 captured (static) buffers."""
 import pytest
+import torch
 
 from framework import LLM, CompilationConfig
 from framework.cudagraph import EmulatedGraphOps, clear_all_graphs
@@ -63,3 +64,18 @@ def test_torch_backend_downgrades_full_to_piecewise(llama_checkpoint):
     llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(),
                cc={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2]})
     assert llm.stats["cudagraph_mode"] == "PIECEWISE"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_modes_give_identical_tokens_on_gpu(llama_checkpoint):
+    outs = {}
+    for mode in ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
+        cc = CompilationConfig(level=2, cudagraph_mode=mode, progress_bar=False,
+                               cudagraph_capture_sizes=[1, 2, 4, 8])
+        llm = LLM(str(llama_checkpoint), device="cuda", attention_backend="triton",
+                  compilation_config=cc, max_num_seqs=4, max_model_len=64)
+        assert llm.stats["cudagraph_mode"] == mode
+        outs[mode] = llm.generate(PROMPTS, 10, ignore_eos=True)
+        clear_all_graphs()
+    assert all(o == outs["NONE"] for o in outs.values()), outs
