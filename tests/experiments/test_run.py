@@ -128,7 +128,6 @@ def test_tracking_is_checked_before_the_job_runs(tmp_path):
         run_job_in_process([*TINY, "compile=O0", "tracking=wandb"], tmp_path / "job")
 
 
-@pytest.mark.slow
 def test_inductor_job_writes_the_full_results_contract(tmp_path):
     out = tmp_path / "job"
     results = run_job_in_process(

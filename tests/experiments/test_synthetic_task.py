@@ -211,7 +211,6 @@ def test_cli_prints_json(capsys):
     assert "outputs" not in out
 
 
-@pytest.mark.slow
 def test_compiled_o2_keeps_the_accuracy(tmp_path):
     """The piecewise-compiled model (O2, Inductor) answers like the eager one."""
     rec = _metrics()["eval"]

@@ -55,7 +55,6 @@ def artifacts(cache):
     return sorted(Path(cache).glob("*/rank_0/*/artifacts/*"))
 
 
-@pytest.mark.slow
 def test_warm_start_in_fresh_process_loads_everything(llama_checkpoint, reference, tmp_path):
     cold = run_job(llama_checkpoint, tmp_path)
     assert cold["out"] == reference
@@ -67,7 +66,6 @@ def test_warm_start_in_fresh_process_loads_everything(llama_checkpoint, referenc
     assert warm["traces"] == 0, "warm start should rebuild the program without Dynamo"
 
 
-@pytest.mark.slow
 def test_corrupt_artifact_and_index_are_recompiled(llama_checkpoint, reference, tmp_path):
     cold = run_job(llama_checkpoint, tmp_path)
     victim = artifacts(tmp_path)[0]
@@ -84,7 +82,6 @@ def test_corrupt_artifact_and_index_are_recompiled(llama_checkpoint, reference, 
     assert cold["pieces"] == again["pieces"]
 
 
-@pytest.mark.slow
 def test_concurrent_cold_starts_share_one_artifact_set(llama_checkpoint, reference, tmp_path):
     procs = [run_job(llama_checkpoint, tmp_path, background=True) for _ in range(3)]
     results = []

@@ -270,7 +270,6 @@ def test_three_concurrent_cold_processes_end_with_one_complete_set(tmp_path, out
         assert compiles >= 3
 
 
-@pytest.mark.slow
 def test_inductor_standalone_artifact_roundtrip(tmp_path):
     """The backend's real use: save a standalone_compile artifact through the store, load it."""
     import torch

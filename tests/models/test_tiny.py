@@ -73,7 +73,6 @@ def test_bad_preset_and_arch():
     assert set(PRESETS) >= {"default", "test-llama", "test-mistral", "test-qwen2", "test-qwen3"}
 
 
-@pytest.mark.slow
 def test_default_model_builds_and_loads(tmp_path):
     path = ensure_tiny_model(tmp_path)
     model, config = load_model(path, torch.bfloat16)
