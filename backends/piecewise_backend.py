@@ -12,7 +12,7 @@ Flow for the one Dynamo graph of a model:
 """
 from __future__ import annotations
 
-import copy
+import contextlib
 import hashlib
 import json
 import logging
@@ -163,7 +163,7 @@ class PiecewiseBackend:
         self._dump("split_graph.py", _module_code(split))
         program = {"pieces": {}, "ranges": [[r.start, r.end] for r in self.ranges]}
         t1 = time.perf_counter()
-        lock = self.store.lock() if self.store is not None else _nullcontext()
+        lock = self.store.lock() if self.store is not None else contextlib.nullcontext()
         with lock:
             piece_inputs = _piece_example_inputs(split, fakes)
             bar = _progress(self.progress, len(self.pieces) - self.stats.num_splitting_ops)
@@ -336,14 +336,6 @@ def _first_output(fn: Callable) -> Callable:
 
 def _already_written(path) -> None:
     raise RuntimeError("identical piece's artifact vanished from the cache while compiling")
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _progress(enabled: bool, total: int):
