@@ -153,18 +153,6 @@ def _train(recipe: TrainRecipe, task: SyntheticTask, log) -> tuple[Any, dict[str
     return model, record
 
 
-def _quantization_available() -> Optional[str]:
-    """None when the quantization shorthands can be used, else why not."""
-    try:
-        from framework.quantization import QuantizationConfig
-        from passes.quant_schemes import quantize_model  # noqa: F401
-        for name in QUANT_SHORTHANDS:
-            QuantizationConfig.parse(name)
-    except Exception as e:  # an in-progress module may fail in any way; report it, don't crash
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def evaluate_checkpoint(model_dir: Path, task: str, n: int = EVAL_N, seed: int = EVAL_SEED,
                         log=print) -> dict[str, Any]:
     """Exact match through ``framework.LLM`` at O0: unquantized and per int8 shorthand.
@@ -188,11 +176,6 @@ def evaluate_checkpoint(model_dir: Path, task: str, n: int = EVAL_N, seed: int =
            "optimization_level": 0,
            "unquantized": summary(base)}
     log(f"held-out exact match through framework.LLM (O0, n={n}): {base['exact_match']:.3f}")
-    why_not = _quantization_available()
-    if why_not is not None:
-        out["quantized_skipped"] = why_not
-        log(f"quantized evaluation skipped: {why_not}")
-        return out
     for name in QUANT_SHORTHANDS:
         res = evaluate(model_dir, name, 0, n=n, seed=seed, task=task, reference=base)
         out[name] = summary(res)

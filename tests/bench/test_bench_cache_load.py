@@ -23,7 +23,7 @@ def _clear_inductor_caches() -> None:
 def test_cache_load_piece(benchmark, bench_llm):
     store = bench_llm.compiled.store
     if store is None:
-        pytest.skip(f"level {bench_llm.config.level} has no artifact store")
+        pytest.skip(reason=f"level {bench_llm.config.level} has no artifact store")
     entries = store.entries()
     assert entries, f"the artifact store {store.dir} has no entries"
     # The most shared graph is a decoder layer's piece: the typical artifact.

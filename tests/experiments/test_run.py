@@ -118,7 +118,7 @@ def test_job_on_a_synthetic_checkpoint_records_exact_match(synthetic_checkpoint,
 def test_tracking_is_checked_before_the_job_runs(tmp_path):
     try:
         import mlflow  # noqa: F401
-        pytest.skip("mlflow is installed: the missing-package error cannot occur")
+        pytest.skip(reason="mlflow is installed: the missing-package error cannot occur")
     except ImportError:
         pass
     with pytest.raises(ImportError, match="pip install mlflow"):

@@ -16,11 +16,6 @@ ADDITION = ROOT / "models" / "synthetic" / "addition"
 QUANT_SHORTHANDS = ("int8_per_token", "int8_per_channel_weight_only")
 
 
-def _quantization_unavailable() -> str | None:
-    from experiments.train_synthetic import _quantization_available
-    return _quantization_available()
-
-
 def _little_endian(text: str) -> int:
     return int(text[::-1])
 
@@ -178,9 +173,6 @@ def test_the_metric_detects_a_damaged_model(tmp_path):
 
 @pytest.mark.parametrize("shorthand", QUANT_SHORTHANDS)
 def test_quantized_exact_match_within_two_points(shorthand):
-    why = _quantization_unavailable()
-    if why is not None:
-        pytest.skip(f"quantization shorthands not importable yet ({why})")
     rec = _metrics()["eval"]
     n, seed = rec["smoke_n"], rec["seed"]
     base = evaluate(ADDITION, n=n, seed=seed)
@@ -196,9 +188,6 @@ def test_quantized_exact_match_within_two_points(shorthand):
 
 
 def test_evaluate_rejects_a_reference_for_other_prompts():
-    why = _quantization_unavailable()
-    if why is not None:
-        pytest.skip(f"quantization shorthands not importable yet ({why})")
     base = evaluate(ADDITION, n=8, seed=1)
     with pytest.raises(ValueError, match="reference was computed for another"):
         evaluate(ADDITION, quantization="int8_per_token", n=8, seed=2, reference=base)
