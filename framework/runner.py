@@ -158,7 +158,9 @@ class ModelRunner:
         qsl = ctx.attn_metadata[self.layer_names[0]].query_start_loc_cpu
         rows = [qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
-        tokens = logits.argmax(dim=-1).tolist() if rows else []
+        # argmax over fp32: exact for bf16/fp16 values, and ~3.5x faster than the bf16 argmax
+        # kernel on these CPUs (32000-way row: 32 us vs 115 us, measured side by side)
+        tokens = logits.float().argmax(dim=-1).tolist() if rows else []
         it = iter(tokens)
         sampled = [next(it) if c.samples else None for c in chunks]
         kind = ("decode" if all(c.num_tokens == 1 and c.start > 0 for c in chunks)
