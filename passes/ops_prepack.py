@@ -14,13 +14,15 @@ the op is functional (no mutation, output never aliases an input), so nothing th
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 
-_PACKED: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
-"""(data_ptr, shape, dtype) -> (packed weight, weight version, weight): the weight itself is
-kept so its memory cannot be reused by another tensor while the entry exists."""
+_PACKED: dict[tuple, tuple[torch.Tensor, int]] = {}
+"""(data_ptr, shape, dtype) -> (packed weight, weight version).  An entry lives exactly as long
+as its weight (a finalizer drops it), so neither a dead model's packed copy is kept alive nor
+can another tensor reuse the address while the entry exists."""
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -35,7 +37,9 @@ def packed_weight(w: torch.Tensor) -> torch.Tensor:
     key = (w.data_ptr(), tuple(w.shape), w.dtype)
     entry = _PACKED.get(key)
     if entry is None or entry[1] != w._version:
-        entry = (torch.ops.mkldnn._reorder_linear_weight(w.contiguous()), w._version, w)
+        if entry is None:
+            weakref.finalize(w, _PACKED.pop, key, None)
+        entry = (torch.ops.mkldnn._reorder_linear_weight(w.contiguous()), w._version)
         _PACKED[key] = entry
     return entry[0]
 

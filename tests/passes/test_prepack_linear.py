@@ -69,3 +69,14 @@ def test_addmm_with_a_residual_input_becomes_linear_plus_add():
     assert count_op(backend.graph_after, torch.ops.piecewise.prepacked_linear) == 1
     assert count_op(backend.graph_after, aten.addmm) == 0
     assert_close_to_eager(out, f(*args), dtype)
+
+
+def test_packed_copy_dies_with_its_weight():
+    import gc
+    clear_packed_weights()
+    w = torch.randn(16, 32, dtype=torch.bfloat16)
+    torch.ops.piecewise.prepacked_linear(torch.randn(2, 32, dtype=torch.bfloat16), w, None)
+    assert len(_PACKED) == 1
+    del w
+    gc.collect()
+    assert len(_PACKED) == 0
