@@ -16,6 +16,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -151,10 +153,13 @@ class PiecewiseBackend:
         self._compiled: dict[tuple[str, CompileRange], Callable] = {}
         self._program: Optional[dict] = None
         self._installed: dict[str, Callable] = {}
+        self.traced_files: list[str] = []
+        """Non-torch source files whose code produced nodes of the Dynamo graph."""
 
     # ------------------------------------------------------------------ compile
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         t0 = time.perf_counter()
+        self.traced_files = traced_files(gm)
         split, self.pieces = split_graph(gm, self.splitting_ops)
         self.stats.split_time_s = time.perf_counter() - t0
         self.stats.num_pieces = sum(not p.is_splitting_op for p in self.pieces)
@@ -303,6 +308,20 @@ class PiecewiseBackend:
             p = pathlib.Path(self.dump_path)
             p.mkdir(parents=True, exist_ok=True)
             (p / name).write_text(text)
+
+
+_STACK_FILE = re.compile(r'File "([^"]+)", line')
+
+
+def traced_files(gm: fx.GraphModule) -> list[str]:
+    """Files outside torch whose code produced nodes of the graph (from the stack traces
+    Dynamo records on every node)."""
+    files = set()
+    for n in gm.graph.nodes:
+        for f in _STACK_FILE.findall(n.meta.get("stack_trace") or ""):
+            if f"{os.sep}torch{os.sep}" not in f and os.path.isfile(f):
+                files.add(f)
+    return sorted(files)
 
 
 def _piece_example_inputs(split: fx.GraphModule, fakes: list) -> dict[str, list]:

@@ -6,11 +6,9 @@ split, passes, per-range compile, artifact cache, warm start without Dynamo).
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from framework.cache_key import source_factors
 from framework.config import CompilationConfig, CompilationMode
 
 logger = logging.getLogger(__name__)
@@ -35,30 +34,6 @@ def model_source_files(model: torch.nn.Module) -> list[str]:
             except TypeError:
                 pass
     return sorted(f for f in files if f)
-
-
-def file_hashes(files: list[str]) -> dict[str, str]:
-    out = {}
-    for f in files:
-        try:
-            out[Path(f).name + ":" + hashlib.sha256(f.encode()).hexdigest()[:8]] = \
-                hashlib.sha256(Path(f).read_bytes()).hexdigest()[:16]
-        except OSError:
-            out[f] = "missing"
-    return out
-
-
-_STACK_FILE = re.compile(r'File "([^"]+)", line')
-
-
-def traced_files(gm: torch.fx.GraphModule) -> list[str]:
-    """Project files whose code produced nodes of the Dynamo graph (from stack traces)."""
-    files = set()
-    for n in gm.graph.nodes:
-        for f in _STACK_FILE.findall(n.meta.get("stack_trace") or ""):
-            if "/torch/" not in f and Path(f).exists():
-                files.add(f)
-    return sorted(files)
 
 
 @dataclass
@@ -124,7 +99,7 @@ def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, qua
     restored = backend.restore()
     if restored is not None:
         split, program = restored
-        if program.get("source_hashes") == file_hashes(program.get("source_files", [])):
+        if program.get("source_hashes") == source_factors(program.get("source_files", [])):
             traced.install(split, ArgBinding.from_json(program["binding"]))
             out.stats["warm_restore_s"] = time.perf_counter() - t0
             out.stats["dynamo_skipped"] = True
@@ -134,9 +109,11 @@ def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, qua
     def finalize() -> None:
         if traced._binding is None or out.stats.get("dynamo_skipped"):
             return
-        files = sorted(set(model_source_files(model)))
+        # The key covers the model's class files; the files Dynamo actually traced through
+        # (helpers in other modules) are checked again when the program is restored.
+        files = backend.traced_files
         backend.save_program({"binding": traced._binding.to_json(), "source_files": files,
-                              "source_hashes": file_hashes(files)})
+                              "source_hashes": source_factors(files)})
         if config.debug_dump_path:
             Path(config.debug_dump_path).mkdir(parents=True, exist_ok=True)
             (Path(config.debug_dump_path) / "binding.json").write_text(
@@ -160,7 +137,7 @@ def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_has
         "model_config": model_hash,
         "dtype": str(dtype),
         "quantization": quant_hash,
-        "source": file_hashes(model_source_files(model)),
+        "source": source_factors(model_source_files(model)),
     }
     root = config.cache_dir or default_cache_dir()
     return ArtifactStore.open(root, factors, rank=0, model_tag=model_tag)

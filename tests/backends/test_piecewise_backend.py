@@ -78,3 +78,10 @@ def test_piece_runtimes_dispatch_by_token_count(llama_checkpoint):
         assert rt.entry_for(4).compile_range == CompileRange(4, 4)
         assert rt.entry_for(5).compile_range == CompileRange(1, 8)
         assert rt.entry_for(9).compile_range == CompileRange(9, 64)
+
+
+def test_traced_files_are_the_model_sources(llama_checkpoint):
+    llm = _eager_llm(llama_checkpoint)
+    names = {p.rsplit("/", 1)[-1] for p in llm.compiled.backend.traced_files}
+    assert {"decoder.py", "layers.py"} <= names
+    assert not any("/torch/" in p for p in llm.compiled.backend.traced_files)
