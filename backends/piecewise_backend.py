@@ -240,20 +240,24 @@ class PiecewiseBackend:
             return None
         try:
             fn = self.compiler.load(path)
-        except Exception as e:  # a verified file that no longer loads: recompile
-            warnings.warn(f"artifact {path} failed to load ({type(e).__name__}: {e}); "
-                          f"recompiling it")
+        except Exception as e:  # a verified file that no longer loads: drop it, recompile
+            # (left in the index, the recompiled artifact would be deduplicated onto it)
+            self.store.discard(key, f"failed to load ({type(e).__name__}: {e}); recompiling")
             return None
         self.stats.loads += 1
         if single_output:  # a loaded artifact returns a flat list even for one output
             return _first_output(fn)
         return fn
 
-    def _install(self, split: fx.GraphModule, info: PieceInfo, runtime: PiecewiseRuntime):
+    def _register(self, info: PieceInfo, runtime: PiecewiseRuntime) -> Callable:
+        """Record the runtime; returns what stands in the piece's place (maybe wrapped)."""
         self.runtimes[info.name] = runtime
         fn = self.wrap_piece(runtime, info) if self.wrap_piece else runtime
         self._installed[info.name] = fn
-        split.__dict__[info.name] = fn  # instance dict wins over the submodule
+        return fn
+
+    def _install(self, split: fx.GraphModule, info: PieceInfo, runtime: PiecewiseRuntime):
+        split.__dict__[info.name] = self._register(info, runtime)  # instance dict wins
 
     def split_wrappers(self) -> list:
         """What stands in each piece's place in the split module (runtime or its wrapper)."""
@@ -291,9 +295,7 @@ class PiecewiseBackend:
                 size_from = (rec["size_from"][0], rec["size_from"][1])
                 runtime = PiecewiseRuntime(name, entries, self.max_num_tokens, size_from)
                 info = PieceInfo(name, int(name.removeprefix("submod_")), False)
-                self.runtimes[name] = runtime
-                modules[name] = self.wrap_piece(runtime, info) if self.wrap_piece else runtime
-                self._installed[name] = modules[name]
+                modules[name] = self._register(info, runtime)
             split = graph_from_json(program["graph"], modules)
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             warnings.warn(f"{self.store.dir / PROGRAM_BLOB} is unusable ({e}); re-tracing")

@@ -99,3 +99,29 @@ def test_concurrent_cold_starts_share_one_artifact_set(llama_checkpoint, referen
     on_disk = {str(p.relative_to(index_files[0].parent)) for p in artifacts(tmp_path)}
     assert referenced == on_disk
     assert not list(Path(tmp_path).rglob("*.tmp*"))
+
+
+def test_artifact_that_verifies_but_fails_to_load_is_replaced(llama_checkpoint, reference,
+                                                              tmp_path, monkeypatch):
+    from backends.compiler import InductorStandalone
+    from framework import LLM, CompilationConfig
+
+    def build():
+        return LLM(str(llama_checkpoint), optimization_level=1, cache_dir=str(tmp_path),
+                   max_num_seqs=2, max_model_len=64,
+                   compilation_config=CompilationConfig(progress_bar=False))
+
+    build()
+
+    def broken_load(self, path):
+        raise RuntimeError("simulated loader failure")
+
+    monkeypatch.setattr(InductorStandalone, "load", broken_load)
+    with pytest.warns(UserWarning, match="failed to load"):
+        llm = build()
+    assert llm.generate(PROMPTS, 8, ignore_eos=True) == reference
+    assert llm.stats["compile_compiles"] > 0
+    monkeypatch.undo()
+    assert set(artifacts(tmp_path)), "the recompiled artifacts are stored again"
+    again = build()
+    assert again.stats["compile_compiles"] == 0 and again.stats["compile_loads"] > 0
