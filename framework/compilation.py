@@ -107,17 +107,17 @@ def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, qua
             logger.info("model source changed since the cached program; re-tracing")
 
     def finalize() -> None:
-        if traced._binding is None or out.stats.get("dynamo_skipped"):
+        if traced.binding is None or out.stats.get("dynamo_skipped"):
             return
         # The key covers the model's class files; the files Dynamo actually traced through
         # (helpers in other modules) are checked again when the program is restored.
         files = backend.traced_files
-        backend.save_program({"binding": traced._binding.to_json(), "source_files": files,
+        backend.save_program({"binding": traced.binding.to_json(), "source_files": files,
                               "source_hashes": source_factors(files)})
         if config.debug_dump_path:
             Path(config.debug_dump_path).mkdir(parents=True, exist_ok=True)
             (Path(config.debug_dump_path) / "binding.json").write_text(
-                json.dumps(traced._binding.to_json(), indent=1))
+                json.dumps(traced.binding.to_json(), indent=1))
 
     out.finalize = finalize
     out.forward = traced

@@ -174,6 +174,11 @@ class TraceOnce:
         self._dynamo_fn: Optional[Callable] = None
 
     @property
+    def binding(self) -> Optional[ArgBinding]:
+        """How graph inputs come from a call; None before the trace (or if not bindable)."""
+        return self._binding
+
+    @property
     def traced(self) -> bool:
         return self._binder is not None or self._dynamo_fn is not None
 
