@@ -5,6 +5,7 @@ from backends.attention.common import (AttentionBackend, AttentionCGSupport, Att
 import importlib.util
 
 from backends.attention import torch_paged  # noqa: F401  (registers "torch")
+from backends.attention import cpu_paged  # noqa: F401  (registers "cpu_paged"; built on first use)
 
 if importlib.util.find_spec("triton") is not None:  # triton is imported at first kernel call
     from backends.attention import triton_paged  # noqa: F401  (registers "triton")

@@ -1,0 +1,112 @@
+"""Fused CPU paged attention: one native call per layer writes the new K/V at the slot mapping
+and attends straight from the block table (no gather, no repeated KV heads, no masks built).
+
+Contract and KV layout are the plain-torch backend's (``[2, num_blocks, block_size, Hkv, D]``):
+decode and mixed prefill+decode batches, GQA/MQA, sliding windows, padding rows zeroed;
+float32 and bfloat16 (fp32 accumulation, online softmax).  The kernel is C++
+(``csrc/cpu_paged_attention.cpp``) built per machine on first use and cached on disk
+(:mod:`backends.attention.cpu_paged_build`).  Other dtypes and non-CPU tensors raise.
+
+Per step the metadata-derived arguments (pointers of the block table, query_start_loc,
+seq_lens and slot_mapping, and the counts) are computed once and kept on the metadata object,
+which every layer shares, so a layer call only adds its own q/k/v/out/cache pointers.
+
+CUDA-graph support: NEVER (a CPU kernel; FULL graphs come from the Triton backend).
+"""
+from __future__ import annotations
+
+import torch
+
+from backends.attention.common import (AttentionBackend, AttentionCGSupport, AttentionMetadata,
+                                       register_backend)
+from backends.attention.cpu_paged_build import load_library
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ERRORS = {1: "unsupported dtype", 2: "head_dim > 256 or Hq not a multiple of Hkv",
+           3: "a request has more query tokens than context (seq_lens < query length)",
+           4: "the block table names a block outside the KV cache"}
+_MD_KEY = "_cpu_paged_args"
+
+
+def _check_rows(name: str, t: torch.Tensor, heads: int, d: int) -> None:
+    if t.dim() != 3 or t.shape[1] != heads or t.shape[2] != d or t.stride(2) != 1 \
+            or t.stride(1) != d:
+        raise ValueError(f"cpu_paged attention: {name} must be [T, {heads}, {d}] with "
+                         f"contiguous heads, got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def _metadata_args(md: AttentionMetadata) -> tuple:
+    """(slot_mapping, block_table, block-table row stride, query_start_loc, seq_lens,
+    num_reqs, num_actual_tokens), checked once per step; tensors are kept alive with it."""
+    args = md.__dict__.get(_MD_KEY)
+    if args is None:
+        tensors = {"slot_mapping": (md.slot_mapping, torch.int64),
+                   "block_table": (md.block_table, torch.int32),
+                   "query_start_loc": (md.query_start_loc, torch.int32),
+                   "seq_lens": (md.seq_lens, torch.int32)}
+        for name, (t, dtype) in tensors.items():
+            if t.device.type != "cpu" or t.dtype != dtype or t.stride(-1) != 1:
+                raise ValueError(f"cpu_paged attention: metadata {name} must be a CPU {dtype} "
+                                 f"tensor with unit inner stride, got {t.dtype} on {t.device} "
+                                 f"with strides {t.stride()}")
+        if md.query_start_loc.shape[0] < md.num_reqs + 1 or md.seq_lens.shape[0] < md.num_reqs:
+            raise ValueError("cpu_paged attention: query_start_loc/seq_lens shorter than "
+                             f"num_reqs={md.num_reqs}")
+        if md.query_start_loc_cpu[md.num_reqs] > md.num_actual_tokens:
+            raise ValueError(f"cpu_paged attention: query_start_loc ends at "
+                             f"{md.query_start_loc_cpu[md.num_reqs]} > num_actual_tokens="
+                             f"{md.num_actual_tokens}")
+        keep = (md.slot_mapping, md.block_table, md.query_start_loc, md.seq_lens)
+        args = (keep, md.slot_mapping.data_ptr(), md.block_table.data_ptr(),
+                md.block_table.stride(0), md.query_start_loc.data_ptr(),
+                md.seq_lens.data_ptr(), md.num_reqs, md.num_actual_tokens)
+        md.__dict__[_MD_KEY] = args
+    return args
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                    sliding_window: int) -> None:
+    """The fused kernel on explicit tensors (see :class:`AttentionBackend.forward`)."""
+    dtype = _DTYPES.get(q.dtype)
+    if dtype is None or k.dtype != q.dtype or v.dtype != q.dtype or out.dtype != q.dtype \
+            or kv_cache.dtype != q.dtype:
+        raise ValueError(f"cpu_paged attention: q/k/v/out/kv_cache must share one dtype of "
+                         f"{sorted(str(d) for d in _DTYPES)}, got q {q.dtype}, k {k.dtype}, "
+                         f"v {v.dtype}, out {out.dtype}, kv_cache {kv_cache.dtype}")
+    if kv_cache.device.type != "cpu" or q.device.type != "cpu":
+        raise ValueError(f"cpu_paged attention runs on CPU tensors, got q on {q.device}, "
+                         f"kv_cache on {kv_cache.device}")
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    hq = q.shape[1]
+    if not kv_cache.is_contiguous():
+        raise ValueError("cpu_paged attention: kv_cache must be contiguous")
+    _check_rows("q", q, hq, d)
+    _check_rows("k", k, hkv, d)
+    _check_rows("v", v, hkv, d)
+    _check_rows("out", out, hq, d)
+    _, slots, table, table_stride, qsl, seq_lens, num_reqs, n = _metadata_args(md)
+    if md.max_seq_len > md.block_table.shape[1] * block_size:
+        raise ValueError(f"cpu_paged attention: max_seq_len={md.max_seq_len} exceeds the block "
+                         f"table ({md.block_table.shape[1]} blocks of {block_size})")
+    if n > q.shape[0] or md.slot_mapping.shape[0] < n:
+        raise ValueError(f"cpu_paged attention: num_actual_tokens={n} exceeds q rows "
+                         f"{q.shape[0]} or slot_mapping length {md.slot_mapping.shape[0]}")
+    rc = load_library().piecewise_cpu_paged_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        out.data_ptr(), out.stride(0), kv_cache.data_ptr(), num_blocks, block_size,
+        slots, table, table_stride, qsl, seq_lens, num_reqs, n, out.shape[0], hq, hkv, d,
+        scale, sliding_window, dtype)
+    if rc:
+        raise ValueError(f"cpu_paged attention: {_ERRORS.get(rc, f'error {rc}')} "
+                         f"(Hq={hq}, Hkv={hkv}, D={d})")
+
+
+@register_backend("cpu_paged")
+class CpuPagedAttention(AttentionBackend):
+    cudagraph_support = AttentionCGSupport.NEVER
+
+    @staticmethod
+    def forward(q, k, v, out, kv_cache, md: AttentionMetadata, scale: float,
+                sliding_window: int) -> None:
+        paged_attention(q, k, v, out, kv_cache, md, scale, sliding_window)

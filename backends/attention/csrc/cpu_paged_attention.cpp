@@ -1,0 +1,283 @@
+// Fused CPU paged attention (see backends/attention/cpu_paged.py for the contract).
+//
+// One call writes the new K/V rows at their cache slots, then computes causal attention of
+// every query token straight from the block table with an online softmax (fp32 accumulation),
+// for decode and mixed prefill+decode batches.  GQA/MQA: a work item is (request, KV head,
+// tile of query tokens) and handles all Hq/Hkv query heads that share the KV head, so K/V are
+// read once per item and never repeated.  Sliding window: keys in [pos - window + 1, pos].
+//
+// No torch headers: plain C ABI called through ctypes on data pointers, so the build is one
+// g++ call of ~1-2 s.  Vectorisation is left to the compiler (`omp simd` loops, built with
+// -O3 -march=native when the build is per machine; see cpu_paged_build.py).  Threads come from
+// OpenMP; the library links libgomp.so.1 by soname, which resolves to the copy torch already
+// loaded, so torch.set_num_threads governs it and no second thread pool exists.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+constexpr int kQueryTile = 16;      // query tokens per work item (prefill rows share K/V reads)
+constexpr int kMaxHeadDim = 256;
+
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline void load_row(const float* src, float* dst, int n) { std::memcpy(dst, src, n * 4); }
+inline void load_row(const uint16_t* src, float* dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+inline void store_row(const float* src, float* dst, int n, float mul) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = src[i] * mul;
+}
+inline void store_row(const float* src, uint16_t* dst, int n, float mul) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i] * mul);
+}
+
+// exp for x <= 0 (Cephes expf polynomial, ~1-2 ulp); vectorisable; returns 0 below -87.
+inline float exp_neg(float x) {
+  const bool underflow = x < -87.0f;
+  x = std::max(x, -87.0f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  int32_t e = static_cast<int32_t>(n) + 127;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float p;
+  std::memcpy(&p, &bits, 4);
+  return underflow ? 0.0f : y * p;
+}
+
+struct Args {
+  const void* q; int64_t q_st;        // [T, Hq, D], token stride in elements
+  const void* k; int64_t k_st;        // [T, Hkv, D]
+  const void* v; int64_t v_st;
+  void* out; int64_t out_st;          // [T_pad, Hq, D]
+  void* kv_cache;                     // [2, NB, BS, Hkv, D] contiguous
+  int64_t num_blocks, block_size;
+  const int64_t* slot_mapping;        // [T]
+  const int32_t* block_table; int64_t bt_st;
+  const int32_t* qsl;                 // [R + 1]
+  const int32_t* seq_lens;            // [R]
+  int64_t num_reqs, num_tokens, num_padded;
+  int64_t hq, hkv, d;
+  float scale;
+  int64_t window;
+};
+
+struct Item { int32_t req, q0, q1, head; };
+
+// Returns false when the block table names a block outside the cache.
+template <typename T>
+bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
+  const int d = static_cast<int>(a.d), g = static_cast<int>(a.hq / a.hkv);
+  const int bs = static_cast<int>(a.block_size);
+  const int qs = a.qsl[it.req], ql = a.qsl[it.req + 1] - qs;
+  const int64_t L = a.seq_lens[it.req];
+  const int nq = it.q1 - it.q0, rows = nq * g;
+  scratch.resize(static_cast<size_t>(rows) * (2 * d + bs + 2) + 2 * d);
+  float* qf = scratch.data();                   // [rows, d], pre-scaled
+  float* acc = qf + rows * d;                   // [rows, d]
+  float* s = acc + rows * d;                    // [rows, bs]
+  float* m = s + rows * bs;                     // [rows]
+  float* l = m + rows;                          // [rows]
+  float* kf = l + rows;                         // [d]
+  float* vf = kf + d;                           // [d]
+  const T* q = static_cast<const T*>(a.q);
+  for (int i = 0; i < nq; ++i)
+    for (int j = 0; j < g; ++j) {
+      const T* src = q + (qs + it.q0 + i) * a.q_st + (it.head * g + j) * d;
+      float* dst = qf + (i * g + j) * d;
+      load_row(src, dst, d);
+#pragma omp simd
+      for (int x = 0; x < d; ++x) dst[x] *= a.scale;
+    }
+  std::fill(acc, acc + rows * d, 0.0f);
+  std::fill(m, m + rows, -INFINITY);
+  std::fill(l, l + rows, 0.0f);
+  // Key range of the tile: first query's window start .. last query's position.
+  const int64_t pos0 = L - ql + it.q0, pos1 = L - ql + it.q1 - 1;
+  const int64_t win = a.window;
+  const int64_t kstart = win > 0 ? std::max<int64_t>(0, pos0 - win + 1) : 0;
+  const int64_t kend = pos1;  // inclusive
+  const T* kc = static_cast<const T*>(a.kv_cache);
+  const T* vc = kc + a.num_blocks * a.block_size * a.hkv * d;
+  const int32_t* table = a.block_table + it.req * a.bt_st;
+  for (int64_t b = kstart / bs; b <= kend / bs; ++b) {
+    if (table[b] < 0 || table[b] >= a.num_blocks) return false;
+    const int64_t base = static_cast<int64_t>(table[b]) * bs;
+    const int j0 = static_cast<int>(std::max<int64_t>(kstart - b * bs, 0));
+    const int j1 = static_cast<int>(std::min<int64_t>(kend - b * bs + 1, bs));
+    for (int j = j0; j < j1; ++j) {
+      load_row(kc + ((base + j) * a.hkv + it.head) * d, kf, d);
+      const int64_t kpos = b * bs + j;
+      for (int r = 0; r < rows; ++r) {
+        const int64_t pos = pos0 + r / g;
+        float dot = -INFINITY;
+        if (kpos <= pos && (win <= 0 || kpos > pos - win)) {
+          const float* qr = qf + r * d;
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int x = 0; x < d; ++x) sum += qr[x] * kf[x];
+          dot = sum;
+        }
+        s[r * bs + j] = dot;
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      float* sr = s + r * bs;
+      float mb = -INFINITY;
+      for (int j = j0; j < j1; ++j) mb = std::max(mb, sr[j]);
+      if (mb == -INFINITY) {  // every key of this block is masked for this row
+        for (int j = j0; j < j1; ++j) sr[j] = 0.0f;
+        continue;
+      }
+      const float m_new = std::max(m[r], mb);
+      if (m_new > m[r]) {
+        const float alpha = exp_neg(m[r] - m_new);
+        float* ar = acc + r * d;
+#pragma omp simd
+        for (int x = 0; x < d; ++x) ar[x] *= alpha;
+        l[r] *= alpha;
+        m[r] = m_new;
+      }
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = j0; j < j1; ++j) {
+        const float p = exp_neg(sr[j] - m_new);
+        sr[j] = p;
+        sum += p;
+      }
+      l[r] += sum;
+    }
+    for (int j = j0; j < j1; ++j) {
+      load_row(vc + ((base + j) * a.hkv + it.head) * d, vf, d);
+      for (int r = 0; r < rows; ++r) {
+        const float p = s[r * bs + j];
+        if (p == 0.0f) continue;
+        float* ar = acc + r * d;
+#pragma omp simd
+        for (int x = 0; x < d; ++x) ar[x] += p * vf[x];
+      }
+    }
+  }
+  T* out = static_cast<T*>(a.out);
+  for (int i = 0; i < nq; ++i)
+    for (int j = 0; j < g; ++j) {
+      const int r = i * g + j;
+      T* dst = out + (qs + it.q0 + i) * a.out_st + (it.head * g + j) * d;
+      store_row(acc + r * d, dst, d, l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+    }
+  return true;
+}
+
+template <typename T>
+void write_kv(const Args& a) {
+  const int64_t row = a.hkv * a.d;
+  T* kc = static_cast<T*>(a.kv_cache);
+  T* vc = kc + a.num_blocks * a.block_size * row;
+  const T* k = static_cast<const T*>(a.k);
+  const T* v = static_cast<const T*>(a.v);
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    const int64_t slot = a.slot_mapping[t];
+    if (slot < 0) continue;
+    std::memcpy(kc + slot * row, k + t * a.k_st, row * sizeof(T));
+    std::memcpy(vc + slot * row, v + t * a.v_st, row * sizeof(T));
+  }
+}
+
+template <typename T>
+int run(const Args& a) {
+  if (a.d > kMaxHeadDim || a.hkv <= 0 || a.hq % a.hkv != 0) return 2;
+  write_kv<T>(a);
+  std::vector<Item> items;
+  int64_t work = 0;  // query-key pairs, to decide whether threads pay off
+  for (int32_t r = 0; r < a.num_reqs; ++r) {
+    const int32_t qs = a.qsl[r], ql = a.qsl[r + 1] - qs;
+    if (ql <= 0) continue;
+    if (a.seq_lens[r] < ql) return 3;
+    for (int32_t q0 = 0; q0 < ql; q0 += kQueryTile)
+      for (int32_t h = 0; h < a.hkv; ++h)
+        items.push_back({r, q0, std::min(ql, q0 + kQueryTile), h});
+    work += static_cast<int64_t>(ql) * a.seq_lens[r];
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const bool parallel = work * a.hq * a.d >= (1 << 16) && n_items > 1;
+  int bad_block = 0;
+#pragma omp parallel if (parallel) reduction(| : bad_block)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i)
+      if (!run_item<T>(a, items[i], scratch)) bad_block = 1;
+  }
+  if (bad_block) return 4;
+  // Padding rows get zeros.
+  T* out = static_cast<T*>(a.out);
+  for (int64_t t = a.num_tokens; t < a.num_padded; ++t)
+    std::memset(out + t * a.out_st, 0, a.hq * a.d * sizeof(T));
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16.  Returns 0 on success, 1 bad dtype, 2 bad head shape,
+// 3 a request with more query tokens than context, 4 a block id outside the cache.
+int piecewise_cpu_paged_attention(
+    const void* q, int64_t q_st, const void* k, int64_t k_st, const void* v, int64_t v_st,
+    void* out, int64_t out_st, void* kv_cache, int64_t num_blocks, int64_t block_size,
+    const int64_t* slot_mapping, const int32_t* block_table, int64_t bt_st,
+    const int32_t* qsl, const int32_t* seq_lens, int64_t num_reqs, int64_t num_tokens,
+    int64_t num_padded, int64_t hq, int64_t hkv, int64_t d, float scale, int64_t window,
+    int64_t dtype) {
+  Args a{q, q_st, k, k_st, v, v_st, out, out_st, kv_cache, num_blocks, block_size,
+         slot_mapping, block_table, bt_st, qsl, seq_lens, num_reqs, num_tokens, num_padded,
+         hq, hkv, d, scale, window};
+  if (dtype == 0) return run<float>(a);
+  if (dtype == 1) return run<uint16_t>(a);
+  return 1;
+}
+
+// Which instruction set the compiler vectorised for (for logs and benchmarks).
+const char* piecewise_cpu_paged_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__ARM_NEON)
+  return "neon";
+#else
+  return "portable";
+#endif
+}
+
+}  // extern "C"

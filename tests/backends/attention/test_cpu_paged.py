@@ -1,0 +1,154 @@
+"""The fused CPU paged-attention backend against the plain-torch reference backend: mixed
+prefill+decode batches, block boundaries, GQA/MQA, sliding windows, head_dim 32/64/128,
+float32 and bfloat16, contexts 1..4k, padding, the KV write, errors and opcheck."""
+import math
+
+import pytest
+import torch
+
+import backends.attention  # noqa: F401  (registers the op and the backends)
+from backends.attention.common import AttentionMetadata
+from backends.attention.cpu_paged_build import isa, load_library
+from framework.forward_context import ForwardContext, set_forward_context
+
+
+def make_step(ctx_lens, q_lens, hq, hkv, d, block_size, dtype, pad=0, seed=0):
+    """A step where request i has ``ctx_lens[i]`` tokens of context after the step, the last
+    ``q_lens[i]`` of them new.  Returns (q, k, v, out, kv_cache, metadata); the cache holds
+    random KV for the earlier positions, in blocks handed out from a shuffled order."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-n // block_size) for n in ctx_lens]
+    num_blocks = sum(nblk) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    kv = torch.randn(2, num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    table = torch.zeros(len(ctx_lens), max(nblk), dtype=torch.int32)
+    slots, qsl = [], [0]
+    for i, (L, ql) in enumerate(zip(ctx_lens, q_lens)):
+        blocks = [order.pop() for _ in range(nblk[i])]
+        table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(L - ql, L)]
+        qsl.append(qsl[-1] + ql)
+    n = qsl[-1]
+    q = torch.randn(n + pad, hq, d, generator=g).to(dtype)
+    k = torch.randn(n + pad, hkv, d, generator=g).to(dtype)
+    v = torch.randn(n + pad, hkv, d, generator=g).to(dtype)
+    md = AttentionMetadata("torch", n, len(ctx_lens), max(q_lens), max(ctx_lens),
+                           torch.tensor(qsl, dtype=torch.int32),
+                           torch.tensor(ctx_lens, dtype=torch.int32), table,
+                           torch.tensor(slots + [-1] * pad, dtype=torch.int64), qsl,
+                           list(ctx_lens))
+    out = torch.full_like(q, float("nan"))
+    return q, k, v, out, kv, md
+
+
+def run(backend, q, k, v, out, kv, md, scale, window):
+    md = AttentionMetadata(**{**md.__dict__, "backend": backend})
+    out, kv = out.clone(), kv.clone()
+    with set_forward_context(ForwardContext({"l": md}, {"l": kv})):
+        torch.ops.piecewise.attention(q, k, v, out, "l", scale, window)
+    return out, kv
+
+
+def check(ctx_lens, q_lens, hq=8, hkv=4, d=64, block_size=16, dtype=torch.float32, window=-1,
+          pad=0, seed=0):
+    step = make_step(ctx_lens, q_lens, hq, hkv, d, block_size, dtype, pad, seed)
+    scale = 1 / math.sqrt(d)
+    ref_out, ref_kv = run("torch", *step, scale, window)
+    out, kv = run("cpu_paged", *step, scale, window)
+    assert torch.equal(kv, ref_kv), "the KV write differs from the reference"
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref_out, **tol)
+    if pad:
+        assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:]))
+    return out
+
+
+def test_library_builds_for_this_cpu():
+    assert load_library() is load_library()          # built once, cached
+    assert isa() in ("avx512", "avx2", "neon", "portable")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_decode_batch(dtype, d):
+    check([1, 17, 80, 128], [1, 1, 1, 1], d=d, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_prefill_and_decode_with_padding(dtype):
+    # a fresh prompt, a chunked prefill continuing a context, decodes, a 1-token prompt
+    check([37, 70, 5, 1, 200], [37, 20, 1, 1, 1], dtype=dtype, pad=5)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 128])
+def test_block_boundaries(block_size):
+    lens = [block_size - 1 or 1, block_size, block_size + 1, 2 * block_size, 3 * block_size + 2]
+    q_lens = [min(ql, L) for ql, L in zip([1, 2, 1, 5, 3], lens)]
+    check(lens, q_lens, block_size=block_size)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (8, 1), (12, 3)])
+def test_gqa_and_mqa(hq, hkv):
+    check([40, 9, 23], [1, 9, 4], hq=hq, hkv=hkv)
+
+
+@pytest.mark.parametrize("window", [1, 4, 16, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window(window, dtype):
+    check([64, 50, 7, 100], [1, 25, 7, 1], window=window, dtype=dtype, block_size=8)
+
+
+@pytest.mark.parametrize("ctx", [1, 2, 127, 1000, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_context_lengths(ctx, dtype):
+    check([ctx], [1], dtype=dtype, d=128)
+    check([ctx, 3], [min(ctx, 33), 2], dtype=dtype, d=64, seed=1)
+
+
+def test_noncontiguous_q_view_of_a_fused_projection():
+    """q/k/v as the model passes them: views of one qkv projection (token stride > row)."""
+    hq, hkv, d = 8, 2, 32
+    q, k, v, out, kv, md = make_step([30, 3], [30, 1], hq, hkv, d, 16, torch.float32)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qv, kv_, vv = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+    views = (qv.view(-1, hq, d), kv_.view(-1, hkv, d), vv.view(-1, hkv, d))
+    assert not views[0].is_contiguous()
+    ref = run("torch", q, k, v, out, kv, md, 0.2, -1)
+    got = run("cpu_paged", *views, out, kv, md, 0.2, -1)
+    torch.testing.assert_close(got[0], ref[0], atol=2e-5, rtol=2e-5)
+    assert torch.equal(got[1], ref[1])
+
+
+def test_zero_query_padding_requests_are_skipped():
+    """FULL-graph style padding: extra requests with no query tokens and empty context."""
+    q, k, v, out, kv, md = make_step([12, 5], [1, 1], 8, 4, 64, 16, torch.float32)
+    qsl = md.query_start_loc_cpu + [2]
+    lens = md.seq_lens_cpu + [0]
+    table = torch.cat([md.block_table, torch.zeros(1, md.block_table.shape[1], dtype=torch.int32)])
+    md2 = AttentionMetadata("torch", 2, 3, 1, 12, torch.tensor(qsl, dtype=torch.int32),
+                            torch.tensor(lens, dtype=torch.int32), table, md.slot_mapping, qsl,
+                            lens)
+    ref = run("torch", q, k, v, out, kv, md, 0.125, -1)
+    got = run("cpu_paged", q, k, v, out, kv, md2, 0.125, -1)
+    torch.testing.assert_close(got[0], ref[0], atol=2e-5, rtol=2e-5)
+
+
+def test_errors_name_the_problem():
+    q, k, v, out, kv, md = make_step([8], [2], 8, 4, 64, 4, torch.float32)
+    with pytest.raises(ValueError, match="share one dtype"):
+        run("cpu_paged", q.half(), k, v, out, kv, md, 0.1, -1)
+    with pytest.raises(ValueError, match="contiguous heads"):
+        run("cpu_paged", q.transpose(1, 2).contiguous().transpose(1, 2), k, v, out, kv, md,
+            0.1, -1)
+    bad = AttentionMetadata(**{**md.__dict__, "block_table": md.block_table + 100})
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        run("cpu_paged", q, k, v, out, kv, bad, 0.1, -1)
+
+
+def test_opcheck():
+    q, k, v, out, kv, md = make_step([20, 6], [4, 1], 8, 4, 32, 4, torch.float32)
+    md.backend = "cpu_paged"
+    with set_forward_context(ForwardContext({"l": md}, {"l": kv})):
+        torch.library.opcheck(torch.ops.piecewise.attention.default,
+                              (q, k, v, out, "l", 0.125, -1),
+                              test_utils=("test_schema", "test_faketensor"))
