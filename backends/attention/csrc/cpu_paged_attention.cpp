@@ -19,6 +19,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -92,24 +95,101 @@ struct Args {
   int64_t window;
 };
 
+// s[r * s_stride + j] = dot(q[r], k[j]) for r < rows, j < nk (q, k fp32 rows of length d).
+template <int kD>
+inline void block_scores(const float* __restrict q, int rows, const float* __restrict k, int nk,
+                         int d_rt, float* __restrict s, int s_stride) {
+#if defined(__AVX512F__)
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    // 16 keys at a time: per key a vector of D/16 partial products, then one transposing
+    // reduction turns 16 such vectors into the 16 scores (no per-key horizontal sum).
+    constexpr int V = kD / 16;
+    for (int r = 0; r < rows; ++r) {
+      __m512 qv[V];
+      for (int x = 0; x < V; ++x) qv[x] = _mm512_loadu_ps(q + r * kD + 16 * x);
+      for (int j0 = 0; j0 < nk; j0 += 16) {
+        const int n = std::min(16, nk - j0);
+        __m512 accs[16];
+        for (int j = 0; j < 16; ++j) {
+          __m512 t = _mm512_setzero_ps();
+          if (j < n) {
+            const float* kr = k + (j0 + j) * kD;
+            for (int x = 0; x < V; ++x) t = _mm512_fmadd_ps(qv[x], _mm512_loadu_ps(kr + 16 * x), t);
+          }
+          accs[j] = t;
+        }
+        __m512 t8[8], u4[4];
+        for (int i = 0; i < 8; ++i)
+          t8[i] = _mm512_add_ps(_mm512_unpacklo_ps(accs[2 * i], accs[2 * i + 1]),
+                                _mm512_unpackhi_ps(accs[2 * i], accs[2 * i + 1]));
+        for (int i = 0; i < 4; ++i) {
+          const __m512d x0 = _mm512_castps_pd(t8[2 * i]), x1 = _mm512_castps_pd(t8[2 * i + 1]);
+          u4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x0, x1)),
+                                _mm512_castpd_ps(_mm512_unpackhi_pd(x0, x1)));
+        }
+        const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u4[0], u4[1], 0x88),
+                                        _mm512_shuffle_f32x4(u4[0], u4[1], 0xDD));
+        const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u4[2], u4[3], 0x88),
+                                        _mm512_shuffle_f32x4(u4[2], u4[3], 0xDD));
+        const __m512 sc = _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88),
+                                        _mm512_shuffle_f32x4(w0, w1, 0xDD));
+        _mm512_mask_storeu_ps(s + r * s_stride + j0, static_cast<__mmask16>((1u << n) - 1), sc);
+      }
+    }
+    return;
+  }
+#endif
+  const int d = kD > 0 ? kD : d_rt;
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < nk; ++j) {
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int x = 0; x < d; ++x) sum += q[r * d + x] * k[j * d + x];
+      s[r * s_stride + j] = sum;
+    }
+}
+
+// acc[x] += sum_j p[j] * v[j][x]; the accumulator stays in registers across the keys.
+template <int kD>
+inline void accumulate_values(float* __restrict acc, const float* __restrict p,
+                              const float* __restrict v, int nk, int d_rt) {
+  if constexpr (kD > 0) {
+    float a[kD];
+#pragma omp simd
+    for (int x = 0; x < kD; ++x) a[x] = acc[x];
+    for (int j = 0; j < nk; ++j) {
+      const float pj = p[j];
+#pragma omp simd
+      for (int x = 0; x < kD; ++x) a[x] += pj * v[j * kD + x];
+    }
+#pragma omp simd
+    for (int x = 0; x < kD; ++x) acc[x] = a[x];
+  } else {
+    for (int j = 0; j < nk; ++j)
+#pragma omp simd
+      for (int x = 0; x < d_rt; ++x) acc[x] += p[j] * v[j * d_rt + x];
+  }
+}
+
 struct Item { int32_t req, q0, q1, head; };
 
 // Returns false when the block table names a block outside the cache.
-template <typename T>
+// kD > 0: head_dim known at compile time (fully unrolled, no loop remainders); 0: generic.
+template <typename T, int kD>
 bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
-  const int d = static_cast<int>(a.d), g = static_cast<int>(a.hq / a.hkv);
+  const int d = kD > 0 ? kD : static_cast<int>(a.d), g = static_cast<int>(a.hq / a.hkv);
   const int bs = static_cast<int>(a.block_size);
   const int qs = a.qsl[it.req], ql = a.qsl[it.req + 1] - qs;
   const int64_t L = a.seq_lens[it.req];
   const int nq = it.q1 - it.q0, rows = nq * g;
-  scratch.resize(static_cast<size_t>(rows) * (2 * d + bs + 2) + 2 * d);
+  scratch.resize(static_cast<size_t>(rows) * (2 * d + bs + 2) + 2 * static_cast<size_t>(bs) * d);
   float* qf = scratch.data();                   // [rows, d], pre-scaled
   float* acc = qf + rows * d;                   // [rows, d]
   float* s = acc + rows * d;                    // [rows, bs]
   float* m = s + rows * bs;                     // [rows]
   float* l = m + rows;                          // [rows]
-  float* kf = l + rows;                         // [d]
-  float* vf = kf + d;                           // [d]
+  float* kblk = l + rows;                       // [bs, d]: this block's keys in fp32
+  float* vblk = kblk + bs * d;                  // [bs, d]: values
   const T* q = static_cast<const T*>(a.q);
   for (int i = 0; i < nq; ++i)
     for (int j = 0; j < g; ++j) {
@@ -133,59 +213,64 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   for (int64_t b = kstart / bs; b <= kend / bs; ++b) {
     if (table[b] < 0 || table[b] >= a.num_blocks) return false;
     const int64_t base = static_cast<int64_t>(table[b]) * bs;
+    if (b < kend / bs) {  // the next block is elsewhere in memory: prefetch this head's rows
+      const int32_t next = table[b + 1];
+      if (next >= 0 && next < a.num_blocks) {
+        const int64_t nbase = static_cast<int64_t>(next) * bs;
+        for (int j = 0; j < bs; ++j)
+          for (int x = 0; x < d * static_cast<int>(sizeof(T)); x += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(
+                kc + ((nbase + j) * a.hkv + it.head) * d) + x);
+            __builtin_prefetch(reinterpret_cast<const char*>(
+                vc + ((nbase + j) * a.hkv + it.head) * d) + x);
+          }
+      }
+    }
     const int j0 = static_cast<int>(std::max<int64_t>(kstart - b * bs, 0));
     const int j1 = static_cast<int>(std::min<int64_t>(kend - b * bs + 1, bs));
-    for (int j = j0; j < j1; ++j) {
-      load_row(kc + ((base + j) * a.hkv + it.head) * d, kf, d);
-      const int64_t kpos = b * bs + j;
+    const int nk = j1 - j0;
+    for (int j = 0; j < nk; ++j) {
+      load_row(kc + ((base + j0 + j) * a.hkv + it.head) * d, kblk + j * d, d);
+      load_row(vc + ((base + j0 + j) * a.hkv + it.head) * d, vblk + j * d, d);
+    }
+    block_scores<kD>(qf, rows, kblk, nk, d, s, bs);
+    // Rows are (query token, head) pairs; row r sees keys [pos - window + 1, pos] with
+    // pos = pos0 + r / g.  A block inside every row's range (all of a decode's blocks but the
+    // window's edge) skips the mask.
+    const int64_t kb0 = b * bs + j0, kb1 = b * bs + j1 - 1;
+    if (!(kb1 <= pos0 && (win <= 0 || kb0 > pos1 - win))) {
       for (int r = 0; r < rows; ++r) {
         const int64_t pos = pos0 + r / g;
-        float dot = -INFINITY;
-        if (kpos <= pos && (win <= 0 || kpos > pos - win)) {
-          const float* qr = qf + r * d;
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int x = 0; x < d; ++x) sum += qr[x] * kf[x];
-          dot = sum;
+        for (int j = 0; j < nk; ++j) {
+          const int64_t kpos = kb0 + j;
+          if (kpos > pos || (win > 0 && kpos <= pos - win)) s[r * bs + j] = -INFINITY;
         }
-        s[r * bs + j] = dot;
       }
     }
     for (int r = 0; r < rows; ++r) {
       float* sr = s + r * bs;
       float mb = -INFINITY;
-      for (int j = j0; j < j1; ++j) mb = std::max(mb, sr[j]);
+      for (int j = 0; j < nk; ++j) mb = std::max(mb, sr[j]);
       if (mb == -INFINITY) {  // every key of this block is masked for this row
-        for (int j = j0; j < j1; ++j) sr[j] = 0.0f;
+        for (int j = 0; j < nk; ++j) sr[j] = 0.0f;
         continue;
       }
+      float* ar = acc + r * d;
       const float m_new = std::max(m[r], mb);
       if (m_new > m[r]) {
         const float alpha = exp_neg(m[r] - m_new);
-        float* ar = acc + r * d;
 #pragma omp simd
         for (int x = 0; x < d; ++x) ar[x] *= alpha;
         l[r] *= alpha;
         m[r] = m_new;
       }
+#pragma omp simd
+      for (int j = 0; j < nk; ++j) sr[j] = exp_neg(sr[j] - m_new);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int j = j0; j < j1; ++j) {
-        const float p = exp_neg(sr[j] - m_new);
-        sr[j] = p;
-        sum += p;
-      }
+      for (int j = 0; j < nk; ++j) sum += sr[j];
       l[r] += sum;
-    }
-    for (int j = j0; j < j1; ++j) {
-      load_row(vc + ((base + j) * a.hkv + it.head) * d, vf, d);
-      for (int r = 0; r < rows; ++r) {
-        const float p = s[r * bs + j];
-        if (p == 0.0f) continue;
-        float* ar = acc + r * d;
-#pragma omp simd
-        for (int x = 0; x < d; ++x) ar[x] += p * vf[x];
-      }
+      accumulate_values<kD>(ar, sr, vblk, nk, d);
     }
   }
   T* out = static_cast<T*>(a.out);
@@ -229,6 +314,9 @@ int run(const Args& a) {
     work += static_cast<int64_t>(ql) * a.seq_lens[r];
   }
   const int64_t n_items = static_cast<int64_t>(items.size());
+  bool (*item_fn)(const Args&, const Item&, std::vector<float>&) =
+      a.d == 32 ? run_item<T, 32> : a.d == 64 ? run_item<T, 64> : a.d == 128 ? run_item<T, 128>
+      : a.d == 256 ? run_item<T, 256> : run_item<T, 0>;
   const bool parallel = work * a.hq * a.d >= (1 << 16) && n_items > 1;
   int bad_block = 0;
 #pragma omp parallel if (parallel) reduction(| : bad_block)
@@ -236,7 +324,7 @@ int run(const Args& a) {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i)
-      if (!run_item<T>(a, items[i], scratch)) bad_block = 1;
+      if (!item_fn(a, items[i], scratch)) bad_block = 1;
   }
   if (bad_block) return 4;
   // Padding rows get zeros.
