@@ -152,3 +152,13 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.piecewise.attention.default,
                               (q, k, v, out, "l", 0.125, -1),
                               test_utils=("test_schema", "test_faketensor"))
+
+
+def test_portable_build_matches_reference(monkeypatch):
+    """The build without -march=native (what a machine without the native flags gets)."""
+    import backends.attention.cpu_paged as cpu_paged
+
+    assert isa(portable=True) in ("portable", "neon", "avx2")
+    monkeypatch.setattr(cpu_paged, "load_library", lambda: load_library(portable=True))
+    check([37, 70, 5, 200], [37, 20, 1, 1], dtype=torch.bfloat16, window=16, block_size=8)
+    check([129, 3], [1, 3], hq=8, hkv=1, d=128)
