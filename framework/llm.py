@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from backends.attention.selector import default_backend
 from framework.compilation import CompiledForward, build_forward
 from framework.graph_capture import capture_graphs, setup_graphs
 from framework.config import CompilationConfig, CompilationMode
@@ -29,7 +30,8 @@ class LLM:
     """A model, its compiled forward, a paged KV cache and a scheduler.
 
     ``optimization_level`` (0–3) fills every field the ``compilation_config`` leaves unset;
-    when both are None the level is 0 (eager).
+    when both are None the level is 0 (eager).  ``attention_backend`` None picks the device's
+    default (:func:`backends.attention.selector.default_backend`).
     """
 
     def __init__(self, model: str, dtype: str | torch.dtype = "float32",
@@ -38,7 +40,8 @@ class LLM:
                  quantization: Any = None, max_num_seqs: int = 8, max_model_len: int = 512,
                  cache_dir: Optional[str] = None, seed: int = 0, *,
                  max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
-                 attention_backend: str = "torch", kv_cache_memory_bytes: Optional[int] = None,
+                 attention_backend: Optional[str] = None,
+                 kv_cache_memory_bytes: Optional[int] = None,
                  device: Optional[str] = None, model_tag: Optional[str] = None,
                  graph_ops: Any = None):
         from models.config import parse_dtype
@@ -80,6 +83,7 @@ class LLM:
                                    max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
                                    max_model_len=max_model_len)
         self._prepack_lm_head()
+        attention_backend = attention_backend or default_backend(self.device)
         self.graphs = setup_graphs(self.config, attention_backend=attention_backend,
                                    max_num_seqs=max_num_seqs, graph_ops=graph_ops)
         self.compiled: CompiledForward = build_forward(

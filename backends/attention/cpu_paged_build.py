@@ -9,7 +9,7 @@ still ``piecewise::attention``.
 
 The build is per machine: ``-O3 -march=native`` lets the compiler vectorise for this CPU
 (AVX-512 on the project's EPYC machines), so the cache key holds the source hash, the
-compiler's version, the flags and the CPU's feature flags.  If the native build fails (a
+compiler's identity, the flags and the CPU's feature flags.  If the native build fails (a
 compiler without ``-march=native``), the portable ``-O3`` build is used;
 ``PIECEWISE_CPU_PAGED_PORTABLE=1`` forces it.  Libraries live under
 ``$PIECEWISE_CACHE_DIR/kernels`` (default ``~/.cache/piecewise/kernels``), written to a
@@ -58,16 +58,17 @@ def kernel_dir() -> Path:
     return Path(root) / "kernels"
 
 
-@functools.lru_cache(maxsize=None)
-def _compiler_version(cxx: str) -> str:
-    out = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                         check=False).stdout
-    return out.splitlines()[0] if out else cxx
+def _compiler_identity(cxx: str) -> str:
+    """The compiler's resolved path, size and mtime: changes with any compiler upgrade, and
+    costs a stat rather than a ``--version`` subprocess on every process start."""
+    real = os.path.realpath(cxx)
+    st = os.stat(real)
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
 
 
 def build_key(cxx: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(flags).encode(),
+    for part in (SOURCE.read_bytes(), _compiler_identity(cxx).encode(), " ".join(flags).encode(),
                  cpu_flags().encode() if "-march=native" in flags else b"",
                  platform.machine().encode()):
         h.update(part)

@@ -162,3 +162,12 @@ def test_portable_build_matches_reference(monkeypatch):
     monkeypatch.setattr(cpu_paged, "load_library", lambda: load_library(portable=True))
     check([37, 70, 5, 200], [37, 20, 1, 1], dtype=torch.bfloat16, window=16, block_size=8)
     check([129, 3], [1, 3], hq=8, hkv=1, d=128)
+
+
+def test_default_backend_is_the_fused_kernel_on_cpu(monkeypatch):
+    from backends.attention import selector
+
+    assert selector.default_backend("cpu") == "cpu_paged"
+    assert selector.default_backend("cuda") == "torch"
+    monkeypatch.setattr(selector, "compiler", lambda: None)
+    assert selector.default_backend("cpu") == "torch"
