@@ -28,18 +28,22 @@ _ERRORS = {1: "unsupported dtype", 2: "head_dim > 256 or Hq not a multiple of Hk
 _MD_KEY = "_cpu_paged_args"
 
 
-def _check_rows(name: str, t: torch.Tensor, heads: int, d: int) -> None:
-    if t.dim() != 3 or t.shape[1] != heads or t.shape[2] != d or t.stride(2) != 1 \
-            or t.stride(1) != d:
+def _rows(name: str, t: torch.Tensor, heads: int, d: int) -> tuple[int, int]:
+    """(rows, token stride) of a ``[T, heads, d]`` tensor whose heads are contiguous."""
+    shape, stride = t.shape, t.stride()
+    if len(shape) != 3 or shape[1] != heads or shape[2] != d or stride[2] != 1 \
+            or stride[1] != d:
         raise ValueError(f"cpu_paged attention: {name} must be [T, {heads}, {d}] with "
-                         f"contiguous heads, got shape {tuple(t.shape)} strides {t.stride()}")
+                         f"contiguous heads, got shape {tuple(shape)} strides {stride}")
+    return shape[0], stride[0]
 
 
-def _metadata_args(md: AttentionMetadata) -> tuple:
-    """(slot_mapping, block_table, block-table row stride, query_start_loc, seq_lens,
-    num_reqs, num_actual_tokens), checked once per step; tensors are kept alive with it."""
+def _metadata_args(md: AttentionMetadata, block_size: int) -> tuple:
+    """(kept tensors, block size, slot_mapping, block_table, block-table row stride,
+    query_start_loc, seq_lens, num_reqs, num_actual_tokens): pointers and counts, checked
+    once per step (every layer shares the metadata object)."""
     args = md.__dict__.get(_MD_KEY)
-    if args is None:
+    if args is None or args[1] != block_size:
         tensors = {"slot_mapping": (md.slot_mapping, torch.int64),
                    "block_table": (md.block_table, torch.int32),
                    "query_start_loc": (md.query_start_loc, torch.int32),
@@ -56,8 +60,15 @@ def _metadata_args(md: AttentionMetadata) -> tuple:
             raise ValueError(f"cpu_paged attention: query_start_loc ends at "
                              f"{md.query_start_loc_cpu[md.num_reqs]} > num_actual_tokens="
                              f"{md.num_actual_tokens}")
+        if md.max_seq_len > md.block_table.shape[1] * block_size:
+            raise ValueError(f"cpu_paged attention: max_seq_len={md.max_seq_len} exceeds the "
+                             f"block table ({md.block_table.shape[1]} blocks of {block_size})")
+        if md.slot_mapping.shape[0] < md.num_actual_tokens:
+            raise ValueError(f"cpu_paged attention: slot_mapping has "
+                             f"{md.slot_mapping.shape[0]} entries for num_actual_tokens="
+                             f"{md.num_actual_tokens}")
         keep = (md.slot_mapping, md.block_table, md.query_start_loc, md.seq_lens)
-        args = (keep, md.slot_mapping.data_ptr(), md.block_table.data_ptr(),
+        args = (keep, block_size, md.slot_mapping.data_ptr(), md.block_table.data_ptr(),
                 md.block_table.stride(0), md.query_start_loc.data_ptr(),
                 md.seq_lens.data_ptr(), md.num_reqs, md.num_actual_tokens)
         md.__dict__[_MD_KEY] = args
@@ -74,29 +85,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         raise ValueError(f"cpu_paged attention: q/k/v/out/kv_cache must share one dtype of "
                          f"{sorted(str(d) for d in _DTYPES)}, got q {q.dtype}, k {k.dtype}, "
                          f"v {v.dtype}, out {out.dtype}, kv_cache {kv_cache.dtype}")
-    if kv_cache.device.type != "cpu" or q.device.type != "cpu":
+    if not (kv_cache.is_cpu and q.is_cpu):
         raise ValueError(f"cpu_paged attention runs on CPU tensors, got q on {q.device}, "
                          f"kv_cache on {kv_cache.device}")
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     hq = q.shape[1]
     if not kv_cache.is_contiguous():
         raise ValueError("cpu_paged attention: kv_cache must be contiguous")
-    _check_rows("q", q, hq, d)
-    _check_rows("k", k, hkv, d)
-    _check_rows("v", v, hkv, d)
-    _check_rows("out", out, hq, d)
-    _, slots, table, table_stride, qsl, seq_lens, num_reqs, n = _metadata_args(md)
-    if md.max_seq_len > md.block_table.shape[1] * block_size:
-        raise ValueError(f"cpu_paged attention: max_seq_len={md.max_seq_len} exceeds the block "
-                         f"table ({md.block_table.shape[1]} blocks of {block_size})")
-    if n > q.shape[0] or md.slot_mapping.shape[0] < n:
-        raise ValueError(f"cpu_paged attention: num_actual_tokens={n} exceeds q rows "
-                         f"{q.shape[0]} or slot_mapping length {md.slot_mapping.shape[0]}")
+    q_rows, q_st = _rows("q", q, hq, d)
+    k_rows, k_st = _rows("k", k, hkv, d)
+    v_rows, v_st = _rows("v", v, hkv, d)
+    out_rows, out_st = _rows("out", out, hq, d)
+    _, _, slots, table, table_stride, qsl, seq_lens, num_reqs, n = _metadata_args(md, block_size)
+    if n > min(q_rows, k_rows, v_rows, out_rows):
+        raise ValueError(f"cpu_paged attention: num_actual_tokens={n} exceeds the rows of "
+                         f"q/k/v/out ({q_rows}, {k_rows}, {v_rows}, {out_rows})")
     rc = load_library().piecewise_cpu_paged_attention(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-        out.data_ptr(), out.stride(0), kv_cache.data_ptr(), num_blocks, block_size,
-        slots, table, table_stride, qsl, seq_lens, num_reqs, n, out.shape[0], hq, hkv, d,
-        scale, sliding_window, dtype)
+        q.data_ptr(), q_st, k.data_ptr(), k_st, v.data_ptr(), v_st, out.data_ptr(), out_st,
+        kv_cache.data_ptr(), num_blocks, block_size, slots, table, table_stride, qsl, seq_lens,
+        num_reqs, n, out_rows, hq, hkv, d, scale, sliding_window, dtype)
     if rc:
         raise ValueError(f"cpu_paged attention: {_ERRORS.get(rc, f'error {rc}')} "
                          f"(Hq={hq}, Hkv={hkv}, D={d})")

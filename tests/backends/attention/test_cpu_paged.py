@@ -8,6 +8,7 @@ import torch
 
 import backends.attention  # noqa: F401  (registers the op and the backends)
 from backends.attention.common import AttentionMetadata
+from backends.attention.cpu_paged import paged_attention
 from backends.attention.cpu_paged_build import isa, load_library
 from framework.forward_context import ForwardContext, set_forward_context
 
@@ -171,3 +172,14 @@ def test_default_backend_is_the_fused_kernel_on_cpu(monkeypatch):
     assert selector.default_backend("cuda") == "torch"
     monkeypatch.setattr(selector, "compiler", lambda: None)
     assert selector.default_backend("cpu") == "torch"
+
+
+def test_short_inputs_and_block_table_are_rejected_before_the_kernel():
+    q, k, v, out, kv, md = make_step([8, 4], [2, 4], 8, 4, 64, 4, torch.float32)
+    with pytest.raises(ValueError, match="exceeds the rows of q/k/v/out"):
+        run("cpu_paged", q, k[:3], v, out, kv, md, 0.1, -1)
+    narrow = AttentionMetadata(**{**md.__dict__, "block_table": md.block_table[:, :1]})
+    with pytest.raises(ValueError, match="exceeds the block table"):
+        run("cpu_paged", q, k, v, out, kv, narrow, 0.1, -1)
+    with pytest.raises(ValueError, match="runs on CPU tensors"):  # (the op sends meta to fake)
+        paged_attention(q.to("meta"), k, v, out, kv, md, 0.1, -1)
