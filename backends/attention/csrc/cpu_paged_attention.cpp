@@ -317,7 +317,9 @@ int run(const Args& a) {
   bool (*item_fn)(const Args&, const Item&, std::vector<float>&) =
       a.d == 32 ? run_item<T, 32> : a.d == 64 ? run_item<T, 64> : a.d == 128 ? run_item<T, 128>
       : a.d == 256 ? run_item<T, 256> : run_item<T, 0>;
-  const bool parallel = work * a.hq * a.d >= (1 << 16) && n_items > 1;
+  // Below ~20 µs of serial work (b1 decode up to ~512 tokens) waking the team costs more
+  // than it saves.
+  const bool parallel = work * a.hq * a.d >= (1 << 18) && n_items > 1;
   int bad_block = 0;
 #pragma omp parallel if (parallel) reduction(| : bad_block)
   {
