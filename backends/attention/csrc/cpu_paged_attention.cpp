@@ -6,8 +6,13 @@
 // tile of query tokens) and handles all Hq/Hkv query heads that share the KV head, so K/V are
 // read once per item and never repeated.  Sliding window: keys in [pos - window + 1, pos].
 //
+// Per KV block: the block's K and V rows of the head are staged once in fp32; the scores of
+// 16 keys come from D/16 FMAs per key and one transposing reduction (AVX-512 intrinsics when
+// the build targets AVX-512; a plain `omp simd` dot product elsewhere); the value accumulator
+// of a row stays in registers across the block's keys.
+//
 // No torch headers: plain C ABI called through ctypes on data pointers, so the build is one
-// g++ call of ~1-2 s.  Vectorisation is left to the compiler (`omp simd` loops, built with
+// g++ call of ~1-2 s.  Other loops are vectorised by the compiler (`omp simd`, built with
 // -O3 -march=native when the build is per machine; see cpu_paged_build.py).  Threads come from
 // OpenMP; the library links libgomp.so.1 by soname, which resolves to the copy torch already
 // loaded, so torch.set_num_threads governs it and no second thread pool exists.
