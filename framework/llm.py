@@ -293,11 +293,15 @@ class LLM:
                                          ignore_eos)
         reqs = [self._make_request(p, sp, chat_template, f"prompt {i}")
                 for i, (p, sp) in enumerate(zip(prompts, params))]
-        for r in reqs:   # all or nothing: no prompt starts when one can never fit
-            self.scheduler._check_fits(r)
+        for i, r in enumerate(reqs):   # all or nothing: none starts when one can never fit
+            r.req_id = self._next_id + i
+            try:
+                self.scheduler._check_fits(r)
+            except ValueError as e:
+                self.scheduler.stats.rejections += 1
+                raise ValueError(f"prompt {i}: {e}") from None
+        self._next_id += len(reqs)
         for r in reqs:
-            r.req_id = self._next_id
-            self._next_id += 1
             self.scheduler.add(r)
             self._requests[r.req_id] = r
             self._first_logits[r.req_id] = None
