@@ -11,6 +11,7 @@ exponential race (argmax of p / E with E ~ Exp(1)), which picks token i with pro
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -34,15 +35,30 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[n, vocab]`` float32 uniforms in (0, 1), a pure function of (seed, step, index)."""
+@functools.lru_cache(maxsize=8)
+def _vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    return _mul32(torch.arange(vocab_size, dtype=torch.int64, device=device), 0x9E3779B1)
+
+
+def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     seeds = seeds.to(torch.int64)
     key = _fmix32((steps.to(torch.int64) + 0x9E3779B9) & _M32)
     key = _fmix32(key ^ ((seeds >> 32) & _M32))
-    key = _fmix32(key ^ (seeds & _M32))
-    idx = _mul32(torch.arange(vocab_size, dtype=torch.int64, device=seeds.device), 0x9E3779B1)
-    h = _fmix32(_fmix32(key[:, None] ^ idx[None, :]) ^ key[:, None])
+    return _fmix32(key ^ (seeds & _M32))
+
+
+def _uniform(key: torch.Tensor, idx_keys: torch.Tensor) -> torch.Tensor:
+    h = _fmix32(_fmix32(key[:, None] ^ idx_keys) ^ key[:, None])
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int,
+                  indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Float32 uniforms in (0, 1), a pure function of (seed, step, vocabulary index):
+    ``[n, vocab]``, or ``[n, m]`` for the vocabulary ``indices`` ``[n, m]`` only."""
+    vocab_keys = _vocab_keys(vocab_size, seeds.device)
+    idx = vocab_keys[None, :] if indices is None else vocab_keys[indices]
+    return _uniform(_row_keys(seeds, steps), idx)
 
 
 # ---------------------------------------------------------------------- logits processors
@@ -68,13 +84,22 @@ def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Drop the least likely tokens whose cumulative probability stays <= 1 - p[i]."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor,
+                max_candidates: Optional[int] = None) -> torch.Tensor:
+    """Drop the least likely tokens whose cumulative probability stays <= 1 - p[i].
+    ``max_candidates``: no row has more finite logits than this (after top-k), so only the
+    top ones are sorted (masked tokens have probability 0 and are dropped either way)."""
+    vocab = logits.shape[-1]
+    if max_candidates is not None and max_candidates < vocab:
+        top = logits.topk(max_candidates, dim=-1)             # descending
+        sorted_logits, order = top.values.flip(-1), top.indices.flip(-1)
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     remove = cum <= (1 - p)[:, None]
     remove[:, -1] = False
-    return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, ~remove)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -129,17 +154,26 @@ class Sampler:
         if not bool(greedy.all()):
             temp = torch.tensor([p.temperature or 1.0 for p in params], **f32)
             x = x / temp[:, None]
+            bound = None
             if any(p.top_k > 0 for p in params):
                 x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=dev))
+                if all(p.top_k > 0 for p in params):
+                    bound = max(p.top_k for p in params)
             if any(p.top_p < 1 for p in params):
-                x = apply_top_p(x, torch.tensor([p.top_p for p in params], **f32))
+                x = apply_top_p(x, torch.tensor([p.top_p for p in params], **f32), bound)
             if any(p.min_p > 0 for p in params):
                 x = apply_min_p(x, torch.tensor([p.min_p for p in params], **f32))
-            noise = uniform_noise(torch.tensor([r.seed for r in reqs], device=dev),
-                                  torch.tensor([len(r.output) for r in reqs], device=dev),
-                                  vocab)
-            race = x.softmax(dim=-1) / -noise.log()
-            tokens = torch.where(greedy, tokens, race.argmax(dim=-1))
+            seeds = torch.tensor([r.seed for r in reqs], device=dev)
+            steps = torch.tensor([len(r.output) for r in reqs], device=dev)
+            if bound is not None:   # every row has at most `bound` candidates: race those
+                cand = x.topk(bound, dim=-1)
+                noise = uniform_noise(seeds, steps, vocab, cand.indices)
+                race = cand.values.softmax(dim=-1) / -noise.log()
+                drawn = cand.indices.gather(-1, race.argmax(dim=-1, keepdim=True))[:, 0]
+            else:
+                noise = uniform_noise(seeds, steps, vocab)
+                drawn = (x.softmax(dim=-1) / -noise.log()).argmax(dim=-1)
+            tokens = torch.where(greedy, tokens, drawn)
         out = tokens.tolist()
         return out, self._logprobs(raw, tokens, params)
 

@@ -35,6 +35,13 @@ def test_top_p_matches_transformers(logits, p):
     same(apply_top_p(logits, torch.full((4,), p)), TopPLogitsWarper(p)(None, logits.clone()))
 
 
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_top_p_after_top_k_sorts_only_the_candidates(logits, p):
+    k = apply_top_k(logits, torch.full((4,), 12))
+    same(apply_top_p(k, torch.full((4,), p), max_candidates=12),
+         TopPLogitsWarper(p)(None, TopKLogitsWarper(12)(None, logits.clone())))
+
+
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.9])
 def test_min_p_matches_transformers(logits, p):
     same(apply_min_p(logits, torch.full((4,), p)), MinPLogitsWarper(p)(None, logits.clone()))
@@ -152,3 +159,15 @@ def test_seeded_generate_reproducible_across_batch_mixes(llama_checkpoint):
     assert mixed[1] == alone
     other_seed = llm.generate([[5, 6, 7]], sampling_params=sp.replace(seed=8))[0]
     assert other_seed != alone
+
+
+def test_top_k_candidates_race_equals_the_full_race(logits):
+    """With top_k set the race runs over the k candidates only; the noise is keyed by
+    vocabulary index, so the draw is the one the full-vocabulary race makes."""
+    sp = SamplingParams(temperature=1.2, top_k=7, seed=3)
+    for step in range(30):
+        r = [req(0, sp, output=[0] * step)]
+        masked = apply_top_k(logits[:1] / 1.2, torch.tensor([7]))
+        noise = uniform_noise(torch.tensor([3]), torch.tensor([step]), V)
+        full = (masked.softmax(-1) / -noise.log()).argmax(-1).item()
+        assert Sampler()(logits[:1], r)[0] == [full]
