@@ -148,6 +148,7 @@ class Scheduler:
             if need > self.allocator.num_free - evictable_hits:
                 break   # admission control: wait until its next chunk's blocks are free
             self.waiting.popleft()
+            self.running.append(req)    # first: recover() finds it whatever raises next
             if self.prefix_caching:
                 self.allocator.take(hits)
                 self.allocator.stats.queried_tokens += req.num_tokens
@@ -156,7 +157,6 @@ class Scheduler:
             req.num_cached_blocks = len(hits)
             req.num_computed = start
             self._reserve(req, start + n)
-            self.running.append(req)
             chunks.append(ScheduledChunk(req, start, n))
             budget -= n
         return chunks
