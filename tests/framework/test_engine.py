@@ -192,3 +192,17 @@ def test_stop_token_ids_and_logprobs(roomy):
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert len(lp) == 3 and tok in lp           # greedy: the chosen token is the top one
         assert max(lp, key=lp.get) == tok and lp[tok] <= 0
+
+
+def test_seeded_sampling_survives_preemption(llama_checkpoint, roomy):
+    """The sampling noise is keyed by (seed, output index): a preempted, recomputed request
+    draws the tokens it would have drawn without pressure."""
+    g = random.Random(3)
+    prompts = [[g.randrange(256) for _ in range(20)] for _ in range(4)]
+    sps = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=40,
+                          ignore_eos=True) for i in range(4)]
+    want = [roomy.generate([p], sampling_params=sp)[0] for p, sp in zip(prompts, sps)]
+    llm = small_llm(llama_checkpoint, 12)
+    assert llm.generate(prompts, sampling_params=sps) == want
+    assert llm.stats["preemptions"] > 0
+    assert_clean(llm)
