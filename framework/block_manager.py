@@ -10,19 +10,24 @@ Block 0 is the null block (padded block-table entries point at it) and is never 
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-NO_PARENT = 0
+NO_PARENT = b""
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, start: int = 0,
-                 parent: int = NO_PARENT) -> list[int]:
-    """Hash chain of the full blocks of ``tokens`` from full block ``start`` on."""
+                 parent: bytes = NO_PARENT) -> list[bytes]:
+    """Hash chain (SHA-256 of parent digest + block token ids) of the full blocks of
+    ``tokens`` from full block ``start`` on: a collision would silently share wrong K/V, so
+    the hash is cryptographic rather than Python's 64-bit ``hash``."""
     out = []
     for b in range(start, len(tokens) // block_size):
-        parent = hash((parent, tuple(tokens[b * block_size:(b + 1) * block_size])))
+        block = array("q", tokens[b * block_size:(b + 1) * block_size]).tobytes()
+        parent = hashlib.sha256(parent + block).digest()
         out.append(parent)
     return out
 
@@ -55,8 +60,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._free = list(range(num_blocks - 1, 0, -1))
         self._ref = [0] * num_blocks
-        self._hash_of: dict[int, int] = {}          # block -> its chain hash
-        self._block_of: dict[int, int] = {}         # chain hash -> block
+        self._hash_of: dict[int, bytes] = {}        # block -> its chain hash
+        self._block_of: dict[bytes, int] = {}       # chain hash -> block
         self._lru: OrderedDict[int, None] = OrderedDict()  # ref 0, still keyed
         self.stats = PrefixCacheStats()
 
@@ -110,7 +115,7 @@ class BlockManager:
                     self._free.append(b)
 
     # ------------------------------------------------------------------ prefix cache
-    def lookup(self, hashes: Sequence[int]) -> list[int]:
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Blocks cached for the longest prefix of ``hashes`` (no references taken)."""
         out = []
         for h in hashes:
@@ -127,7 +132,7 @@ class BlockManager:
                 self._lru.pop(b)
             self._ref[b] += 1
 
-    def register(self, block: int, block_hash: int) -> int:
+    def register(self, block: int, block_hash: bytes) -> int:
         """Key a computed full block; returns the block that now holds the key (an equal
         block registered earlier keeps it)."""
         if block in self._hash_of:
@@ -148,5 +153,5 @@ class BlockManager:
         assert len(free) + len(lru) + len(used) == self.num_usable, "lost blocks"
         assert all(b in self._hash_of for b in lru), "LRU block without a key"
 
-    def cached_block(self, block_hash: int) -> Optional[int]:
+    def cached_block(self, block_hash: bytes) -> Optional[int]:
         return self._block_of.get(block_hash)

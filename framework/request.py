@@ -24,7 +24,7 @@ class Request:
     """Key of the request's sampling noise (the params' seed, or one drawn by the engine)."""
     finish_reason: Optional[str] = None
     logprobs: Optional[list[dict[int, float]]] = None
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     """Hash chain of the request's full blocks (prefix caching), one per full block."""
     num_cached_blocks: int = 0
     """Leading entries of ``block_ids`` registered in (or taken from) the prefix cache."""

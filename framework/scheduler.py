@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from framework.block_manager import BlockManager, chain_hashes
+from framework.block_manager import NO_PARENT, BlockManager, chain_hashes
 from framework.request import Request, ScheduledChunk
 
 __all__ = ["Request", "ScheduledChunk", "Scheduler", "SchedulerStats"]
@@ -169,7 +169,7 @@ class Scheduler:
         tokens = req.all_tokens()
         n_full = len(tokens) // self.block_size
         if len(req.block_hashes) < n_full:
-            parent = req.block_hashes[-1] if req.block_hashes else 0
+            parent = req.block_hashes[-1] if req.block_hashes else NO_PARENT
             req.block_hashes += chain_hashes(tokens, self.block_size,
                                              len(req.block_hashes), parent)
         usable = (len(tokens) - 1) // self.block_size
@@ -198,7 +198,7 @@ class Scheduler:
             return
         tokens = req.all_tokens()
         if len(req.block_hashes) < full:
-            parent = req.block_hashes[-1] if req.block_hashes else 0
+            parent = req.block_hashes[-1] if req.block_hashes else NO_PARENT
             req.block_hashes += chain_hashes(tokens[:full * self.block_size], self.block_size,
                                              len(req.block_hashes), parent)
         for b in range(req.num_cached_blocks, full):

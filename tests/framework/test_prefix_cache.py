@@ -38,20 +38,21 @@ def test_hash_chain_depends_on_the_whole_prefix():
 
 def test_block_manager_shares_caches_and_evicts_lru_first():
     bm = BlockManager(6, 16, enable_prefix_caching=True)
+    h11, h12, h13, h14 = (bytes([i]) for i in (11, 12, 13, 14))
     blocks = bm.allocate(3)
-    for b, h in zip(blocks, (11, 12, 13)):
+    for b, h in zip(blocks, (h11, h12, h13)):
         bm.register(b, h)
-    assert bm.lookup([11, 12, 13, 14]) == blocks
+    assert bm.lookup([h11, h12, h13, h14]) == blocks
     bm.take(blocks[:2])
     assert bm.ref_count(blocks[0]) == 2
     bm.free(blocks)                       # request 1 done: block 3 goes to the LRU
-    assert bm.num_free == 3 and bm.lookup([11, 12, 13]) == blocks
+    assert bm.num_free == 3 and bm.lookup([h11, h12, h13]) == blocks
     bm.free(blocks[:2])                   # request 2 done: all cached, all free
     assert bm.num_free == 5 and bm.num_cached == 3
     bm.check()
     got = bm.allocate(3)                  # 2 from the free list, then the LRU's oldest
     assert bm.stats.evictions == 1 and blocks[2] in got
-    assert bm.lookup([11, 12, 13]) == blocks[:2]
+    assert bm.lookup([h11, h12, h13]) == blocks[:2]
     bm.free(got)
     bm.check()
     with pytest.raises(RuntimeError, match="freed twice"):
