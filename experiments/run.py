@@ -30,9 +30,17 @@ logger = logging.getLogger("experiments.run")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
+SYNTHETIC_DIR = Path(__file__).resolve().parent.parent / "models" / "synthetic"
+
+
 def resolve_model_path(model_cfg: DictConfig) -> str:
     if model_cfg.source == "hf":
         return str(model_cfg.path)
+    if model_cfg.source == "synthetic":
+        path = SYNTHETIC_DIR / str(model_cfg.name)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.name={model_cfg.name!r}: no checkpoint in {path}")
+        return str(path)
     from models.tiny import ensure_tiny_model
     return str(ensure_tiny_model(preset=model_cfg.preset))
 
@@ -110,9 +118,34 @@ def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
     quant = cfg.quantization
     if isinstance(quant, DictConfig):
         quant = OmegaConf.to_container(quant, resolve=True)
+    engine = cfg.get("engine") or {}
+    kv_bytes = engine.get("kv_cache_memory_bytes")
     return LLM(model_path, dtype=cfg.dtype, compilation_config=cc, quantization=quant,
                max_num_seqs=int(cfg.max_num_seqs), max_model_len=int(cfg.max_model_len),
-               max_num_batched_tokens=cfg.max_num_batched_tokens, seed=int(cfg.seed))
+               max_num_batched_tokens=cfg.max_num_batched_tokens, seed=int(cfg.seed),
+               enable_prefix_caching=bool(engine.get("enable_prefix_caching", False)),
+               block_size=int(engine.get("block_size", 16)),
+               kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes))
+
+
+def text_examples(llm, model_path: str, prompts: list[list[int]],
+                  outputs: list[list[int]]) -> Optional[list[dict[str, str]]]:
+    """With a tokenizer: a few prompts and answers as text (None without one).  A synthetic
+    addition checkpoint answers ``123+456=`` in the usual notation (its own writes numbers
+    least significant digit first)."""
+    if llm.tokenizer is None:
+        return None
+    task = synthetic_task_of(model_path)
+    if task is not None and task.name == "addition":
+        from experiments.synthetic_tokenizer import from_model_notation, to_model_notation
+        shown = ["123+456=", "999+1=", "500+500="]
+        answers = llm.generate([to_model_notation(p) for p in shown],
+                               max_new_tokens=task.answer_len + 1)
+        return [{"prompt": p, "answer": from_model_notation(a)}
+                for p, a in zip(shown, answers)]
+    dec = llm.tokenizer.decode
+    return [{"prompt": dec(p, skip_special_tokens=True),
+             "answer": dec(o, skip_special_tokens=True)} for p, o in zip(prompts[:3], outputs)]
 
 
 def _percentiles(values_s: list[float]) -> Optional[dict[str, float]]:
@@ -239,7 +272,7 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     passes = {name: {"matches": rec.get("total_matches", 0),
                      "time_s": rec.get("total_time_s", 0.0)}
               for name, rec in (stats.get("passes") or {}).items()}
-    return {
+    result = {
         "experiment": cfg.experiment_name,
         "overrides": _overrides(),
         "baseline": bool(cfg.baseline),
@@ -263,9 +296,13 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "agreement": agree,
         "accuracy": accuracy,
         "padding_waste": padding,
+        "text_examples": None,
         "capture_sizes": llm.config.cudagraph_capture_sizes,
         "stats": {k: v for k, v in stats.items() if k != "passes"},
     }
+    # Last: it generates again (the trace and latencies above are the workload's alone).
+    result["text_examples"] = text_examples(llm, model_path, prompts, outputs)
+    return result
 
 
 def _padding(trace: list[dict], sizes: list[int]) -> Optional[float]:
@@ -307,6 +344,8 @@ def summary(r: dict[str, Any]) -> str:
         + ("n/a" if agree is None else "yes" if agree["outputs_equal"]
            else f"no (agreement {agree['token_agreement']:.3f})"),
     ]
+    for ex in r.get("text_examples") or []:
+        lines.append(f"  {ex['prompt']!r} -> {ex['answer']!r}")
     if r.get("accuracy"):
         lines.append(f"  exact match {r['accuracy']['exact_match']:.3f} "
                      f"({r['accuracy']['n']} held-out prompts)")

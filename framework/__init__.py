@@ -17,6 +17,8 @@ _EXPORTS = {
     "set_forward_context": "framework.forward_context",
     "get_forward_context": "framework.forward_context",
     "QuantizationConfig": "framework.quantization",
+    "SamplingParams": "framework.sampling_params",
+    "RequestOutput": "framework.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

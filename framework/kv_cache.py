@@ -28,15 +28,15 @@ class KVCacheSpec:
 def num_blocks_for(spec: KVCacheSpec, *, max_model_len: int, max_num_seqs: int,
                    memory_bytes: int | None = None) -> int:
     """Blocks for ``max_num_seqs`` full-length sequences, or what ``memory_bytes`` holds;
-    plus the reserved null block."""
+    plus the reserved null block.  A budget below one ``max_model_len`` sequence is allowed:
+    the scheduler rejects, one by one, the requests that could never fit in it."""
     if memory_bytes is not None:
         blocks = memory_bytes // spec.bytes_per_block
-        per_seq = -(-max_model_len // spec.block_size)
-        if blocks < per_seq + 1:
+        if blocks < 2:
             raise ValueError(
                 f"kv_cache_memory_bytes={memory_bytes} holds {blocks} blocks of "
-                f"{spec.bytes_per_block} bytes, fewer than one max_model_len={max_model_len} "
-                f"sequence needs ({per_seq} + 1 null block); raise the budget")
+                f"{spec.bytes_per_block} bytes; at least 2 are needed (one is the null "
+                f"block); raise the budget")
         return int(blocks)
     return max_num_seqs * -(-max_model_len // spec.block_size) + 1
 

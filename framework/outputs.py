@@ -1,0 +1,25 @@
+"""What the engine hands back per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """New tokens so far (all of them when ``finished``)."""
+    text: Optional[str] = None
+    """The new tokens decoded, when the model folder has a tokenizer."""
+    logprobs: Optional[list[dict[int, float]]] = None
+    """Per new token: {token id: log-probability} for the top-N tokens and the chosen one."""
+    finish_reason: Optional[str] = None
+    """None while running; "stop" (EOS or a stop token), "length" (max_tokens) or "abort"."""
+    prompt: Optional[str] = None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,83 @@
+"""Per-request sampling parameters, validated at construction (one ``ValueError`` naming the
+field).  ``temperature=0`` (the default) is greedy decoding."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    """0: greedy (argmax).  > 0: sample from softmax(logits / temperature)."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1: all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (0 < top_p <= 1)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's (0 <= min_p <= 1)."""
+    repetition_penalty: float = 1.0
+    """transformers' rule over prompt and output tokens: logit / p if > 0 else logit * p."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence from the logit of every token already generated."""
+    seed: Optional[int] = None
+    """Same seed, same tokens, whatever else is in the batch (None: drawn from the engine)."""
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    """Return the top-N log-probabilities (of the model's distribution) per new token."""
+
+    def __post_init__(self):
+        def bad(name, need):
+            raise ValueError(f"SamplingParams.{name}: {need}, got {getattr(self, name)!r}")
+
+        if not _is_number(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a number >= 0")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be an int, -1 or 0 (off) or >= 1")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be a number in (0, 1]")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be a number in [0, 1]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be a number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                bad(name, "must be a number in [-2, 2]")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "must be an int or None")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "must be a positive int")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a bool")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", "must be None or an int >= 0")
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__") or not all(
+                _is_int(t) and t >= 0 for t in stop):
+            bad("stop_token_ids", "must be a sequence of non-negative ints")
+        object.__setattr__(self, "stop_token_ids", tuple(stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def replace(self, **changes) -> "SamplingParams":
+        return replace(self, **changes)
