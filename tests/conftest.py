@@ -24,6 +24,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"{KERNEL_MARK}: launches Triton kernels in the test process (compiled on "
                    "CUDA; on CPU rerun under the interpreter in a child process)")
+    config.addinivalue_line(
+        "markers", "triton_interpreted: CPU test that needs the Triton interpreter (rerun in "
+                   "a child process with TRITON_INTERPRET=1)")
 
 
 def pytest_collection_finish(session):

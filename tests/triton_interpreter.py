@@ -47,17 +47,17 @@ kernel_test = pytest.mark.skipif(
 
 
 def run_module_in_interpreter(module_file: str, request: pytest.FixtureRequest,
-                              timeout: float = 600) -> str:
-    """Run the kernel tests of ``module_file`` in a fresh pytest process under the Triton
-    interpreter; fail with its output unless every one of them passed.  Returns the output."""
+                              timeout: float = 600, marker: str = KERNEL_MARK) -> str:
+    """Run the tests marked ``marker`` of ``module_file`` in a fresh pytest process under the
+    Triton interpreter; fail with its output unless every one of them passed."""
     module = Path(module_file).resolve()
     expected = sum(1 for item in request.session.items
                    if Path(str(item.fspath)).resolve() == module
-                   and item.get_closest_marker(KERNEL_MARK) is not None)
+                   and item.get_closest_marker(marker) is not None)
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", KERNEL_MARK,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
          str(module)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, out
