@@ -1,4 +1,9 @@
-"""Smoke test of the pass/quantization side-by-side benchmark on the tiny test model."""
+"""Smoke test of the pass/quantization side-by-side benchmark on the tiny test model: the
+table has one row per variant with a positive time and a ratio consistent with the times."""
+import re
+
+import pytest
+
 from experiments import bench_passes
 
 
@@ -10,5 +15,9 @@ def test_round_robin_table(monkeypatch, compile_cache_dir, capsys):
                        "--new-tokens", "4", "--prompt-len", "8",
                        "--cache-dir", compile_cache_dir])
     out = capsys.readouterr().out
-    assert "| O2 (bf16) |" in out and "1.00x" in out
-    assert "int8_per_channel_weight_only" in out
+    rows = re.findall(r"^\| (.+?) \| ([\d.]+) \| ([\d.]+)x \|$", out, re.M)
+    assert [name for name, _, _ in rows] == ["O2 (bf16)", "O2 + int8_per_channel_weight_only"]
+    (_, base_ms, _), (_, quant_ms, ratio) = rows
+    assert float(base_ms) > 0 and float(quant_ms) > 0
+    # "vs first" is the first variant's time over this one's (rounded like the table)
+    assert float(ratio) == pytest.approx(float(base_ms) / float(quant_ms), abs=0.02)
