@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from framework.cudagraph_emulation import EmulatedGraphOps  # noqa: F401  (re-exported)
 from framework.forward_context import (BatchDescriptor, CUDAGraphMode, get_forward_context,
