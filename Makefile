@@ -36,7 +36,7 @@ bench-save: $(STAMP)
 	$(BIN)/python -m experiments.bench --save $(ARGS)
 
 gpu-check:
-	bash scripts/gpu_check.sh
+	bash scripts/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

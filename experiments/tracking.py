@@ -23,6 +23,7 @@ reported before the job starts (:func:`require_tracking`), not after a long comp
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -140,6 +141,10 @@ def log_mlflow(result: Mapping[str, Any], out_dir: Path,
     out_dir = Path(out_dir)
     root = Path(store_root) if store_root is not None else out_dir
     uri = tracking_uri or default_tracking_uri(root)
+    if uri.startswith("file:"):
+        # MLflow 3 refuses its file store unless this opt-out is set; a local folder per
+        # sweep is what this module promises (a database URI needs no opt-out).
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(tracking_uri=uri)
     name = str(result.get("experiment") or "run")
     # Parallel jobs of one sweep (joblib) would race to create the same experiment.

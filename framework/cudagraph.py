@@ -18,8 +18,11 @@ descriptor from the forward context and *trusts* them (the dispatcher chose them
 No input is copied: a graph reads its inputs at the addresses it was captured with, so callers
 keep inputs in persistent buffers.  ``debug=True`` checks that at every replay.
 
-The few real CUDA calls live behind :class:`GraphOps`, so CPU tests drive this exact control
-flow with :class:`EmulatedGraphOps`.
+The few real CUDA calls live behind :class:`GraphOps`.  :class:`EmulatedGraphOps`
+(framework/cudagraph_emulation.py) implements them on any device with graph semantics --
+capture records the launched kernels with host values frozen, replay runs the record without
+the Python, outputs of graphs sharing the pool alias -- so graph-capture bugs (stale host
+values, an output overwritten by another graph's replay) reproduce on a laptop.
 """
 from __future__ import annotations
 
@@ -30,11 +33,11 @@ import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
-from unittest import mock
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
+from framework.cudagraph_emulation import EmulatedGraphOps  # noqa: F401  (re-exported)
 from framework.forward_context import (BatchDescriptor, CUDAGraphMode, get_forward_context,
                                        is_forward_context_available)
 
@@ -68,6 +71,18 @@ class GraphOps(Protocol):
         """Wait for the device (used in debug mode so errors surface at the right call)."""
 
 
+@contextlib.contextmanager
+def _skip_empty_cache():
+    """``torch.cuda.empty_cache`` as a no-op for the duration (no public switch for
+    ``torch.cuda.graph``'s empty-cache-on-entry exists in torch 2.13)."""
+    original = torch.cuda.empty_cache
+    torch.cuda.empty_cache = lambda: None
+    try:
+        yield
+    finally:
+        torch.cuda.empty_cache = original
+
+
 class CUDAGraphOps:
     """The real thing: ``torch.cuda.CUDAGraph`` captured with ``torch.cuda.graph``."""
 
@@ -89,7 +104,7 @@ class CUDAGraphOps:
             else:
                 # torch.cuda.graph empties the allocator cache on entry; between captures into
                 # one shared pool that only costs time (hundreds of captures at start-up).
-                stack.enter_context(mock.patch("torch.cuda.empty_cache", lambda: None))
+                stack.enter_context(_skip_empty_cache())
             with torch.cuda.graph(graph, pool=pool):
                 output = fn()
         return graph, output
@@ -107,53 +122,6 @@ class CUDAGraphOps:
                 "CUDA graphs need a CUDA device. On CPU cudagraph_mode must resolve to NONE "
                 "(CompilationConfig.resolve does this); tests can pass "
                 "graph_ops=EmulatedGraphOps() to CUDAGraphWrapper.")
-
-
-class _EmulatedGraph:
-    __slots__ = ("fn", "output", "replays")
-
-    def __init__(self, fn: Callable[[], Any], output: Any):
-        self.fn, self.output, self.replays = fn, output, 0
-
-
-class EmulatedGraphOps:
-    """A CPU stand-in with CUDA-graph semantics, for tests of code that uses graphs.
-
-    ``capture`` runs the function once and keeps the call (with the *capture-time* argument
-    objects) and its output; ``replay`` re-runs that same call and copies the result into the
-    captured output tensors.  Like a real graph, a replay therefore reads whatever the
-    captured input buffers hold now and ignores new tensors passed in their place, and its
-    result appears in the same output tensors every time.  The emulated graph owns the
-    output memory, as the real pool does.
-    """
-
-    _pool = object()
-
-    def __init__(self) -> None:
-        self.gc_requests: list[bool] = []
-        """``collect_garbage`` of every capture, in order (lets tests check the GC policy)."""
-
-    def shared_pool(self) -> Any:
-        return EmulatedGraphOps._pool
-
-    def capture(self, fn: Callable[[], Any], pool: Any, *,
-                collect_garbage: bool) -> tuple[Any, Any]:
-        self.gc_requests.append(collect_garbage)
-        if collect_garbage:
-            gc.collect()
-        output = fn()
-        return _EmulatedGraph(fn, output), output
-
-    def replay(self, graph: _EmulatedGraph) -> None:
-        fresh, _ = tree_flatten(graph.fn())
-        captured, _ = tree_flatten(graph.output)
-        for dst, src in zip(captured, fresh):
-            if isinstance(dst, torch.Tensor) and dst.data_ptr() != src.data_ptr():
-                dst.copy_(src)
-        graph.replays += 1
-
-    def synchronize(self) -> None:
-        pass
 
 
 # ------------------------------------------------------------------------------------------

@@ -8,16 +8,44 @@ from pathlib import Path
 import pytest
 import torch
 
-# Triton picks interpreter vs compiler when it is first imported (torch._inductor.config
-# imports it), so CPU runs must choose the interpreter before anything else does.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 # Test helpers (checkpoints.py, paged_harness.py) import as top-level modules whatever the
 # pytest import mode.
 sys.path.insert(0, os.path.dirname(__file__))
 
 from checkpoints import FAMILIES, build_family_checkpoint  # noqa: E402
+from triton_interpreter import KERNEL_MARK, language_is_interpreted  # noqa: E402
+
+GPU_CHECK_ENV = "PIECEWISE_GPU_CHECK"
+"""Set by scripts/gpu_check.sh: the collection guard below then reports what it checked."""
+_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{KERNEL_MARK}: launches Triton kernels in the test process (compiled on "
+                   "CUDA; on CPU rerun under the interpreter in a child process)")
+    config.addinivalue_line(
+        "markers", "triton_interpreted: CPU test that needs the Triton interpreter (rerun in "
+                   "a child process with TRITON_INTERPRET=1)")
+
+
+def pytest_collection_finish(session):
+    """No test may switch this process to interpreted Triton (tests never set process
+    environment at import): on CUDA, or under scripts/gpu_check.sh, that would silently run
+    the GPU tests with interpreted kernels.  Checked after every module was imported."""
+    gpu_check = os.environ.get(GPU_CHECK_ENV) == "1"
+    if not gpu_check and not (torch.cuda.is_available() and _INTERPRET_AT_START is None):
+        return
+    interpret = os.environ.get("TRITON_INTERPRET")
+    if interpret is not None or language_is_interpreted():
+        raise pytest.UsageError(
+            f"TRITON_INTERPRET={interpret!r} after collection (triton.language interpreted: "
+            f"{language_is_interpreted()}): GPU tests must run compiled Triton; unset "
+            f"TRITON_INTERPRET and find the test module that sets it")
+    if gpu_check:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"gpu-check collection: {len(session.items)} tests selected, TRITON_INTERPRET "
+            f"unset, triton compiled: ok")
 
 
 @pytest.fixture(scope="session")

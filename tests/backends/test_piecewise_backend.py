@@ -56,8 +56,10 @@ def test_piece_count_is_layers_plus_one(llama_checkpoint):
     layers = llm.model_config.num_layers
     assert s["compile_num_pieces"] == layers + 1
     assert s["compile_num_splitting_ops"] == layers
-    # the middle pieces are identical graphs: one unique graph per distinct position
-    assert s["compile_unique_graphs"] == min(3, layers + 1)
+    # 2 layers: first, middle and last piece all differ (nothing to share); sharing of
+    # identical middle pieces is tested on an 8-layer model in test_artifact_cache_e2e.py
+    assert layers == 2
+    assert (s["compile_unique_graphs"], s["compile_shared"]) == (3, 0)
 
 
 def test_empty_splitting_ops_keeps_one_graph(llama_checkpoint):

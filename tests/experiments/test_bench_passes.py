@@ -1,4 +1,7 @@
-"""Smoke test of the pass/quantization side-by-side benchmark on the tiny test model."""
+"""Smoke test of the pass/quantization side-by-side benchmark on the tiny test model: the
+table has one row per variant with a positive time and a ratio consistent with the times."""
+import re
+
 from experiments import bench_passes
 
 
@@ -10,5 +13,11 @@ def test_round_robin_table(monkeypatch, compile_cache_dir, capsys):
                        "--new-tokens", "4", "--prompt-len", "8",
                        "--cache-dir", compile_cache_dir])
     out = capsys.readouterr().out
-    assert "| O2 (bf16) |" in out and "1.00x" in out
-    assert "int8_per_channel_weight_only" in out
+    rows = re.findall(r"^\| (.+?) \| ([\d.]+) \| ([\d.]+)x \|$", out, re.M)
+    assert [name for name, _, _ in rows] == ["O2 (bf16)", "O2 + int8_per_channel_weight_only"]
+    (_, base_ms, _), (_, quant_ms, ratio) = rows
+    assert float(base_ms) > 0 and float(quant_ms) > 0
+    # "vs first" is the first variant's time over this one's: consistent with the printed
+    # times up to their rounding (0.005 ms) and its own (0.005)
+    b, q, r = float(base_ms), float(quant_ms), float(ratio)
+    assert (b - 0.005) / (q + 0.005) - 0.005 <= r <= (b + 0.005) / max(q - 0.005, 1e-9) + 0.005

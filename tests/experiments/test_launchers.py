@@ -1,10 +1,13 @@
-"""The launcher configs in conf/hydra/launcher/ compose, and joblib_local really launches.
+"""The launcher configs in conf/hydra/launcher/ compose, and joblib_local and submitit_local
+really launch.
 
-The submitit and ray plugins are not installed here, so their configs are checked as plain
-config groups: they must compose, point at the plugin's launcher class, and use only fields
-of the plugin's own config class (a field the plugin does not know would be passed on to
-sbatch / ray and fail on the cluster, far from where it was written).
+Every config must point at the plugin's launcher class and use only fields of the plugin's
+own config class (a field the plugin does not know would be passed on to sbatch / ray and
+fail on the cluster, far from where it was written).  The submitit fields come from the
+installed plugin (the `launchers` extra, pulled in by `dev`); ray is not installed (a large
+install and a local cluster start), so its config is checked as a plain config group.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -79,7 +82,16 @@ def test_joblib_local_extends_the_installed_plugin_without_schema_warning():
     assert plugin.n_jobs == -1
 
 
-def test_joblib_local_runs_jobs_in_parallel_processes(tmp_path):
+def test_submitit_fields_are_the_installed_plugins():
+    """The hard-coded field sets above are the plugin's own (so the ray set, which cannot be
+    checked here, was written the same way)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+    assert {f.name for f in dataclasses.fields(LocalQueueConf)} == SUBMITIT_BASE
+    assert {f.name for f in dataclasses.fields(SlurmQueueConf)} == SUBMITIT_SLURM
+
+
+def _write_app(tmp_path):
     app = tmp_path / "app.py"
     app.write_text(
         "import os, hydra\n"
@@ -89,6 +101,30 @@ def test_joblib_local_runs_jobs_in_parallel_processes(tmp_path):
         "    open(os.path.join(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir,\n"
         "                      'pid.txt'), 'w').write(str(os.getpid()))\n"
         "main()\n")
+    return app
+
+
+def test_submitit_local_really_launches(tmp_path):
+    """submitit's local executor (no cluster): each job runs in its own process, submitted
+    and awaited by the submitit launcher, with its own .submitit folder."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    app = _write_app(tmp_path)
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, str(app), "-m", "hydra/launcher=submitit_local",
+                           f"hydra.sweep.dir={sweep}", "hydra.launcher.timeout_min=5",
+                           "+x=1,2"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(CONF_DIR.parent)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pids = {(sweep / str(i) / "pid.txt").read_text() for i in (0, 1)}
+    assert len(pids) == 2 and str(os.getpid()) not in pids
+    # one submitit job folder per job (named by job id) next to the submission folder "%j"
+    assert len([d for d in (sweep / ".submitit").iterdir() if d.name.isdigit()]) == 2
+    assert (sweep / "1" / ".hydra" / "overrides.yaml").read_text().strip() == "- +x=2"
+
+
+def test_joblib_local_runs_jobs_in_parallel_processes(tmp_path):
+    app = _write_app(tmp_path)
     sweep = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, str(app), "-m", "hydra/launcher=joblib_local",
                            f"hydra.sweep.dir={sweep}", "+x=1,2"],

@@ -108,7 +108,14 @@ def test_job_on_a_synthetic_checkpoint_records_exact_match(synthetic_checkpoint,
     results = run_job_in_process(
         [*TINY, "compile=O0", "model=hf", f"model.path={synthetic_checkpoint}"], tmp_path / "job")
     assert results["accuracy"]["n"] == 2
-    assert 0.0 <= results["accuracy"]["exact_match"] <= 1.0
+    # the score, recomputed outside the job: the same prompts through an eager LLM
+    from experiments.synthetic_task import exact_match
+    from framework import LLM
+    cfg = compose_job([*TINY, "cache_dir=null"])
+    prompts, max_new, ignore_eos, answers = job_prompts(cfg, str(synthetic_checkpoint), 256)
+    outputs = LLM(str(synthetic_checkpoint), optimization_level=0, max_model_len=64).generate(
+        prompts, max_new, ignore_eos=ignore_eos)
+    assert results["accuracy"]["exact_match"] == exact_match(outputs, answers)
     first_step = read_trace(tmp_path / "job" / "trace.jsonl").steps[0]
     assert first_step.num_prefill_tokens == 2 * 8  # two "123+456=" prompts
     plain = run_job_in_process([*TINY, "compile=O0"], tmp_path / "plain")
@@ -136,7 +143,8 @@ def test_inductor_job_writes_the_full_results_contract(tmp_path):
     # pass statistics reach results.json under the names of the resolved pass list
     resolved = results["resolved_compilation"]["pass_config"]["passes"]
     assert set(results["passes"]) == set(resolved)
-    assert all(rec["matches"] >= 0 and rec["time_s"] >= 0 for rec in results["passes"].values())
+    assert all(rec["time_s"] > 0 for rec in results["passes"].values())
+    assert sum(rec["matches"] for rec in results["passes"].values()) > 0, results["passes"]
     compile_ = results["compile"]
     assert compile_["pieces"] >= 1 and compile_["cache_misses"] >= 1
     assert compile_["warm_s"] is not None and compile_["warm_s"] < compile_["cold_s"]
@@ -146,7 +154,11 @@ def test_inductor_job_writes_the_full_results_contract(tmp_path):
     assert compile_["process_init_s"] is None or compile_["process_init_s"] > 0
     assert warm_up_compiler() is None
     assert results["agreement"]["token_agreement"] == 1.0  # fp32 O1 keeps the outputs
-    assert 0.0 <= results["padding_waste"] < 1.0
     trace = read_trace(out / "trace.jsonl")
+    sizes = results["resolved_compilation"]["cudagraph_capture_sizes"]
+    padded = [next((s for s in sorted(sizes) if s >= st.num_tokens), st.num_tokens)
+              for st in trace.steps]
+    expected_waste = 1 - sum(st.num_tokens for st in trace.steps) / sum(padded)
+    assert results["padding_waste"] == pytest.approx(expected_waste)
     assert sum(s.num_decode for s in trace.steps) + 2 == 2 * 4  # first tokens come from prefill
     assert json.loads((out / "results.json").read_text()) == results

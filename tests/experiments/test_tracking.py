@@ -1,7 +1,6 @@
-"""experiments/tracking.py: the MLflow mapping of a results.json, against a recording stand-in
-for the mlflow client (mlflow itself is optional and not installed here)."""
+"""experiments/tracking.py: the MLflow mapping of a results.json, logged through the real
+mlflow package into a local file store and read back with its client."""
 import sys
-import types
 
 import pytest
 
@@ -50,84 +49,55 @@ def test_require_tracking_rejects_unknown_values():
         require_tracking("wandb")
 
 
-class RecordingClient:
-    """The subset of mlflow.MlflowClient that log_mlflow uses, recording every call."""
-
-    calls: list = []
-    experiments: dict = {}
-
-    def __init__(self, tracking_uri):
-        self.calls.append(("client", tracking_uri))
-
-    def get_experiment_by_name(self, name):
-        exp_id = self.experiments.get(name)
-        return None if exp_id is None else types.SimpleNamespace(experiment_id=exp_id)
-
-    def create_experiment(self, name):
-        self.experiments[name] = str(len(self.experiments))
-        self.calls.append(("create_experiment", name))
-        return self.experiments[name]
-
-    def create_run(self, experiment_id, run_name, tags):
-        self.calls.append(("create_run", experiment_id, run_name, tags))
-        return types.SimpleNamespace(info=types.SimpleNamespace(run_id="r1", start_time=5))
-
-    def log_batch(self, run_id, metrics=(), params=()):
-        self.calls.append(("log_batch", run_id, list(metrics), list(params)))
-
-    def log_artifact(self, run_id, path):
-        self.calls.append(("log_artifact", run_id, path))
-
-    def set_terminated(self, run_id, status="FINISHED"):
-        self.calls.append(("set_terminated", run_id, status))
-
-
 @pytest.fixture
-def fake_mlflow(monkeypatch):
-    RecordingClient.calls, RecordingClient.experiments = [], {}
-    mlflow = types.ModuleType("mlflow")
-    mlflow.MlflowClient = RecordingClient
-    entities = types.ModuleType("mlflow.entities")
-    entities.Metric = lambda key, value, timestamp, step: ("metric", key, value, timestamp, step)
-    entities.Param = lambda key, value: ("param", key, value)
-    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
-    monkeypatch.setitem(sys.modules, "mlflow.entities", entities)
-    return RecordingClient
+def mlflow(monkeypatch):
+    """The real mlflow package (the `tracking` extra, installed by `dev`)."""
+    module = pytest.importorskip("mlflow", reason="mlflow is not installed: pip install -e "
+                                                  "'.[tracking]'")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return module
 
 
-def test_log_mlflow_logs_one_run_per_job_into_one_store(fake_mlflow, tmp_path):
+def test_log_mlflow_logs_one_run_per_job_into_one_store(mlflow, tmp_path):
     sweep = tmp_path / "sweep"
+    run_ids = []
     for num in (0, 1):
         job = sweep / str(num)
         job.mkdir(parents=True)
         (job / "results.json").write_text("{}")
-        assert log_mlflow(RESULT, job, store_root=sweep) == "r1"
-    calls = fake_mlflow.calls
-    assert calls[0] == ("client", (sweep / "mlruns").resolve().as_uri())
-    assert [c for c in calls if c[0] == "create_experiment"] == [
-        ("create_experiment", "ablate_levels")]  # the second job reuses the experiment
-    run = next(c for c in calls if c[0] == "create_run")
-    assert run[2] == "compile=O2 experiment=ablate_levels"
-    assert run[3]["baseline"] == "false" and run[3]["outputs_changed"] == "true"
-    batches = [c for c in calls if c[0] == "log_batch"]
-    params = {p[1]: p[2] for c in batches for p in c[3]}
-    metrics = {m[1]: m[2] for c in batches for m in c[2]}
-    assert params == params_of(RESULT) and metrics == metrics_of(RESULT)
-    artifacts = [c[2] for c in calls if c[0] == "log_artifact"]
-    assert artifacts == [str(sweep / "0" / "results.json"), str(sweep / "1" / "results.json")]
-    assert calls[-1] == ("set_terminated", "r1", "FINISHED")
+        run_ids.append(log_mlflow(RESULT, job, store_root=sweep))
+    assert len(set(run_ids)) == 2
+    client = mlflow.MlflowClient(tracking_uri=(sweep / "mlruns").resolve().as_uri())
+    experiments = [e for e in client.search_experiments() if e.name == "ablate_levels"]
+    assert len(experiments) == 1                        # the second job reused it
+    runs = client.search_runs([experiments[0].experiment_id])
+    assert sorted(r.info.run_id for r in runs) == sorted(run_ids)
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert run.info.run_name == "compile=O2 experiment=ablate_levels"
+        assert run.data.tags["baseline"] == "false"
+        assert run.data.tags["outputs_changed"] == "true"
+        assert run.data.params == params_of(RESULT)
+        assert run.data.metrics == metrics_of(RESULT)
+        assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["results.json"]
 
 
-def test_log_mlflow_uses_an_explicit_uri_and_marks_failed_runs(fake_mlflow, tmp_path,
+def test_log_mlflow_uses_an_explicit_uri_and_marks_failed_runs(mlflow, tmp_path,
                                                                 monkeypatch):
+    uri = (tmp_path / "explicit").resolve().as_uri()
+
     def broken_log_batch(self, *args, **kwargs):
         raise RuntimeError("store is down")
 
-    monkeypatch.setattr(fake_mlflow, "log_batch", broken_log_batch)
+    monkeypatch.setattr(mlflow.MlflowClient, "log_batch", broken_log_batch)
     with pytest.raises(RuntimeError, match="store is down"):
-        log_mlflow(RESULT, tmp_path, tracking_uri="sqlite:///x.db")
-    assert fake_mlflow.calls[0] == ("client", "sqlite:///x.db")
-    assert fake_mlflow.calls[-1] == ("set_terminated", "r1", "FAILED")
+        log_mlflow(RESULT, tmp_path / "job", tracking_uri=uri)
+    monkeypatch.undo()
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("ablate_levels")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FAILED"
+    assert not (tmp_path / "job" / "mlruns").exists()   # the explicit store, not the default
 
 
 def test_missing_mlflow_names_the_install_command(monkeypatch):

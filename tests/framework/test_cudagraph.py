@@ -44,6 +44,7 @@ class RecordingOps(EmulatedGraphOps):
 
 @pytest.fixture(autouse=True)
 def fresh_registry():
+    gc.collect()            # wrappers of earlier tests' models (reference cycles) die first
     clear_all_graphs()
     yield
     clear_all_graphs()

@@ -1,12 +1,16 @@
-"""CUDA-graph integration on CPU through emulated graph calls: the same dispatcher, wrappers,
-padding and capture plan as on a GPU, with replay re-running the captured call on the
-captured (static) buffers."""
+"""CUDA-graph integration on CPU through EmulatedGraphOps: the same dispatcher, wrappers,
+padding and capture plan as on a GPU; replay runs the kernels recorded at capture (aten ops,
+Inductor graphs, Triton launches) on the captured static buffers, never the Python."""
 import pytest
 import torch
 
 from framework import LLM, CompilationConfig
 from framework.cudagraph import EmulatedGraphOps, clear_all_graphs
 from framework.forward_context import BatchDescriptor, CUDAGraphMode
+from triton_interpreter import language_is_interpreted, run_module_in_interpreter
+
+INTERPRETED = "triton_interpreted"
+"""Marker of the CPU tests that need the Triton interpreter (rerun in a child process)."""
 
 PROMPTS = [[3, 17, 42, 9, 100, 7], [8, 1, 250], [77, 12, 5, 90]]
 
@@ -50,6 +54,9 @@ def test_piecewise_graphs_capture_once_and_replay(llama_checkpoint, reference):
     assert all(w.stats.captures == 4 for w in wrappers)
 
 
+@pytest.mark.triton_interpreted
+@pytest.mark.skipif(not language_is_interpreted(),
+                    reason="needs the Triton interpreter: test_in_interpreter reruns it")
 def test_full_and_piecewise_with_graph_safe_backend(llama_checkpoint, reference):
     clear_all_graphs()
     llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(), attention_backend="triton",
@@ -58,6 +65,28 @@ def test_full_and_piecewise_with_graph_safe_backend(llama_checkpoint, reference)
     assert llm.generate(PROMPTS, 6, ignore_eos=True) == [r[:6] for r in reference]
     full = llm.runner.forward
     assert full.stats.captures == 3 and full.stats.replays > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or language_is_interpreted(),
+                    reason="CPU only; runs the interpreter tests of this module")
+def test_in_interpreter(request):
+    run_module_in_interpreter(__file__, request, marker=INTERPRETED)
+
+
+def test_piecewise_graphs_capture_inductor_pieces(llama_checkpoint, reference,
+                                                  compile_cache_dir):
+    """Inductor-compiled pieces inside emulated graphs: each piece's capture records the
+    compiled graph as one launch, and generation through the replays matches eager."""
+    clear_all_graphs()
+    llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(), cache_dir=compile_cache_dir,
+               cc={"backend": "inductor", "cudagraph_mode": "PIECEWISE",
+                   "cudagraph_capture_sizes": [1, 4]})
+    assert llm.generate(PROMPTS, 10, ignore_eos=True) == reference
+    wrappers = llm.compiled.backend.split_wrappers()
+    assert all(w.stats.captures == 2 and w.stats.replays > 0 for w in wrappers)
+    for w in wrappers:
+        for entry in w._entries.values():
+            assert "inductor graph" in [launch.name for launch in entry.graph.tape]
 
 
 def test_torch_backend_downgrades_full_to_piecewise(llama_checkpoint):

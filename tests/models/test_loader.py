@@ -76,7 +76,13 @@ def test_cast_to_requested_dtype_and_no_meta_left(llama_checkpoint):
 def test_legacy_inv_freq_tensors_are_ignored(tmp_path, llama_checkpoint):
     def add(t):
         t["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
-    load_model(derive_checkpoint(llama_checkpoint, tmp_path / "c", edit_tensors=add))
+    legacy, _ = load_model(derive_checkpoint(llama_checkpoint, tmp_path / "c",
+                                             edit_tensors=add))
+    plain, _ = load_model(llama_checkpoint)
+    assert not any("inv_freq" in name for name, _ in legacy.named_parameters())
+    state, ref = _state(legacy), _state(plain)
+    assert state.keys() == ref.keys()
+    assert all(torch.equal(state[k], ref[k]) for k in ref)
 
 
 # -- bad checkpoints: each error names the file and the tensor --------------------------------

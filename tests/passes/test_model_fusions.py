@@ -33,9 +33,19 @@ def test_fusions_match_per_layer(quantization, llama_checkpoint, compile_cache_d
     assert fused == plain
 
 
-def test_fusions_under_inductor_keep_outputs(llama_checkpoint, compile_cache_dir):
-    llm, fused = _run(llama_checkpoint, "int8_per_token", FUSIONS, compile_cache_dir)
+def test_fusions_under_inductor_keep_outputs(llama_checkpoint, tmp_path, monkeypatch):
+    """A cold cache (a warm one would load artifacts and run no pass): the passes run as
+    Inductor's post-grad pass, match as under the eager adaptor, and keep the outputs.
+    Inductor's own caches start empty too: an FX-graph cache hit (an earlier run compiled
+    the same pieces) also skips the post-grad passes."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    llm, fused = _run(llama_checkpoint, "int8_per_token", FUSIONS, str(tmp_path / "cache"))
     ref = LLM(str(llama_checkpoint), quantization="int8_per_token", max_num_seqs=2,
               max_model_len=64)
     assert fused == ref.generate(PROMPTS, 8, ignore_eos=True)
-    assert llm.stats["compile_compiles"] + llm.stats["compile_loads"] > 0
+    assert llm.stats["compile_compiles"] > 0 and llm.stats["compile_loads"] == 0
+    layers = llm.model_config.num_layers
+    matches = {name: rec["total_matches"] for name, rec in llm.stats["passes"].items()}
+    assert matches["fuse_add_rmsnorm"] == 2 * layers, llm.stats["passes"]
+    assert matches["fuse_rmsnorm_quant"] == 2 * layers
+    assert matches["fuse_silu_mul_quant"] == layers

@@ -1,19 +1,15 @@
 """The Triton paged-attention kernels against the plain-torch backend: compiled on CUDA, in
 the Triton interpreter on CPU.  Shapes are tiny: the interpreter runs every program in
 Python."""
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # Must precede triton's first import in the process (triton.language is built for the
-    # interpreter or for the compiler at import time).
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_aot import MODEL_DTYPES, compile_for_sm90, require_cuda_backend
+from triton_interpreter import (ON_GPU, kernel_test, language_is_interpreted,
+                                run_module_in_interpreter)
+
 DEVICE = "cuda" if ON_GPU else "cpu"
 TOL = dict(atol=2e-4, rtol=2e-4) if ON_GPU else dict(atol=1e-5, rtol=1e-5)  # GPU SDPA: TF32
 
@@ -25,31 +21,16 @@ from backends.attention import torch_paged  # noqa: E402,F401  (registers "torch
 from backends.attention import triton_paged  # noqa: E402
 
 
-def _interpreter_usable() -> bool:
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(tl.sum, InterpretedFunction)
+def in_process(fn):
+    """A test that launches the kernels here: compiled on CUDA; on CPU only in a process
+    started with TRITON_INTERPRET=1 (test_in_interpreter starts one)."""
+    return pytest.mark.triton_kernel(kernel_test(fn))
 
 
-# In a full test run another module may import triton (torch._inductor does) before this one
-# sets TRITON_INTERPRET; then the in-process CPU tests cannot run and one test reruns this
-# file in a fresh process instead.  (tests/conftest.py setting the variable avoids this.)
-NEEDS_FRESH_PROCESS = not ON_GPU and not _interpreter_usable()
-in_process = pytest.mark.skipif(NEEDS_FRESH_PROCESS,
-                                reason="triton was imported before TRITON_INTERPRET=1; covered "
-                                       "by test_in_fresh_process")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
-
-
-@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernels run in this process")
-def test_in_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-k", "not compile_for_gpu", os.path.abspath(__file__)],
-                          cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+@pytest.mark.skipif(ON_GPU or language_is_interpreted(),
+                    reason="the kernel tests run in this process")
+def test_in_interpreter(request):
+    run_module_in_interpreter(__file__, request)
 
 
 BLOCK_SIZE = 4
@@ -173,55 +154,27 @@ def test_rejects_bad_head_counts():
         triton_paged.paged_attention_triton(q, torch.empty_like(q), cache, md, 1.0, 0)
 
 
-_COMPILE_SCRIPT = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from backends.attention import triton_paged
-
-index_ptrs = {"slot_mapping_ptr": "*i64", "block_table_ptr": "*i32",
-              "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32"}
-write_kv, attention = triton_paged._kernels(False)
-kernels = {
-    write_kv: dict(ROW=128, BLOCK_ROW=128),
-    attention: dict(GROUP=4, HEAD_DIM=64, BLOCK_G=4, BLOCK_D=64, BLOCK_N=16, REQ_CHUNK=64),
-}
-for dtype in sys.argv[1:]:
-    for kernel, constexprs in kernels.items():
-        code = kernel.fn.__code__
-        signature = {}
-        for name in code.co_varnames[:code.co_argcount]:
-            if name in constexprs:
-                signature[name] = "constexpr"
-            elif name in index_ptrs:
-                signature[name] = index_ptrs[name]
-            elif name.endswith("_ptr"):
-                signature[name] = "*" + dtype
-            else:
-                signature[name] = "fp32" if name == "scale" else "i32"
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                                  target=GPUTarget("cuda", 90, 32))
-        assert "ptx" in compiled.asm, kernel.fn.__name__
-print("compiled")
-"""
-
-
-def test_kernels_compile_for_gpu_without_one(tmp_path):
-    """The interpreter skips Triton's code generator; compiling to PTX for sm_90 (no GPU
-    needed) catches what only the real compiler rejects (types across branches and loops).
-    A subprocess: with TRITON_INTERPRET=1 triton.language itself is built for the
-    interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, "bf16", "fp16"], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0 and ("ptxas" in proc.stderr.lower()
-                                 or "GPUTarget" in proc.stderr):
-        pytest.skip(f"this triton cannot compile for CUDA here: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled" in proc.stdout
+@pytest.mark.parametrize("dt", MODEL_DTYPES)
+def test_kernels_compile_for_sm90_without_a_gpu(dt, tmp_path, monkeypatch):
+    """Both kernels through Triton's real compiler for sm_90 (see tests/triton_aot.py), with
+    the cache in ``dt`` and the head shapes of real models (GQA group 4 and 1, D 64 and 128)."""
+    require_cuda_backend()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    write_kv, attention = triton_paged._kernels(False)
+    for hkv, d in ((8, 128), (2, 64)):
+        compile_for_sm90(write_kv, dict(
+            k_ptr=f"*{dt}", v_ptr=f"*{dt}", key_cache_ptr=f"*{dt}", value_cache_ptr=f"*{dt}",
+            slot_mapping_ptr="*i64", stride_kt="i32", stride_vt="i32",
+            stride_cache_slot="i32"), dict(ROW=hkv * d, BLOCK_ROW=hkv * d))
+    ints = ("num_reqs", "sliding_window", "block_size", "stride_qt", "stride_qh", "stride_ot",
+            "stride_oh", "stride_cache_block", "stride_cache_slot", "stride_cache_head",
+            "stride_bt")
+    for group, d in ((4, 128), (1, 64)):
+        compile_for_sm90(attention, dict(
+            q_ptr=f"*{dt}", out_ptr=f"*{dt}", key_cache_ptr=f"*{dt}",
+            value_cache_ptr=f"*{dt}", block_table_ptr="*i32", query_start_loc_ptr="*i32",
+            seq_lens_ptr="*i32", scale="fp32", **{name: "i32" for name in ints}), dict(
+            GROUP=group, HEAD_DIM=d, BLOCK_G=group, BLOCK_D=d, BLOCK_N=16, REQ_CHUNK=64))
 
 
 @pytest.mark.gpu

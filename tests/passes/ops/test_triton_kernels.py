@@ -1,17 +1,13 @@
-"""Every Triton kernel vs the op's plain-torch implementation, on CPU via TRITON_INTERPRET=1.
+"""Every Triton kernel vs the op's plain-torch implementation: compiled on CUDA, in the Triton
+interpreter on CPU.
 
-The interpreter must be switched on before Triton decorates the kernels, hence the environment
-variable at the very top and the reload of the kernel modules (in case another test already
-imported them without it).  Shapes are tiny: the interpreter runs kernels in numpy.
+This process never sets ``TRITON_INTERPRET`` (see tests/triton_interpreter.py): on CPU the
+kernel tests below skip here and ``test_in_interpreter`` reruns them in a child process that
+starts with ``TRITON_INTERPRET=1``; ``scripts/gpu_check.sh`` runs them compiled on the GPU
+(``-m triton_kernel``).  Shapes are tiny: the interpreter runs kernels in numpy.
 """
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -21,6 +17,31 @@ from passes.ops import activation_quant as aq_ops  # noqa: E402
 from passes.ops import norm as norm_ops  # noqa: E402
 from passes.ops import rope as rope_ops  # noqa: E402
 from passes.ops import scaled_mm as mm_ops  # noqa: E402
+from passes.ops.triton import activation as tri_act  # noqa: E402
+from passes.ops.triton import norm as tri_norm  # noqa: E402
+from passes.ops.triton import rope as tri_rope  # noqa: E402
+from passes.ops.triton import scaled_mm as tri_mm  # noqa: E402
+from triton_interpreter import (ON_GPU, kernel_test, language_is_interpreted,  # noqa: E402
+                                run_module_in_interpreter)
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def kernel(fn):
+    """A test that launches kernels in this process (see the module docstring)."""
+    return pytest.mark.triton_kernel(kernel_test(fn))
+
+
+def dev(*tensors):
+    """Test data is made on CPU (seeded generators) and moved to the kernels' device."""
+    moved = tuple(t.to(DEVICE) for t in tensors)
+    return moved[0] if len(moved) == 1 else moved
+
+
+@pytest.mark.skipif(ON_GPU or language_is_interpreted(),
+                    reason="the kernel tests run in this process")
+def test_in_interpreter(request):
+    run_module_in_interpreter(__file__, request)
 
 
 def _patch_interpreter_float_conversion():
@@ -40,7 +61,7 @@ def _patch_interpreter_float_conversion():
                     tl.float16: torch.float16, tl.float8e4nv: torch.float8_e4m3fn,
                     tl.float8e5: torch.float8_e5m2}
     bits_view = {32: torch.int32, 16: torch.int16, 8: torch.uint8}
-    original = getattr(interpreter, "_piecewise_original_convert", interpreter._convert_float)
+    original = interpreter._convert_float
 
     def convert(data, in_dtype, out_dtype, rounding_mode):
         src, dst = torch_dtypes.get(in_dtype), torch_dtypes.get(out_dtype)
@@ -53,23 +74,24 @@ def _patch_interpreter_float_conversion():
         out = t.view(src).to(dst).view(bits_view[out_dtype.primitive_bitwidth]).numpy()
         return out.view(np.dtype(f"uint{out_dtype.primitive_bitwidth}"))
 
-    interpreter._piecewise_original_convert = original
     interpreter._convert_float = convert
 
 
-_patch_interpreter_float_conversion()
 
+@pytest.fixture(autouse=True)
+def interpreter_rounds_like_the_gpu():
+    """The conversion patch, only around each kernel test that runs in the interpreter."""
+    if not language_is_interpreted():
+        yield
+        return
+    from triton.runtime import interpreter
+    original = interpreter._convert_float
+    _patch_interpreter_float_conversion()
+    try:
+        yield
+    finally:
+        interpreter._convert_float = original
 
-def _reload(name):
-    import passes.ops.triton.quant  # noqa: F401
-    importlib.reload(importlib.import_module("passes.ops.triton.quant"))
-    return importlib.reload(importlib.import_module(name))
-
-
-tri_norm = _reload("passes.ops.triton.norm")
-tri_act = _reload("passes.ops.triton.activation")
-tri_rope = _reload("passes.ops.triton.rope")
-tri_mm = _reload("passes.ops.triton.scaled_mm")
 
 EPS = 1e-6
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
@@ -85,10 +107,11 @@ def assert_quant_equal_up_to_one_step(got, want):
 
 def data(t=3, h=40, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(t, h, generator=g).to(dtype) for _ in range(2)] + \
-        [(1 + 0.1 * torch.randn(h, generator=g)).to(dtype)]
+    return list(dev(*[torch.randn(t, h, generator=g).to(dtype) for _ in range(2)],
+                    (1 + 0.1 * torch.randn(h, generator=g)).to(dtype)))
 
 
+@kernel
 def test_rms_norm_kernel():
     x, _, w = data()  # hidden 40: not a power of two, exercises masking
     got, want = torch.empty_like(x), torch.empty_like(x)
@@ -97,6 +120,7 @@ def test_rms_norm_kernel():
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 
 
+@kernel
 def test_fused_add_rms_norm_kernel():
     x, r, w = data()
     x2, r2 = x.clone(), r.clone()
@@ -106,11 +130,12 @@ def test_fused_add_rms_norm_kernel():
     torch.testing.assert_close(x, x2, atol=1e-2, rtol=1e-2)
 
 
+@kernel
 @pytest.mark.parametrize("qdtype", QDTYPES)
 def test_rms_norm_static_quant_kernels(qdtype):
     x, r, w = data()
-    s = torch.tensor([0.02])
-    got, want = torch.empty(x.shape, dtype=qdtype), torch.empty(x.shape, dtype=qdtype)
+    s = dev(torch.tensor([0.02]))
+    got, want = (torch.empty(x.shape, dtype=qdtype, device=DEVICE) for _ in range(2))
     tri_norm.rms_norm_static_quant(got, x, w, s, EPS)
     norm_ops.rms_norm_static_quant_torch(want, x, w, s, EPS)
     assert_quant_equal_up_to_one_step(got, want)
@@ -121,13 +146,14 @@ def test_rms_norm_static_quant_kernels(qdtype):
     assert_quant_equal_up_to_one_step(got, want)
 
 
+@kernel
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_dynamic_quant_kernel(qdtype, with_residual):
     x, r, w = data()
     r2 = r.clone()
-    got, want = torch.empty(x.shape, dtype=qdtype), torch.empty(x.shape, dtype=qdtype)
-    gs, ws = torch.empty(3, 1), torch.empty(3, 1)
+    got, want = (torch.empty(x.shape, dtype=qdtype, device=DEVICE) for _ in range(2))
+    gs, ws = torch.empty(3, 1, device=DEVICE), torch.empty(3, 1, device=DEVICE)
     tri_norm.rms_norm_dynamic_quant(got, x, w, gs, EPS, r if with_residual else None)
     norm_ops.rms_norm_dynamic_quant_torch(want, x, w, ws, EPS, r2 if with_residual else None)
     torch.testing.assert_close(gs, ws, rtol=1e-5, atol=0)
@@ -135,47 +161,51 @@ def test_rms_norm_dynamic_quant_kernel(qdtype, with_residual):
     assert_quant_equal_up_to_one_step(got, want)
 
 
+@kernel
 @pytest.mark.parametrize("block", [8, 1024])  # 8: several chunks per row (two-pass path)
 def test_silu_and_mul_kernels(block):
     x = data(h=2 * 20)[0] * 2
-    got, want = torch.empty(3, 20, dtype=x.dtype), torch.empty(3, 20, dtype=x.dtype)
+    got, want = (torch.empty(3, 20, dtype=x.dtype, device=DEVICE) for _ in range(2))
     tri_act._launch(got, x, None, True, tri_act.NO_QUANT, block=block)
     act_ops.silu_and_mul_torch(want, x)
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
     for qdtype in QDTYPES:
-        s = torch.tensor([0.03])
-        got, want = torch.empty(3, 20, dtype=qdtype), torch.empty(3, 20, dtype=qdtype)
+        s = dev(torch.tensor([0.03]))
+        got, want = (torch.empty(3, 20, dtype=qdtype, device=DEVICE) for _ in range(2))
         tri_act._launch(got, x, s, True, tri_act.STATIC, block=block)
         act_ops.silu_and_mul_static_quant_torch(want, x, s)
         assert_quant_equal_up_to_one_step(got, want)
-        gs, ws = torch.empty(3, 1), torch.empty(3, 1)
+        gs, ws = torch.empty(3, 1, device=DEVICE), torch.empty(3, 1, device=DEVICE)
         tri_act._launch(got, x, gs, True, tri_act.DYNAMIC, block=block)
         act_ops.silu_and_mul_dynamic_quant_torch(want, x, ws)
         torch.testing.assert_close(gs, ws, rtol=1e-5, atol=0)
         assert_quant_equal_up_to_one_step(got, want)
 
 
+@kernel
 @pytest.mark.parametrize("qdtype", QDTYPES)
 def test_activation_quant_kernels(qdtype):
     x = data()[0]
-    s = torch.tensor([0.02])
-    got, want = torch.empty(x.shape, dtype=qdtype), torch.empty(x.shape, dtype=qdtype)
+    s = dev(torch.tensor([0.02]))
+    got, want = (torch.empty(x.shape, dtype=qdtype, device=DEVICE) for _ in range(2))
     tri_act.static_scaled_quant(got, x, s)
     aq_ops.static_scaled_quant_torch(want, x, s)
     assert torch.equal(got.float(), want.float())  # no reduction involved: bit-exact
-    gs, ws = torch.empty(3, 1), torch.empty(3, 1)
+    gs, ws = torch.empty(3, 1, device=DEVICE), torch.empty(3, 1, device=DEVICE)
     tri_act.dynamic_per_token_quant(got, x, gs)
     aq_ops.dynamic_per_token_quant_torch(want, x, ws)
     assert torch.equal(gs, ws) and torch.equal(got.float(), want.float())
 
 
+@kernel
 def test_int8_kernel_rounds_half_to_even():
-    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 1000.0, -1000.0]])
-    got = torch.empty(x.shape, dtype=torch.int8)
-    tri_act.static_scaled_quant(got, x, torch.tensor([1.0]))
+    x = dev(torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 1000.0, -1000.0]]))
+    got = torch.empty(x.shape, dtype=torch.int8, device=DEVICE)
+    tri_act.static_scaled_quant(got, x, dev(torch.tensor([1.0])))
     assert got.tolist() == [[0, 2, 2, 0, -2, -2, 4, 127, -128]]
 
 
+@kernel
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_qk_norm_rope_kernel(is_neox):
     hq, hkv, d = 2, 1, 12  # d/2 = 6: not a power of two, exercises masking
@@ -183,13 +213,15 @@ def test_qk_norm_rope_kernel(is_neox):
     qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16)
     qw, kw = torch.randn(d, generator=g), torch.randn(d, generator=g)
     cache = torch.randn(16, d, generator=g)
-    pos = torch.tensor([0, 5, 15])
+    qkv, qw, kw, cache = dev(qkv, qw, kw, cache)
+    pos = dev(torch.tensor([0, 5, 15]))
     got, want = qkv.clone(), qkv.clone()
     tri_rope.qk_norm_rope(got, pos, qw, kw, cache, hq, hkv, d, EPS, is_neox)
     rope_ops.qk_norm_rope_torch(want, pos, qw, kw, cache, hq, hkv, d, EPS, is_neox)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
 
 
+@kernel
 @pytest.mark.parametrize("m", [3, 20])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_scaled_mm_kernel(m, with_bias):
@@ -197,30 +229,35 @@ def test_int8_scaled_mm_kernel(m, with_bias):
     x_q = torch.randint(-128, 128, (m, 80), generator=g, dtype=torch.int8)
     w_q = torch.randint(-127, 128, (70, 80), generator=g, dtype=torch.int8).t()
     xs, ws = torch.rand(m, 1, generator=g), torch.rand(1, 70, generator=g)
-    bias = torch.randn(70, generator=g) if with_bias else None
+    bias = dev(torch.randn(70, generator=g)) if with_bias else None
+    x_q, w_q, xs, ws = dev(x_q, w_q, xs, ws)
     got = tri_mm.int8_scaled_mm(x_q, xs, w_q, ws, bias, torch.float32)
     want = mm_ops.int8_scaled_mm_torch(x_q, xs, w_q, ws, bias, torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
-    got = tri_mm.int8_scaled_mm(x_q, torch.tensor([0.5]), w_q, torch.tensor([2.0]), None,
-                                torch.float32)
-    assert torch.equal(got, (x_q.int() @ w_q.int()).float())
+    got = tri_mm.int8_scaled_mm(x_q, dev(torch.tensor([0.5])), w_q, dev(torch.tensor([2.0])),
+                                None, torch.float32)
+    assert torch.equal(got, (x_q.double() @ w_q.double()).float())  # exact (int matmul: CPU only)
 
 
+@kernel
 def test_fp8_scaled_mm_kernel():
     g = torch.Generator().manual_seed(0)
     x_q = (torch.randn(5, 48, generator=g) * 30).to(torch.float8_e4m3fn)
     w_q = (torch.randn(20, 48, generator=g) * 30).to(torch.float8_e4m3fn).t()
     xs, ws = torch.rand(5, 1, generator=g), torch.rand(1, 20, generator=g)
+    x_q, w_q, xs, ws = dev(x_q, w_q, xs, ws)
     got = tri_mm.fp8_scaled_mm(x_q, xs, w_q, ws, None, torch.bfloat16)
     want = mm_ops.fp8_scaled_mm_torch(x_q, xs, w_q, ws, None, torch.bfloat16)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
+@kernel
 def test_int8_weight_only_mm_kernel():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 48, generator=g)
     w_q = torch.randint(-127, 128, (24, 48), generator=g, dtype=torch.int8)
     ws, bias = torch.rand(24, generator=g) * 0.02, torch.randn(24, generator=g)
+    x, w_q, ws, bias = dev(x, w_q, ws, bias)
     got = tri_mm.int8_weight_only_mm(x, w_q, ws, bias)
     want = mm_ops.int8_weight_only_mm_torch(x, w_q, ws, bias)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
