@@ -151,6 +151,7 @@ class PiecewiseBackend:
         self.pieces: list[PieceInfo] = []
         self.runtimes: dict[str, PiecewiseRuntime] = {}
         self._compiled: dict[tuple[str, CompileRange], Callable] = {}
+        self._compiled_by: dict[tuple[str, CompileRange], str] = {}
         self._program: Optional[dict] = None
         self._installed: dict[str, Callable] = {}
         self.traced_files: list[str] = []
@@ -218,6 +219,7 @@ class PiecewiseBackend:
             self.stats.shared += 1
             if self.store is not None and self.compiler.name != "eager":
                 self.store.store(key, f"{ghash}-{rng}", _already_written)
+            self._piece_done(info.name, rng, "shared", self._compiled_by.get(memo))
             return self._compiled[memo], "shared"
         fn = self._load(key, single)
         source = "loaded"
@@ -230,10 +232,22 @@ class PiecewiseBackend:
             if self.store is not None and save is not None:
                 self.store.store(key, f"{ghash}-{rng}", save)
         self._compiled[memo] = fn
+        self._compiled_by[memo] = info.name
+        self._piece_done(info.name, rng, source)
         return fn, source
 
+    def _piece_done(self, piece: str, rng: CompileRange, source: str,
+                    shared_with: Optional[str] = None) -> None:
+        """Tell the pass manager how this piece instance got its code (for its records)."""
+        if self.graph_pass is not None and hasattr(self.graph_pass, "piece_done"):
+            self.graph_pass.piece_done(piece, rng, source, shared_with)
+
+    def _must_compile(self) -> bool:
+        """The pass manager verifies or dumps: every piece is compiled, nothing loaded."""
+        return bool(getattr(self.graph_pass, "must_run", False))
+
     def _load(self, key: str, single_output: bool) -> Optional[Callable]:
-        if self.store is None or self.compiler.name == "eager":
+        if self.store is None or self.compiler.name == "eager" or self._must_compile():
             return None
         path = self.store.lookup(key)
         if path is None:
@@ -272,7 +286,7 @@ class PiecewiseBackend:
 
     def restore(self) -> Optional[tuple[fx.GraphModule, dict]]:
         """Rebuild the compiled program from the cache without Dynamo; None if incomplete."""
-        if self.store is None or self.compiler.name == "eager":
+        if self.store is None or self.compiler.name == "eager" or self._must_compile():
             return None
         blob = self.store.load_blob(PROGRAM_BLOB)
         if blob is None:
@@ -281,7 +295,7 @@ class PiecewiseBackend:
             program = json.loads(blob)
             if program["ranges"] != [[r.start, r.end] for r in self.ranges]:
                 return None
-            modules = {}
+            modules, loaded = {}, []
             for name, rec in program["pieces"].items():
                 entries = []
                 for rng in self.ranges:
@@ -292,11 +306,14 @@ class PiecewiseBackend:
                         return None
                     self._compiled[(rec["graph_hash"], rng)] = fn
                     entries.append(RangeEntry(rng, fn, "loaded"))
+                    loaded.append((name, rng))
                 size_from = (rec["size_from"][0], rec["size_from"][1])
                 runtime = PiecewiseRuntime(name, entries, self.max_num_tokens, size_from)
                 info = PieceInfo(name, int(name.removeprefix("submod_")), False)
                 modules[name] = self._register(info, runtime)
             split = graph_from_json(program["graph"], modules)
+            for name, rng in loaded:
+                self._piece_done(name, rng, "loaded")
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             warnings.warn(f"{self.store.dir / PROGRAM_BLOB} is unusable ({e}); re-tracing")
             return None

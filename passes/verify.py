@@ -12,15 +12,16 @@ by an allowed quantization step taints what it feeds: those later differences ar
 since one step through a matmul can exceed a float tolerance without any pass being wrong.
 
 An output passes when its max abs error, or that error relative to the output's largest
-magnitude, is within ``tol`` (``verify_tolerance``, or per compute dtype: fp32 1e-4, bf16/fp16
+magnitude, is within ``tol`` (``verify_tolerance``, or per compute dtype: fp32 1e-3, bf16/fp16
 5e-2); quantized outputs may differ by one quantization step (int8: 1; fp8 e4m3: 12.5%),
 because fusing a norm into its quant removes an intermediate rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import sympy
 import torch
@@ -29,7 +30,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from passes.base import CompileRange
 
-DTYPE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 5e-2,
+DTYPE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 5e-2,
                    torch.float16: 5e-2}
 _FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),
                          getattr(torch, "float8_e5m2", None)) if d is not None)
@@ -144,16 +145,9 @@ class _Recorder(torch.fx.Interpreter):
         out = super().run_node(n)
         if isinstance(out, torch.Tensor):
             self.values[n.name] = out.detach().clone()
-        target = n.target
-        if n.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
-                target._schema.is_mutable:
-            args = target._schema.arguments
-            bound = dict(zip((a.name for a in args), n.args), **n.kwargs)
-            for a in args:
-                arg = bound.get(a.name)
-                if a.alias_info is not None and a.alias_info.is_write and \
-                        isinstance(arg, torch.fx.Node):
-                    self.written[arg.name] = self.env[arg].detach().clone()
+        if n.op == "call_function":
+            for arg in _written_args(n):
+                self.written[arg.name] = self.env[arg].detach().clone()
         return out
 
 
@@ -172,6 +166,55 @@ def _clone(x: Any) -> Any:
 UNINITIALIZED_OPS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
                      torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default}
 """Allocations whose values are garbage until an op writes them: never compared."""
+
+_VIEW_OPS = {torch.ops.aten.reshape.default, torch.ops.aten.view.default,
+             torch.ops.aten._unsafe_view.default}
+"""Ops whose result may alias their first argument besides those whose schema says so."""
+
+
+def _aliases_first_arg(node: torch.fx.Node) -> bool:
+    target = node.target
+    if target in _VIEW_OPS:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and \
+        not returns[0].alias_info.is_write
+
+
+def undefined_nodes(graph: torch.fx.Graph) -> set[str]:
+    """Names of the nodes whose value the graph never defines: uninitialised allocations
+    (``empty``...) and views of them, when no op in the graph writes into the allocation
+    (through any view).  A piece hands such a buffer to the splitting op after it (attention
+    writes its output there), so its bytes are whatever memory held: never compared."""
+    root: dict[str, str] = {}
+    written: set[str] = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in UNINITIALIZED_OPS:
+            root[node.name] = node.name
+        elif _aliases_first_arg(node) and node.args and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].name in root:
+            root[node.name] = root[node.args[0].name]
+        for arg in _written_args(node):
+            if arg.name in root:
+                written.add(root[arg.name])
+    return {name for name, r in root.items() if r not in written}
+
+
+def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Arguments ``node`` writes into: a mutating op's ``(a!)`` arguments, or the bases an
+    ``auto_functionalized`` node returns new values of (its consumers read those, but a piece
+    output that *is* the base is, after ``fix_functionalization``, written in place)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        args = target._schema.arguments
+        bound = dict(zip((a.name for a in args), node.args), **node.kwargs)
+        return [v for a in args if a.alias_info is not None and a.alias_info.is_write
+                for v in [bound.get(a.name)] if isinstance(v, torch.fx.Node)]
+    return []
 
 _SEEN = "seen:"
 """Key prefix of a node's value as its readers saw it (after in-place writes)."""
@@ -238,6 +281,9 @@ class PassVerifier:
         self._values: dict[str, Any] = {}
         self._outputs: list[Any] = []
         self._input_names: dict[str, list[str]] = {}
+        self._undefined: set[str] = set()
+        self._output_names: list[Optional[str]] = []
+        self._size = DEFAULT_TOKENS
         self.tol = 0.0
 
     def _tolerance_for(self, graph: torch.fx.Graph) -> float:
@@ -264,6 +310,7 @@ class PassVerifier:
         """Run the piece's graph before any pass; the reference for the first pass."""
         # Compilers may call passes with a fake mode active; verification needs real tensors.
         with unset_fake_temporarily():
+            self._size = concrete_size(compile_range)
             self._start_piece(graph, compile_range)
 
     def check_pass(self, pass_name: str, graph: torch.fx.Graph) -> PassError:
@@ -275,9 +322,10 @@ class PassVerifier:
                      compile_range: Optional[CompileRange]) -> None:
         self.tol = self._tolerance_for(graph)
         self._inputs = random_inputs(graph, concrete_size(compile_range), self.seed)
-        self._input_names = _input_names(graph)
+        self._remember(graph)
         try:
-            self._values, self._outputs = self._run(graph)
+            with attention_context(graph, self._size):
+                self._values, self._outputs = self._run(graph)
         except Exception as e:
             raise PassVerificationError(
                 f"verify_passes: the piece does not run on random inputs before any pass "
@@ -285,7 +333,8 @@ class PassVerifier:
 
     def _check_pass(self, pass_name: str, graph: torch.fx.Graph) -> PassError:
         try:
-            values, outputs = self._run(graph)
+            with attention_context(graph, self._size):
+                values, outputs = self._run(graph)
         except Exception as e:
             raise PassVerificationError(
                 f"verify_passes: pass {pass_name!r} produced a graph that fails to run "
@@ -293,14 +342,15 @@ class PassVerifier:
         if len(outputs) != len(self._outputs):
             raise PassVerificationError(f"verify_passes: pass {pass_name!r} changed the number "
                                         f"of outputs from {len(self._outputs)} to {len(outputs)}")
-        walk = self._walk(graph, values)
-        producers = torch.fx.node.map_arg(graph.output_node().args[0], lambda n: n)
-        producers = list(producers) if isinstance(producers, (tuple, list)) else [producers]
+        undefined = undefined_nodes(graph)
+        walk = self._walk(graph, values, undefined)
+        producers = _output_producers(graph)
         max_abs = max_rel = 0.0
         failures = []
         for i, (b, a) in enumerate(zip(self._outputs, outputs)):
-            if not isinstance(b, torch.Tensor):
-                continue
+            if not isinstance(b, torch.Tensor) or self._output_names[i] in self._undefined or \
+                    _name(producers[i]) in undefined:
+                continue  # garbage before or after: nothing the piece defines
             ea, er, ok = compare(b, a, self.tol)
             max_abs, max_rel = max(max_abs, ea), max(max_rel, er)
             producer = producers[i] if i < len(producers) else None
@@ -314,16 +364,25 @@ class PassVerifier:
                 f"{self.tol:g} (outputs: max abs error {max_abs:.4g}, max rel error "
                 f"{max_rel:.4g}); first diverging node: {where}")
         self._values, self._outputs = values, outputs
-        self._input_names = _input_names(graph)
+        self._remember(graph)
         return PassError(max_abs, max_rel)
 
-    def _walk(self, graph: torch.fx.Graph, values: dict[str, Any]) -> _Divergence:
+    def _remember(self, graph: torch.fx.Graph) -> None:
+        """What the next pass's check compares against, besides the values."""
+        self._input_names = _input_names(graph)
+        self._undefined = undefined_nodes(graph)
+        self._output_names = [_name(p) for p in _output_producers(graph)]
+
+    def _walk(self, graph: torch.fx.Graph, values: dict[str, Any],
+              undefined: set[str]) -> _Divergence:
         """Graph order walk comparing every node the pass kept (same name) and every input the
         pass swapped under a kept node (old input's value vs. new input's value)."""
         tainted: set[str] = set()
         by_name = {n.name: n for n in graph.nodes}
 
         def check(name_before: str, node_after: torch.fx.Node, seen: bool) -> Optional[str]:
+            if name_before in self._undefined or node_after.name in undefined:
+                return None
             prefix = _SEEN if seen else ""
             before = self._values.get(prefix + name_before)
             after = values.get(prefix + node_after.name)
@@ -359,6 +418,73 @@ class PassVerifier:
 
 def _input_names(graph: torch.fx.Graph) -> dict[str, list[str]]:
     return {n.name: [a.name for a in n.all_input_nodes] for n in graph.nodes}
+
+
+def attention_calls(graph: torch.fx.Graph) -> list[dict[str, Any]]:
+    """The ``piecewise.attention`` calls of ``graph`` (direct, or inside
+    ``auto_functionalized``/``_v2``), each as its bound arguments (nodes and constants)."""
+    op = getattr(getattr(torch.ops, "piecewise", None), "attention", None)
+    if op is None:
+        return []
+    calls = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is op.default:
+            names = [a.name for a in op.default._schema.arguments]
+            calls.append(dict(zip(names, node.args), **node.kwargs))
+        elif node.args and node.args[0] is op.default and \
+                isinstance(node.target, torch._ops.HigherOrderOperator):
+            calls.append(dict(node.kwargs))
+    return calls
+
+
+@contextlib.contextmanager
+def attention_context(graph: torch.fx.Graph, size: int) -> Iterator[None]:
+    """A forward context in which the graph's attention ops see one consistent batch: a
+    single request prefilling the ``size`` tokens the verifier feeds, each layer with its own
+    zeroed KV cache (``torch`` backend).
+
+    Without it a graph that contains attention (``splitting_ops=[]``) would run against the
+    ambient context of the batch being traced: its slot mapping has that batch's token
+    count, not the verifier's (``index_copy_`` size error), and the verifier would scatter
+    random keys into the live KV cache.  A fresh cache per run keeps the graph before and
+    after a pass on identical state."""
+    calls = attention_calls(graph)
+    if not calls:
+        yield
+        return
+    from backends.attention import AttentionMetadata
+    from framework.forward_context import ForwardContext, set_forward_context
+
+    block_size = 16
+    num_blocks = -(-size // block_size)
+    md = AttentionMetadata(
+        backend="torch", num_actual_tokens=size, num_reqs=1, max_query_len=size,
+        max_seq_len=size, query_start_loc=torch.tensor([0, size], dtype=torch.int32),
+        seq_lens=torch.tensor([size], dtype=torch.int32),
+        block_table=torch.arange(num_blocks, dtype=torch.int32)[None],
+        slot_mapping=torch.arange(size, dtype=torch.int64), query_start_loc_cpu=[0, size],
+        seq_lens_cpu=[size])
+    caches = {}
+    for call in calls:
+        k = call["k"].meta["val"]
+        hkv, d = (int(s) for s in k.shape[1:3])
+        caches[call["layer_name"]] = torch.zeros(2, num_blocks, block_size, hkv, d,
+                                                 dtype=k.dtype, device=k.device)
+    ctx = ForwardContext(attn_metadata={name: md for name in caches}, kv_caches=caches,
+                         slot_mapping=md.slot_mapping)
+    with set_forward_context(ctx):
+        yield
+
+
+def _output_producers(graph: torch.fx.Graph) -> list[Any]:
+    producers = torch.fx.node.map_arg(graph.output_node().args[0], lambda n: n)
+    return list(producers) if isinstance(producers, (tuple, list)) else [producers]
+
+
+def _name(node: Any) -> Optional[str]:
+    return node.name if isinstance(node, torch.fx.Node) else None
 
 
 def _describe(node: Any) -> str:
