@@ -139,7 +139,7 @@ def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_has
         "compiler": inductor_factors() if compiler.name == "inductor" else {},
         "compiler_adaptor": compiler.compute_hash(),
         "compilation_config": config.compute_hash(),
-        "passes": passes.cache_uuid() if passes is not None else None,
+        "passes": passes.cache_factors() if passes is not None else None,
         "model_config": model_hash,
         "dtype": str(dtype),
         "quantization": quant_hash,

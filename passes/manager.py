@@ -171,6 +171,11 @@ class PassManager(CustomGraphPass):
             status = RAN if ran else NOT_RUN_INDUCTOR_HIT
         self.instances.append(PieceInstance(piece_name, rng, status,
                                             shared_with if source == "shared" else None))
+        if source == "shared" and self.debug_dump_path:
+            # Identical pieces compile once; say where this one's graphs are.
+            with open(os.path.join(self._dump_dir(piece_name, compile_range, 1),
+                                   "same_graph_as.txt"), "w") as f:
+                f.write(f"{shared_with}\n")
 
     def stats(self) -> dict[str, Any]:
         """Per pass: ``status`` (``ran``, or why not: ``not run: artifact loaded`` / ``not
@@ -216,14 +221,17 @@ class PassManager(CustomGraphPass):
 
     # --- cache key ---------------------------------------------------------------------------
 
+    def cache_factors(self) -> dict[str, Any]:
+        """The artifact-cache key's ``passes`` factor: the run order and each pass's uuid by
+        name, so ``python -m framework.cache explain`` can name the pass that differs."""
+        return {"order": list(self.names), "uuid": {p.name: p.uuid() for p in self.passes},
+                "dtype": str(self.context.dtype),
+                "quant_config_hash": self.context.quant_config_hash}
+
     def cache_uuid(self) -> str:
-        """Changes when the pass list, a pass's source, or a pass's config changes."""
-        payload = {
-            "passes": [[p.name, p.uuid()] for p in self.passes],
-            "dtype": str(self.context.dtype),
-            "quant_config_hash": self.context.quant_config_hash,
-        }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+        """Changes when the pass list, a pass's code, or a pass's config changes."""
+        return hashlib.sha256(json.dumps(self.cache_factors(), sort_keys=True).encode()
+                              ).hexdigest()
 
     @property
     def must_run(self) -> bool:
