@@ -152,6 +152,7 @@ class PiecewiseBackend:
         self.runtimes: dict[str, PiecewiseRuntime] = {}
         self._compiled: dict[tuple[str, CompileRange], Callable] = {}
         self._compiled_by: dict[tuple[str, CompileRange], str] = {}
+        self._static_inputs: dict[str, dict[int, torch.Tensor]] = {}
         self._program: Optional[dict] = None
         self._installed: dict[str, Callable] = {}
         self.traced_files: list[str] = []
@@ -166,6 +167,7 @@ class PiecewiseBackend:
         self.stats.num_pieces = sum(not p.is_splitting_op for p in self.pieces)
         self.stats.num_splitting_ops = sum(p.is_splitting_op for p in self.pieces)
         fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+        self._static_inputs = _static_piece_inputs(gm, split, example_inputs)
         self._dump("split_graph.py", _module_code(split))
         program = {"pieces": {}, "ranges": [[r.start, r.end] for r in self.ranges]}
         t1 = time.perf_counter()
@@ -225,7 +227,8 @@ class PiecewiseBackend:
         source = "loaded"
         if fn is None:
             if self.graph_pass is not None and hasattr(self.graph_pass, "set_current_piece"):
-                self.graph_pass.set_current_piece(info.name, rng)
+                self.graph_pass.set_current_piece(
+                    info.name, rng, static_inputs=self._static_inputs.get(info.name, {}))
             fn, save = self.compiler.compile(sub, inputs, rng)
             self.stats.compiles += 1
             source = "compiled"
@@ -341,6 +344,24 @@ def traced_files(gm: fx.GraphModule) -> list[str]:
             if f"{os.sep}torch{os.sep}" not in f and os.path.isfile(f):
                 files.add(f)
     return sorted(files)
+
+
+def _static_piece_inputs(gm: fx.GraphModule, split: fx.GraphModule, example_inputs: list
+                         ) -> dict[str, dict[int, torch.Tensor]]:
+    """Per piece, its inputs that are real fixed-shape tensors handed to the backend (the
+    model's parameters and buffers), by input position.  The pass verifier runs pieces on
+    these real values: a fusion may rely on a property of a buffer (RoPE's cos/sin caches
+    repeat their two halves), which random values would break."""
+    real = {n.name: x for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
+                                      example_inputs)
+            if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor)
+            and all(isinstance(s, int) for s in x.shape)}
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for node in split.graph.find_nodes(op="call_module"):
+        out[node.target] = {i: real[a.name] for i, a in enumerate(node.args)
+                            if isinstance(a, fx.Node) and a.op == "placeholder"
+                            and a.name in real}
+    return out
 
 
 def _piece_example_inputs(split: fx.GraphModule, fakes: list) -> dict[str, list]:

@@ -104,6 +104,7 @@ class PassManager(CustomGraphPass):
         """Every piece instance the backend reported (:meth:`piece_done`), in model order."""
         self._nonce = itertools.count()
         self._calls_before = 0
+        self._static_inputs: dict[int, torch.Tensor] = {}
         self._verifier = None
         if pass_config.verify_passes:
             from passes.verify import PassVerifier
@@ -112,9 +113,13 @@ class PassManager(CustomGraphPass):
     # --- the backend's hooks -----------------------------------------------------------------
 
     def set_current_piece(self, piece_name: str,
-                          compile_range: Optional[CompileRange] = None) -> None:
+                          compile_range: Optional[CompileRange] = None,
+                          static_inputs: Optional[dict[int, torch.Tensor]] = None) -> None:
+        """``static_inputs``: real values of piece inputs by position (weights, buffers); the
+        verifier feeds them instead of random values."""
         self._piece = piece_name
         self._range = compile_range
+        self._static_inputs = dict(static_inputs or {})
         self._calls_before = self._calls.get((piece_name, _range_tuple(compile_range)), 0)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -126,7 +131,7 @@ class PassManager(CustomGraphPass):
         if dump_dir:
             _write_graph(dump_dir, "00_before_passes.txt", graph, "input graph")
         if self._verifier:
-            self._verifier.start_piece(graph, rng)
+            self._verifier.start_piece(graph, rng, self._static_inputs)
         for i, p in enumerate(self.passes, start=1):
             if not p.is_applicable(rng):
                 continue

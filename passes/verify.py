@@ -95,9 +95,12 @@ def _concretize(value: Any, bindings: dict[sympy.Symbol, int]) -> int:
     return int(value)
 
 
-def random_inputs(graph: torch.fx.Graph, size: int, seed: int = 0) -> list[Any]:
+def random_inputs(graph: torch.fx.Graph, size: int, seed: int = 0,
+                  known: Optional[dict[int, torch.Tensor]] = None) -> list[Any]:
     """Random tensors matching the placeholders' fake values, the token count set to ``size``
-    (see :func:`symbol_bindings`)."""
+    (see :func:`symbol_bindings`); placeholder ``i`` takes ``known[i]`` instead (a real weight
+    or buffer) when its shape and dtype match."""
+    known = known or {}
     gen = torch.Generator().manual_seed(seed)
     placeholders = list(graph.find_nodes(op="placeholder"))
     bindings = symbol_bindings([n.meta.get("val") for n in placeholders], size)
@@ -108,7 +111,12 @@ def random_inputs(graph: torch.fx.Graph, size: int, seed: int = 0) -> list[Any]:
             inputs.append(_concretize(val, bindings))
         elif isinstance(val, torch.Tensor):
             shape = [_concretize(s, bindings) for s in val.shape]
-            inputs.append(_random_tensor(shape, val.dtype, gen).to(val.device))
+            real = known.get(len(inputs))
+            if isinstance(real, torch.Tensor) and list(real.shape) == shape and \
+                    real.dtype == val.dtype:
+                inputs.append(real.detach())
+            else:
+                inputs.append(_random_tensor(shape, val.dtype, gen).to(val.device))
         elif isinstance(val, (int, float, bool)) or val is None:
             inputs.append(val)
         else:
@@ -306,11 +314,14 @@ class PassVerifier:
                            {**rec.values, **rec.written}.items()})
         return rec.values, outs
 
-    def start_piece(self, graph: torch.fx.Graph, compile_range: Optional[CompileRange]) -> None:
-        """Run the piece's graph before any pass; the reference for the first pass."""
+    def start_piece(self, graph: torch.fx.Graph, compile_range: Optional[CompileRange],
+                    known_inputs: Optional[dict[int, torch.Tensor]] = None) -> None:
+        """Run the piece's graph before any pass; the reference for the first pass.
+        ``known_inputs``: real values of some inputs by position (weights, buffers)."""
         # Compilers may call passes with a fake mode active; verification needs real tensors.
         with unset_fake_temporarily():
             self._size = concrete_size(compile_range)
+            self._known = known_inputs or {}
             self._start_piece(graph, compile_range)
 
     def check_pass(self, pass_name: str, graph: torch.fx.Graph) -> PassError:
@@ -321,7 +332,7 @@ class PassVerifier:
     def _start_piece(self, graph: torch.fx.Graph,
                      compile_range: Optional[CompileRange]) -> None:
         self.tol = self._tolerance_for(graph)
-        self._inputs = random_inputs(graph, concrete_size(compile_range), self.seed)
+        self._inputs = random_inputs(graph, concrete_size(compile_range), self.seed, self._known)
         self._remember(graph)
         try:
             with attention_context(graph, self._size):
