@@ -102,7 +102,6 @@ class PassManager(CustomGraphPass):
         self._calls: dict[tuple[str, Optional[tuple[int, int]]], int] = {}
         self.instances: list[PieceInstance] = []
         """Every piece instance the backend reported (:meth:`piece_done`), in model order."""
-        self._nonce = itertools.count()
         self._calls_before = 0
         self._static_inputs: dict[int, torch.Tensor] = {}
         self._verifier = None
@@ -250,7 +249,7 @@ class PassManager(CustomGraphPass):
         ``None``: that makes Inductor bypass its cache, and then ``standalone_compile`` has no
         artifact to save.)"""
         if self.must_run:
-            return f"{self.cache_uuid()}-run-{_PROCESS_NONCE}-{next(self._nonce)}"
+            return f"{self.cache_uuid()}-run-{_PROCESS_NONCE}-{next(_NONCE)}"
         return self.cache_uuid()
 
     # --- dumps -------------------------------------------------------------------------------
@@ -267,6 +266,8 @@ class PassManager(CustomGraphPass):
 
 _PROCESS_NONCE = uuid_module.uuid4().hex
 """Distinguishes this process's forced-miss keys from every other process's."""
+_NONCE = itertools.count()
+"""One counter for every manager of the process: no forced-miss key is ever reused."""
 
 
 def _safe(name: str) -> str:
