@@ -11,6 +11,7 @@ import pytest
 
 from checkpoints import FAMILIES
 from framework import LLM, CompilationConfig, PassConfig
+from models.tiny import ensure_tiny_model
 
 BROKEN = "broken_pass_example:SwapMulForAdd"
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,13 +52,15 @@ def test_wrong_oot_pass_is_named_with_its_first_diverging_node(llama_checkpoint,
     assert re.search(r"first diverging node: mul_\d+ \(.*target=torch.ops.aten.add.Tensor\]", msg)
 
 
-@pytest.mark.slow(reason="4 families x 3 levels x 2 splittings x 2 dtypes of Inductor compiles")
+@pytest.mark.slow(reason="5 models x 3 levels x 2 splittings x 2 dtypes of Inductor compiles")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ("default",) + FAMILIES)
 def test_every_level_verifies_on_every_family(tiny_checkpoint, tmp_path, family, dtype):
+    """``default`` is the tiny model of ``make run`` (8 layers, hidden 512)."""
+    path = ensure_tiny_model() if family == "default" else tiny_checkpoint(family)
     for level in (1, 2, 3):
         for kw in ({}, {"splitting_ops": []}):
-            llm = _llm(tiny_checkpoint(family), level, str(tmp_path), dtype=dtype,
+            llm = _llm(path, level, str(tmp_path), dtype=dtype,
                        pass_config=PassConfig(verify_passes=True), **kw)
             _check_all_verified(llm)
 
