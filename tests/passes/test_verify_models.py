@@ -17,8 +17,9 @@ BROKEN = "broken_pass_example:SwapMulForAdd"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _llm(path, level, cache_dir, dtype="float32", **compile_kw):
+def _llm(path, level, cache_dir, dtype="float32", quantization=None, **compile_kw):
     return LLM(str(path), dtype=dtype, max_model_len=64, optimization_level=level,
+               quantization=quantization,
                compilation_config=CompilationConfig(progress_bar=False, cache_dir=cache_dir,
                                                     **compile_kw))
 
@@ -52,15 +53,18 @@ def test_wrong_oot_pass_is_named_with_its_first_diverging_node(llama_checkpoint,
     assert re.search(r"first diverging node: mul_\d+ \(.*target=torch.ops.aten.add.Tensor\]", msg)
 
 
-@pytest.mark.slow(reason="5 models x 3 levels x 2 splittings x 2 dtypes of Inductor compiles")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow(reason="5 models x 3 levels x 2 splittings x 3 dtypes of Inductor compiles")
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None),
+                                                ("bfloat16", "int8_per_token")])
 @pytest.mark.parametrize("family", ("default",) + FAMILIES)
-def test_every_level_verifies_on_every_family(tiny_checkpoint, tmp_path, family, dtype):
-    """``default`` is the tiny model of ``make run`` (8 layers, hidden 512)."""
+def test_every_level_verifies_on_every_family(tiny_checkpoint, tmp_path, family, dtype,
+                                              quantization):
+    """``default`` is the tiny model of ``make run`` (8 layers, hidden 512); int8 quantization
+    gives the quant fusions of O3 something to match."""
     path = ensure_tiny_model() if family == "default" else tiny_checkpoint(family)
     for level in (1, 2, 3):
         for kw in ({}, {"splitting_ops": []}):
-            llm = _llm(path, level, str(tmp_path), dtype=dtype,
+            llm = _llm(path, level, str(tmp_path), dtype=dtype, quantization=quantization,
                        pass_config=PassConfig(verify_passes=True), **kw)
             _check_all_verified(llm)
 
