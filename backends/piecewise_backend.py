@@ -151,6 +151,8 @@ class PiecewiseBackend:
         self.pieces: list[PieceInfo] = []
         self.runtimes: dict[str, PiecewiseRuntime] = {}
         self._compiled: dict[tuple[str, CompileRange], Callable] = {}
+        self._compiled_by: dict[tuple[str, CompileRange], str] = {}
+        self._static_inputs: dict[str, dict[int, torch.Tensor]] = {}
         self._program: Optional[dict] = None
         self._installed: dict[str, Callable] = {}
         self.traced_files: list[str] = []
@@ -165,6 +167,7 @@ class PiecewiseBackend:
         self.stats.num_pieces = sum(not p.is_splitting_op for p in self.pieces)
         self.stats.num_splitting_ops = sum(p.is_splitting_op for p in self.pieces)
         fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+        self._static_inputs = _static_piece_inputs(gm, split, example_inputs)
         self._dump("split_graph.py", _module_code(split))
         program = {"pieces": {}, "ranges": [[r.start, r.end] for r in self.ranges]}
         t1 = time.perf_counter()
@@ -218,22 +221,36 @@ class PiecewiseBackend:
             self.stats.shared += 1
             if self.store is not None and self.compiler.name != "eager":
                 self.store.store(key, f"{ghash}-{rng}", _already_written)
+            self._piece_done(info.name, rng, "shared", self._compiled_by.get(memo))
             return self._compiled[memo], "shared"
         fn = self._load(key, single)
         source = "loaded"
         if fn is None:
             if self.graph_pass is not None and hasattr(self.graph_pass, "set_current_piece"):
-                self.graph_pass.set_current_piece(info.name, rng)
+                self.graph_pass.set_current_piece(
+                    info.name, rng, static_inputs=self._static_inputs.get(info.name, {}))
             fn, save = self.compiler.compile(sub, inputs, rng)
             self.stats.compiles += 1
             source = "compiled"
             if self.store is not None and save is not None:
                 self.store.store(key, f"{ghash}-{rng}", save)
         self._compiled[memo] = fn
+        self._compiled_by[memo] = info.name
+        self._piece_done(info.name, rng, source)
         return fn, source
 
+    def _piece_done(self, piece: str, rng: CompileRange, source: str,
+                    shared_with: Optional[str] = None) -> None:
+        """Tell the pass manager how this piece instance got its code (for its records)."""
+        if self.graph_pass is not None and hasattr(self.graph_pass, "piece_done"):
+            self.graph_pass.piece_done(piece, rng, source, shared_with)
+
+    def _must_compile(self) -> bool:
+        """The pass manager verifies or dumps: every piece is compiled, nothing loaded."""
+        return bool(getattr(self.graph_pass, "must_run", False))
+
     def _load(self, key: str, single_output: bool) -> Optional[Callable]:
-        if self.store is None or self.compiler.name == "eager":
+        if self.store is None or self.compiler.name == "eager" or self._must_compile():
             return None
         path = self.store.lookup(key)
         if path is None:
@@ -272,7 +289,7 @@ class PiecewiseBackend:
 
     def restore(self) -> Optional[tuple[fx.GraphModule, dict]]:
         """Rebuild the compiled program from the cache without Dynamo; None if incomplete."""
-        if self.store is None or self.compiler.name == "eager":
+        if self.store is None or self.compiler.name == "eager" or self._must_compile():
             return None
         blob = self.store.load_blob(PROGRAM_BLOB)
         if blob is None:
@@ -281,7 +298,7 @@ class PiecewiseBackend:
             program = json.loads(blob)
             if program["ranges"] != [[r.start, r.end] for r in self.ranges]:
                 return None
-            modules = {}
+            modules, loaded = {}, []
             for name, rec in program["pieces"].items():
                 entries = []
                 for rng in self.ranges:
@@ -292,11 +309,14 @@ class PiecewiseBackend:
                         return None
                     self._compiled[(rec["graph_hash"], rng)] = fn
                     entries.append(RangeEntry(rng, fn, "loaded"))
+                    loaded.append((name, rng))
                 size_from = (rec["size_from"][0], rec["size_from"][1])
                 runtime = PiecewiseRuntime(name, entries, self.max_num_tokens, size_from)
                 info = PieceInfo(name, int(name.removeprefix("submod_")), False)
                 modules[name] = self._register(info, runtime)
             split = graph_from_json(program["graph"], modules)
+            for name, rng in loaded:
+                self._piece_done(name, rng, "loaded")
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             warnings.warn(f"{self.store.dir / PROGRAM_BLOB} is unusable ({e}); re-tracing")
             return None
@@ -324,6 +344,24 @@ def traced_files(gm: fx.GraphModule) -> list[str]:
             if f"{os.sep}torch{os.sep}" not in f and os.path.isfile(f):
                 files.add(f)
     return sorted(files)
+
+
+def _static_piece_inputs(gm: fx.GraphModule, split: fx.GraphModule, example_inputs: list
+                         ) -> dict[str, dict[int, torch.Tensor]]:
+    """Per piece, its inputs that are real fixed-shape tensors handed to the backend (the
+    model's parameters and buffers), by input position.  The pass verifier runs pieces on
+    these real values: a fusion may rely on a property of a buffer (RoPE's cos/sin caches
+    repeat their two halves), which random values would break."""
+    real = {n.name: x for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
+                                      example_inputs)
+            if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor)
+            and all(isinstance(s, int) for s in x.shape)}
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for node in split.graph.find_nodes(op="call_module"):
+        out[node.target] = {i: real[a.name] for i, a in enumerate(node.args)
+                            if isinstance(a, fx.Node) and a.op == "placeholder"
+                            and a.name in real}
+    return out
 
 
 def _piece_example_inputs(split: fx.GraphModule, fakes: list) -> dict[str, list]:

@@ -135,8 +135,18 @@ def varying_keys(jobs: Sequence[Job]) -> list[str]:
     return [k for k in keys if len({job.override_map.get(k) for job in jobs}) > 1]
 
 
+_HYDRA_ESCAPE = re.compile(r"\\(.)")
+
+
+def unescape_override(value: str) -> str:
+    """An override value as the user meant it: Hydra's command-line escapes removed
+    (``mypasses.silu\\:SigmoidMulToSilu`` -> ``mypasses.silu:SigmoidMulToSilu``)."""
+    return _HYDRA_ESCAPE.sub(r"\1", value)
+
+
 def config_label(job: Job, keys: Sequence[str]) -> str:
-    parts = [f"{k}={job.override_map[k]}" for k in keys if k in job.override_map]
+    parts = [f"{k}={unescape_override(job.override_map[k])}" for k in keys
+             if k in job.override_map]
     return ", ".join(parts) if parts else f"job {job.name}"
 
 

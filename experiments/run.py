@@ -268,8 +268,11 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     trace = llm.runner.trace or []
     padding = _padding(trace, llm.config.cudagraph_capture_sizes)
     _write_trace(out_dir / "trace.jsonl", trace, llm.config.max_num_tokens)
-    # PassManager.stats(): {name: {"total_matches", "total_time_s", "pieces": [...]}}
+    # PassManager.stats(): {name: {"status", "total_matches" (per piece instance),
+    # "unique_graph_matches", "total_time_s", "pieces", "instances"}}
     passes = {name: {"matches": rec.get("total_matches", 0),
+                     "unique_graph_matches": rec.get("unique_graph_matches"),
+                     "status": rec.get("status"),
                      "time_s": rec.get("total_time_s", 0.0)}
               for name, rec in (stats.get("passes") or {}).items()}
     result = {

@@ -356,8 +356,23 @@ def cmd_explain(root: Path, key_a: str, key_b: str, out=None) -> int:
     print(f"{len(diffs)} factor(s) differ between {path_a.name} (A) and {path_b.name} (B):",
           file=out)
     for name, va, vb in diffs:
-        print(f"  {name}:\n    A: {show(va)}\n    B: {show(vb)}", file=out)
+        print(f"  {name}{_explain_note(name, va, vb)}:\n    A: {show(va)}\n    B: {show(vb)}",
+              file=out)
     return 0
+
+
+PASS_UUID_PREFIX = "passes.uuid."
+"""Dotted prefix of a pass's uuid in the factors (``PassManager.cache_factors``)."""
+
+
+def _explain_note(name: str, va: Any, vb: Any) -> str:
+    """What a differing factor means, where the name alone does not say it."""
+    if not name.startswith(PASS_UUID_PREFIX):
+        return ""
+    pass_name = name[len(PASS_UUID_PREFIX):]
+    if va is _ABSENT or vb is _ABSENT:
+        return f" (pass {pass_name!r} runs only in {'B' if va is _ABSENT else 'A'})"
+    return f" (pass {pass_name!r}: its code or its config differs)"
 
 
 # ----------------------------------------------------------------------------- entry point

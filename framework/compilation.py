@@ -57,8 +57,12 @@ def build_pass_manager(config: CompilationConfig, dtype: torch.dtype,
         return None
     from passes.manager import PassManager
 
-    return PassManager(config.pass_config, dtype=dtype, quant_config_hash=quant_hash,
-                       debug_dump_path=config.debug_dump_path)
+    manager = PassManager(config.pass_config, dtype=dtype, quant_config_hash=quant_hash,
+                          debug_dump_path=config.debug_dump_path)
+    # The resolved config records the order the passes run in (the manager sorts the list
+    # into the canonical order; config.py, a leaf module, cannot import the registry).
+    config.pass_config.passes = list(manager.names)
+    return manager
 
 
 def build_forward(model: torch.nn.Module, config: CompilationConfig, *, model_hash: str,
@@ -105,6 +109,8 @@ def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, qua
             out.stats["dynamo_skipped"] = True
         else:
             logger.info("model source changed since the cached program; re-tracing")
+            if passes is not None:
+                passes.instances.clear()  # the restored pieces are not used
 
     def finalize() -> None:
         if traced.binding is None or out.stats.get("dynamo_skipped"):
@@ -133,7 +139,7 @@ def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_has
         "compiler": inductor_factors() if compiler.name == "inductor" else {},
         "compiler_adaptor": compiler.compute_hash(),
         "compilation_config": config.compute_hash(),
-        "passes": passes.cache_uuid() if passes is not None else None,
+        "passes": passes.cache_factors() if passes is not None else None,
         "model_config": model_hash,
         "dtype": str(dtype),
         "quantization": quant_hash,

@@ -8,14 +8,13 @@ lets it skip token ranges it cannot help.  Register it with :func:`passes.regist
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
-import os
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, ClassVar, Optional, Protocol
 
 import torch
+
+from passes.code_hash import class_modules, module_code_hash
 
 
 class CompileRange(Protocol):
@@ -35,37 +34,6 @@ class PassContext:
     """The model's activation dtype; ``None``: fusions register patterns for fp32/bf16/fp16."""
     quant_config_hash: Optional[str] = None
     """Hash of the quantization config (passes that depend on it put it in their factors)."""
-
-
-def file_digest(path: str) -> str:
-    """sha256 of a file's bytes, re-read when its size or mtime changes (uuid() is called
-    once per compile; an edited pass must give a new key without restarting)."""
-    st = os.stat(path)
-    return _digest(path, st.st_mtime_ns, st.st_size)
-
-
-@lru_cache(maxsize=None)
-def _digest(path: str, mtime_ns: int, size: int) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def class_source_files(cls: type) -> list[str]:
-    """Source files of ``cls`` and of every base class outside torch and the stdlib: a pass's
-    behaviour changes when its own file *or* a base it inherits (e.g. the pattern-matcher pass)
-    changes, and both must change the cache key."""
-    files = []
-    for klass in cls.__mro__:
-        module = klass.__module__ or ""
-        if module == "builtins" or module.split(".")[0] in ("torch", "abc", "typing"):
-            continue
-        try:
-            path = inspect.getsourcefile(klass)
-        except TypeError:  # classes defined in C or interactively
-            continue
-        if path and path not in files:
-            files.append(path)
-    return files
 
 
 class GraphPass:
@@ -96,16 +64,18 @@ class GraphPass:
         """Configuration this pass's output depends on (hashed into :meth:`uuid`)."""
         return {}
 
-    def source_files(self) -> list[str]:
-        """Files whose text defines this pass's behaviour (hashed into :meth:`uuid`)."""
-        return class_source_files(type(self))
+    def code_modules(self) -> list[str]:
+        """Modules whose code defines this pass's behaviour (hashed into :meth:`uuid`): its
+        class's module and its bases' (outside torch).  Override to add a helper module."""
+        return class_modules(type(self))
 
     def uuid(self) -> str:
-        """sha256 over the pass's name, source files and config factors."""
+        """sha256 over the pass's name, the live code of :meth:`code_modules` (what this process
+        will execute, see :mod:`passes.code_hash`) and its config factors."""
         h = hashlib.sha256()
         h.update(f"{type(self).__module__}.{type(self).__qualname__}".encode())
-        for path in self.source_files():
-            h.update(file_digest(path).encode())
+        for module in self.code_modules():
+            h.update(module_code_hash(module).encode())
         h.update(json.dumps(self.config_factors(), sort_keys=True, default=str).encode())
         return h.hexdigest()
 

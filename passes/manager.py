@@ -12,8 +12,10 @@ import hashlib
 import json
 import logging
 import os
+import itertools
 import re
 import time
+import uuid as uuid_module
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,11 +41,29 @@ class PieceRecord:
     max_rel_error: Optional[float] = None
 
 
+RAN = "ran"
+NOT_RUN_LOADED = "not run: artifact loaded"
+NOT_RUN_INDUCTOR_HIT = "not run: Inductor cache hit"
+
+
+@dataclass
+class PieceInstance:
+    """One piece of the model (e.g. one layer) for one range, and whether the passes ran on
+    its graph: directly (``shared_with`` None), on the identical piece it shares compiled code
+    with, or not at all (its artifact came from a cache)."""
+
+    piece: str
+    compile_range: Optional[tuple[int, int]]
+    status: str
+    shared_with: Optional[str] = None
+
+
 @dataclass
 class PassRecord:
     name: str
     is_fusion: bool
     pieces: list[PieceRecord] = field(default_factory=list)
+    """One record per run: per *unique* graph and range (identical layers compile once)."""
 
     @property
     def total_time_s(self) -> float:
@@ -80,6 +100,10 @@ class PassManager(CustomGraphPass):
         self._piece = "graph"
         self._range: Optional[CompileRange] = None
         self._calls: dict[tuple[str, Optional[tuple[int, int]]], int] = {}
+        self.instances: list[PieceInstance] = []
+        """Every piece instance the backend reported (:meth:`piece_done`), in model order."""
+        self._calls_before = 0
+        self._static_inputs: dict[int, torch.Tensor] = {}
         self._verifier = None
         if pass_config.verify_passes:
             from passes.verify import PassVerifier
@@ -88,9 +112,14 @@ class PassManager(CustomGraphPass):
     # --- the backend's hooks -----------------------------------------------------------------
 
     def set_current_piece(self, piece_name: str,
-                          compile_range: Optional[CompileRange] = None) -> None:
+                          compile_range: Optional[CompileRange] = None,
+                          static_inputs: Optional[dict[int, torch.Tensor]] = None) -> None:
+        """``static_inputs``: real values of piece inputs by position (weights, buffers); the
+        verifier feeds them instead of random values."""
         self._piece = piece_name
         self._range = compile_range
+        self._static_inputs = dict(static_inputs or {})
+        self._calls_before = self._calls.get((piece_name, _range_tuple(compile_range)), 0)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         piece, rng = self._piece, self._range
@@ -101,7 +130,7 @@ class PassManager(CustomGraphPass):
         if dump_dir:
             _write_graph(dump_dir, "00_before_passes.txt", graph, "input graph")
         if self._verifier:
-            self._verifier.start_piece(graph, rng)
+            self._verifier.start_piece(graph, rng, self._static_inputs)
         for i, p in enumerate(self.passes, start=1):
             if not p.is_applicable(rng):
                 continue
@@ -129,11 +158,55 @@ class PassManager(CustomGraphPass):
 
     # --- results -----------------------------------------------------------------------------
 
+    def piece_done(self, piece_name: str, compile_range: Optional[CompileRange], source: str,
+                   shared_with: Optional[str] = None) -> None:
+        """The backend's report after each (piece, range): ``source`` is ``compiled``,
+        ``shared`` (same compiled code as piece ``shared_with``) or ``loaded`` (artifact
+        cache).  A compile during which the passes never ran was an Inductor cache hit."""
+        rng = _range_tuple(compile_range)
+        if source == "loaded":
+            status = NOT_RUN_LOADED
+        elif source == "shared":
+            original = next((i for i in reversed(self.instances)
+                             if i.piece == shared_with and i.compile_range == rng), None)
+            status = original.status if original is not None else RAN
+        else:
+            ran = self._calls.get((piece_name, rng), 0) > self._calls_before
+            status = RAN if ran else NOT_RUN_INDUCTOR_HIT
+        self.instances.append(PieceInstance(piece_name, rng, status,
+                                            shared_with if source == "shared" else None))
+        if source == "shared" and self.debug_dump_path:
+            # Identical pieces compile once; say where this one's graphs are.
+            with open(os.path.join(self._dump_dir(piece_name, compile_range, 1),
+                                   "same_graph_as.txt"), "w") as f:
+                f.write(f"{shared_with}\n")
+
     def stats(self) -> dict[str, Any]:
-        """Per pass: total time, total matches, and the per-piece records."""
-        return {name: {"total_time_s": r.total_time_s, "total_matches": r.total_matches,
-                       "pieces": [vars(p).copy() for p in r.pieces]}
-                for name, r in self.records.items()}
+        """Per pass: ``status`` (``ran``, or why not: ``not run: artifact loaded`` / ``not
+        run: Inductor cache hit``), ``total_matches`` counted per piece instance (8 identical
+        layers matching once each: 8), ``unique_graph_matches`` (per compiled graph: 1),
+        total time, the per-run records (``pieces``) and the per-instance ones
+        (``instances``)."""
+        return {name: self._pass_stats(r) for name, r in self.records.items()}
+
+    def _pass_stats(self, r: PassRecord) -> dict[str, Any]:
+        runs = {(p.piece, p.compile_range): p.matches for p in r.pieces}
+        instances = []
+        for inst in self.instances:
+            source = inst.shared_with or inst.piece
+            matches = runs.get((source, inst.compile_range)) if inst.status == RAN else None
+            instances.append({**vars(inst), "matches": matches})
+        reported = {(i.piece, i.compile_range) for i in self.instances}
+        # Runs the backend did not report (a manager used on its own): one instance each.
+        unreported = sum(m for k, m in runs.items() if k not in reported)
+        total = unreported + sum(i["matches"] or 0 for i in instances)
+        statuses = {i.status for i in self.instances} | ({RAN} if r.pieces else set())
+        if RAN in statuses and not r.pieces:  # ran on pieces, but no range applied
+            statuses = (statuses - {RAN}) | {"not run: not applicable"}
+        status = (", ".join(sorted(statuses)) if statuses else "not run: no piece")
+        return {"status": status, "total_time_s": r.total_time_s, "total_matches": total,
+                "unique_graph_matches": r.total_matches,
+                "pieces": [vars(p).copy() for p in r.pieces], "instances": instances}
 
     def warn_unmatched(self) -> list[str]:
         """Log a warning naming each enabled fusion that ran on at least one piece and matched
@@ -152,20 +225,31 @@ class PassManager(CustomGraphPass):
 
     # --- cache key ---------------------------------------------------------------------------
 
+    def cache_factors(self) -> dict[str, Any]:
+        """The artifact-cache key's ``passes`` factor: the run order and each pass's uuid by
+        name, so ``python -m framework.cache explain`` can name the pass that differs."""
+        return {"order": list(self.names), "uuid": {p.name: p.uuid() for p in self.passes},
+                "dtype": str(self.context.dtype),
+                "quant_config_hash": self.context.quant_config_hash}
+
     def cache_uuid(self) -> str:
-        """Changes when the pass list, a pass's source, or a pass's config changes."""
-        payload = {
-            "passes": [[p.name, p.uuid()] for p in self.passes],
-            "dtype": str(self.context.dtype),
-            "quant_config_hash": self.context.quant_config_hash,
-        }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+        """Changes when the pass list, a pass's code, or a pass's config changes."""
+        return hashlib.sha256(json.dumps(self.cache_factors(), sort_keys=True).encode()
+                              ).hexdigest()
+
+    @property
+    def must_run(self) -> bool:
+        """Verifying or dumping: the passes must actually run on every piece, so neither
+        Inductor's FX-graph cache nor the artifact cache may stand in for a compile."""
+        return self._verifier is not None or bool(self.debug_dump_path)
 
     def uuid(self) -> Optional[str]:
-        """Inductor's cache key part.  ``None`` (Inductor then bypasses its FX-graph cache)
-        while verifying or dumping, because a cache hit would skip the passes entirely."""
-        if self._verifier is not None or self.debug_dump_path:
-            return None
+        """Inductor's cache key part.  While verifying or dumping, a key no earlier compile
+        had (a per-call nonce), because a cache hit would skip the passes entirely.  (Not
+        ``None``: that makes Inductor bypass its cache, and then ``standalone_compile`` has no
+        artifact to save.)"""
+        if self.must_run:
+            return f"{self.cache_uuid()}-run-{_PROCESS_NONCE}-{next(_NONCE)}"
         return self.cache_uuid()
 
     # --- dumps -------------------------------------------------------------------------------
@@ -178,6 +262,12 @@ class PassManager(CustomGraphPass):
         path = os.path.join(self.debug_dump_path, "passes", _safe(piece), rng_name + suffix)
         os.makedirs(path, exist_ok=True)
         return path
+
+
+_PROCESS_NONCE = uuid_module.uuid4().hex
+"""Distinguishes this process's forced-miss keys from every other process's."""
+_NONCE = itertools.count()
+"""One counter for every manager of the process: no forced-miss key is ever reused."""
 
 
 def _safe(name: str) -> str:

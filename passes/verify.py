@@ -1,9 +1,12 @@
 """Differential check of passes (``PassConfig.verify_passes``).
 
 For a piece graph the verifier runs the graph before the first pass and after every pass on
-the same random inputs (dtypes and shapes from the placeholders' fake values, the symbolic
-token count set to a concrete size from the compile range) and reports the maximum absolute
-and relative error of the outputs per pass.  An error above the tolerance raises
+the same inputs (:mod:`passes.verify_inputs`: the piece's real weights and buffers, random
+activations with the symbolic token count set to a concrete size from the compile range, and
+for a graph that contains attention a private one-request batch) and reports the maximum
+absolute and relative error of the outputs per pass.  Only values the piece defines are
+compared: uninitialised allocations (``empty``) that the graph never writes, and their views,
+are skipped as nodes and as outputs.  An error above the tolerance raises
 :class:`PassVerificationError` naming the pass and the first diverging node, found by walking
 the graph in order: a node the pass kept (same name) whose value changed, or a node the pass
 inserted whose value differs from the node it replaced (compared where a kept node's input
@@ -12,7 +15,7 @@ by an allowed quantization step taints what it feeds: those later differences ar
 since one step through a matmul can exceed a float tolerance without any pass being wrong.
 
 An output passes when its max abs error, or that error relative to the output's largest
-magnitude, is within ``tol`` (``verify_tolerance``, or per compute dtype: fp32 1e-4, bf16/fp16
+magnitude, is within ``tol`` (``verify_tolerance``, or per compute dtype: fp32 1e-3, bf16/fp16
 5e-2); quantized outputs may differ by one quantization step (int8: 1; fp8 e4m3: 12.5%),
 because fusing a norm into its quant removes an intermediate rounding.
 """
@@ -22,112 +25,23 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import sympy
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from passes.base import CompileRange
+from passes.verify_inputs import (_FP8, DEFAULT_TOKENS, UNINITIALIZED_OPS,  # noqa: F401
+                                  PassVerificationError, _written_args, attention_calls,
+                                  attention_context, concrete_size, random_inputs,
+                                  symbol_bindings, undefined_nodes)
 
-DTYPE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 5e-2,
+DTYPE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 5e-2,
                    torch.float16: 5e-2}
-_FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),
-                         getattr(torch, "float8_e5m2", None)) if d is not None)
-DEFAULT_TOKENS = 8
-"""Token count used when the graph has a symbolic size and no compile range is known."""
-
-
-class PassVerificationError(AssertionError):
-    """A pass changed a piece's outputs beyond the tolerance."""
-
 
 @dataclass
 class PassError:
     max_abs: float
     max_rel: float
-
-
-def concrete_size(compile_range: Optional[CompileRange]) -> int:
-    """The token count verification runs with: small, inside the compile range."""
-    if compile_range is None:
-        return DEFAULT_TOKENS
-    return max(int(compile_range.start), min(int(compile_range.end), DEFAULT_TOKENS))
-
-
-def _symbols(values: list[Any]) -> dict[sympy.Symbol, Optional[int]]:
-    """Free shape symbols of the placeholders' fake values -> their example hints."""
-    out: dict[sympy.Symbol, Optional[int]] = {}
-    for val in values:
-        sizes = [val] if isinstance(val, torch.SymInt) else \
-            list(val.shape) if isinstance(val, torch.Tensor) else []
-        for s in sizes:
-            if isinstance(s, torch.SymInt):
-                env = s.node.shape_env
-                hint = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {}) \
-                    if env is not None else {}
-                for sym in s.node.expr.free_symbols:
-                    out.setdefault(sym, int(hint[sym]) if sym in hint else None)
-    return out
-
-
-def symbol_bindings(values: list[Any], size: int) -> dict[sympy.Symbol, int]:
-    """Concrete values of the shape symbols.  A piece's one symbol is the token count: it gets
-    ``size``.  With several symbols, the token symbols are taken to be the leading-dim symbols
-    whose example value equals that of the first placeholder with a symbolic leading dim (its
-    hidden states or positions); they get ``size`` and every other symbol keeps its example
-    value, so shapes stay consistent with each other."""
-    symbols = _symbols(values)
-    if len(symbols) == 1:
-        return {sym: size for sym in symbols}
-    leading = [v.shape[0].node.expr for v in values
-               if isinstance(v, torch.Tensor) and v.dim() > 0
-               and isinstance(v.shape[0], torch.SymInt) and v.shape[0].node.expr in symbols]
-    token_hint = symbols[leading[0]] if leading else None
-    tokens = {e for e in leading if symbols[e] == token_hint}
-    return {sym: size if (sym in tokens or hint is None) else hint
-            for sym, hint in symbols.items()}
-
-
-def _concretize(value: Any, bindings: dict[sympy.Symbol, int]) -> int:
-    if isinstance(value, torch.SymInt):
-        return int(value.node.expr.subs(bindings))
-    return int(value)
-
-
-def random_inputs(graph: torch.fx.Graph, size: int, seed: int = 0) -> list[Any]:
-    """Random tensors matching the placeholders' fake values, the token count set to ``size``
-    (see :func:`symbol_bindings`)."""
-    gen = torch.Generator().manual_seed(seed)
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    bindings = symbol_bindings([n.meta.get("val") for n in placeholders], size)
-    inputs = []
-    for node in placeholders:
-        val = node.meta.get("val")
-        if isinstance(val, torch.SymInt):
-            inputs.append(_concretize(val, bindings))
-        elif isinstance(val, torch.Tensor):
-            shape = [_concretize(s, bindings) for s in val.shape]
-            inputs.append(_random_tensor(shape, val.dtype, gen).to(val.device))
-        elif isinstance(val, (int, float, bool)) or val is None:
-            inputs.append(val)
-        else:
-            raise PassVerificationError(
-                f"verify_passes: placeholder {node.name} has no fake value (meta['val']) to "
-                f"build a random input from (got {type(val).__name__})")
-    return inputs
-
-
-def _random_tensor(shape: list[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    if dtype.is_floating_point and dtype not in _FP8:
-        return torch.randn(shape, generator=gen).to(dtype)
-    if dtype in _FP8:
-        return (torch.randn(shape, generator=gen) * 8).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype == torch.int8:
-        return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
-    # Other integers are usually indices (positions, slots): keep them small and non-negative.
-    return torch.randint(0, 4, shape, generator=gen).to(dtype)
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -144,16 +58,9 @@ class _Recorder(torch.fx.Interpreter):
         out = super().run_node(n)
         if isinstance(out, torch.Tensor):
             self.values[n.name] = out.detach().clone()
-        target = n.target
-        if n.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
-                target._schema.is_mutable:
-            args = target._schema.arguments
-            bound = dict(zip((a.name for a in args), n.args), **n.kwargs)
-            for a in args:
-                arg = bound.get(a.name)
-                if a.alias_info is not None and a.alias_info.is_write and \
-                        isinstance(arg, torch.fx.Node):
-                    self.written[arg.name] = self.env[arg].detach().clone()
+        if n.op == "call_function":
+            for arg in _written_args(n):
+                self.written[arg.name] = self.env[arg].detach().clone()
         return out
 
 
@@ -168,10 +75,6 @@ def _as_module(graph: torch.fx.Graph) -> torch.fx.GraphModule:
 def _clone(x: Any) -> Any:
     return x.clone() if isinstance(x, torch.Tensor) else x
 
-
-UNINITIALIZED_OPS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
-                     torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default}
-"""Allocations whose values are garbage until an op writes them: never compared."""
 
 _SEEN = "seen:"
 """Key prefix of a node's value as its readers saw it (after in-place writes)."""
@@ -238,6 +141,9 @@ class PassVerifier:
         self._values: dict[str, Any] = {}
         self._outputs: list[Any] = []
         self._input_names: dict[str, list[str]] = {}
+        self._undefined: set[str] = set()
+        self._output_names: list[Optional[str]] = []
+        self._size = DEFAULT_TOKENS
         self.tol = 0.0
 
     def _tolerance_for(self, graph: torch.fx.Graph) -> float:
@@ -260,10 +166,14 @@ class PassVerifier:
                            {**rec.values, **rec.written}.items()})
         return rec.values, outs
 
-    def start_piece(self, graph: torch.fx.Graph, compile_range: Optional[CompileRange]) -> None:
-        """Run the piece's graph before any pass; the reference for the first pass."""
+    def start_piece(self, graph: torch.fx.Graph, compile_range: Optional[CompileRange],
+                    known_inputs: Optional[dict[int, torch.Tensor]] = None) -> None:
+        """Run the piece's graph before any pass; the reference for the first pass.
+        ``known_inputs``: real values of some inputs by position (weights, buffers)."""
         # Compilers may call passes with a fake mode active; verification needs real tensors.
         with unset_fake_temporarily():
+            self._size = concrete_size(compile_range)
+            self._known = known_inputs or {}
             self._start_piece(graph, compile_range)
 
     def check_pass(self, pass_name: str, graph: torch.fx.Graph) -> PassError:
@@ -274,10 +184,11 @@ class PassVerifier:
     def _start_piece(self, graph: torch.fx.Graph,
                      compile_range: Optional[CompileRange]) -> None:
         self.tol = self._tolerance_for(graph)
-        self._inputs = random_inputs(graph, concrete_size(compile_range), self.seed)
-        self._input_names = _input_names(graph)
+        self._inputs = random_inputs(graph, concrete_size(compile_range), self.seed, self._known)
+        self._remember(graph)
         try:
-            self._values, self._outputs = self._run(graph)
+            with attention_context(graph, self._size):
+                self._values, self._outputs = self._run(graph)
         except Exception as e:
             raise PassVerificationError(
                 f"verify_passes: the piece does not run on random inputs before any pass "
@@ -285,7 +196,8 @@ class PassVerifier:
 
     def _check_pass(self, pass_name: str, graph: torch.fx.Graph) -> PassError:
         try:
-            values, outputs = self._run(graph)
+            with attention_context(graph, self._size):
+                values, outputs = self._run(graph)
         except Exception as e:
             raise PassVerificationError(
                 f"verify_passes: pass {pass_name!r} produced a graph that fails to run "
@@ -293,14 +205,15 @@ class PassVerifier:
         if len(outputs) != len(self._outputs):
             raise PassVerificationError(f"verify_passes: pass {pass_name!r} changed the number "
                                         f"of outputs from {len(self._outputs)} to {len(outputs)}")
-        walk = self._walk(graph, values)
-        producers = torch.fx.node.map_arg(graph.output_node().args[0], lambda n: n)
-        producers = list(producers) if isinstance(producers, (tuple, list)) else [producers]
+        undefined = undefined_nodes(graph)
+        walk = self._walk(graph, values, undefined)
+        producers = _output_producers(graph)
         max_abs = max_rel = 0.0
         failures = []
         for i, (b, a) in enumerate(zip(self._outputs, outputs)):
-            if not isinstance(b, torch.Tensor):
-                continue
+            if not isinstance(b, torch.Tensor) or self._output_names[i] in self._undefined or \
+                    _name(producers[i]) in undefined:
+                continue  # garbage before or after: nothing the piece defines
             ea, er, ok = compare(b, a, self.tol)
             max_abs, max_rel = max(max_abs, ea), max(max_rel, er)
             producer = producers[i] if i < len(producers) else None
@@ -314,16 +227,25 @@ class PassVerifier:
                 f"{self.tol:g} (outputs: max abs error {max_abs:.4g}, max rel error "
                 f"{max_rel:.4g}); first diverging node: {where}")
         self._values, self._outputs = values, outputs
-        self._input_names = _input_names(graph)
+        self._remember(graph)
         return PassError(max_abs, max_rel)
 
-    def _walk(self, graph: torch.fx.Graph, values: dict[str, Any]) -> _Divergence:
+    def _remember(self, graph: torch.fx.Graph) -> None:
+        """What the next pass's check compares against, besides the values."""
+        self._input_names = _input_names(graph)
+        self._undefined = undefined_nodes(graph)
+        self._output_names = [_name(p) for p in _output_producers(graph)]
+
+    def _walk(self, graph: torch.fx.Graph, values: dict[str, Any],
+              undefined: set[str]) -> _Divergence:
         """Graph order walk comparing every node the pass kept (same name) and every input the
         pass swapped under a kept node (old input's value vs. new input's value)."""
         tainted: set[str] = set()
         by_name = {n.name: n for n in graph.nodes}
 
         def check(name_before: str, node_after: torch.fx.Node, seen: bool) -> Optional[str]:
+            if name_before in self._undefined or node_after.name in undefined:
+                return None
             prefix = _SEEN if seen else ""
             before = self._values.get(prefix + name_before)
             after = values.get(prefix + node_after.name)
@@ -359,6 +281,15 @@ class PassVerifier:
 
 def _input_names(graph: torch.fx.Graph) -> dict[str, list[str]]:
     return {n.name: [a.name for a in n.all_input_nodes] for n in graph.nodes}
+
+
+def _output_producers(graph: torch.fx.Graph) -> list[Any]:
+    producers = torch.fx.node.map_arg(graph.output_node().args[0], lambda n: n)
+    return list(producers) if isinstance(producers, (tuple, list)) else [producers]
+
+
+def _name(node: Any) -> Optional[str]:
+    return node.name if isinstance(node, torch.fx.Node) else None
 
 
 def _describe(node: Any) -> str:

@@ -36,7 +36,7 @@ def _f(x, w):
 def test_broken_pass_fails_naming_pass_and_first_diverging_node():
     pm = PassManager(PassConfig(passes=["noop_elimination", f"{__name__}:MulToAdd"],
                                 verify_passes=True))
-    assert pm.uuid() is None  # verifying: Inductor's cache must not skip the passes
+    assert pm.uuid() != pm.uuid()  # verifying: Inductor's cache must not skip the passes
     pm.set_current_piece("submod_0", _Range(1, 64))
     gm = _traced(_f, torch.randn(5, 8), torch.randn(8))
     with pytest.raises(PassVerificationError) as e:
@@ -105,3 +105,35 @@ def test_compare_allows_one_quant_step_and_dtype_tolerance():
     assert compare(b, b + torch.tensor([0.1, 0], dtype=b.dtype), 5e-2)[2]  # judged vs scale 4
     assert not compare(b, b * 1.2, 5e-2)[2]
     assert not compare(b, b[:1], 5e-2)[2]  # shape change is a failure
+
+
+def _with_buffer(x, w):
+    """Like a piece before attention: computes a value and allocates the (uninitialised)
+    output buffer the next splitting op writes."""
+    h = torch.relu(x) * w
+    return h - x, torch.empty_like(h).view(-1), torch.empty_like(h).zero_()
+
+
+def test_uninitialised_outputs_are_not_compared_written_ones_are():
+    from passes.verify import undefined_nodes
+
+    gm = _traced(_with_buffer, torch.randn(5, 8), torch.randn(8))
+    undefined = undefined_nodes(gm.graph)
+    outs = gm.graph.output_node().args[0]
+    assert outs[1].name in undefined          # view of an empty nobody writes
+    assert outs[2].name not in undefined      # zero_() defined it
+    assert outs[0].name not in undefined
+    # A correct pass on such a piece passes, whatever garbage the buffer holds each run.
+    pm = PassManager(PassConfig(passes=["noop_elimination", "oot_pass_example:SubToAddNeg"],
+                                verify_passes=True))
+    pm.set_current_piece("submod_0", _Range(1, 64))
+    pm.run_on_graph_module(gm)
+    assert pm.stats()["oot_pass_example:SubToAddNeg"]["pieces"][0]["matches"] == 1
+
+
+def test_known_inputs_replace_random_ones_when_shape_and_dtype_match():
+    gm = _traced(_f, torch.randn(5, 8), torch.randn(8))
+    w = torch.arange(8.0)
+    inputs = random_inputs(gm.graph, 3, known={1: w, 0: torch.zeros(2, 2)})
+    assert inputs[1] is not None and torch.equal(inputs[1], w)
+    assert inputs[0].shape == (3, 8)  # wrong shape: random instead
