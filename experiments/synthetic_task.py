@@ -231,7 +231,7 @@ def generate(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: in
              quantization: Any = None, optimization_level: int = 0,
              **llm_kwargs: Any) -> GenerationRun:
     """Greedy outputs of ``framework.LLM`` for ``prompts`` (one batched ``generate``)."""
-    from framework.llm import LLM
+    from framework.engine.llm import LLM
 
     llm_kwargs.setdefault("max_num_seqs", 64)
     llm_kwargs.setdefault("max_model_len", 64)

@@ -13,7 +13,7 @@ stops at the same step.
 
 Writes ``config.json`` + ``model.safetensors`` (float32) and ``metrics.json``: the recipe,
 training curve, wall time, and exact match through ``framework.LLM`` at O0 on held-out prompts
-(plus each int8 quantization shorthand when ``framework.quantization`` is available).  Written
+(plus each int8 quantization shorthand when ``framework.core.quantization`` is available).  Written
 into a temporary folder and renamed, so a reader never sees a half-written checkpoint.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from framework.config_base import StrictConfig
+from framework.core.config_base import StrictConfig
 from models.rotary import check_rope_scaling
 
 _DTYPES = {

@@ -2,7 +2,7 @@
 
 A scheme is a class registered with :func:`register_scheme` on a (weight key, activation key)
 *pattern*; :func:`scheme_for` picks the first scheme whose patterns match a layer's resolved
-:class:`~framework.quantization.QuantSpec` (no if-chains: adding a scheme is one decorated
+:class:`~framework.core.quantization.QuantSpec` (no if-chains: adding a scheme is one decorated
 class).  :func:`quantize_model` walks the model's linear layers -- modules exposing
 ``linear_method`` and a 2-D ``weight`` (the :class:`models.layers.Linear` protocol; ``passes``
 does not import ``models``) -- and for each layer the config quantizes:
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 import passes.ops  # noqa: F401  (registers the piecewise ops)
-from framework.quantization import QuantizationConfig, QuantKey, QuantSpec
+from framework.core.quantization import QuantizationConfig, QuantKey, QuantSpec
 from passes.ops.quant_utils import MIN_DYNAMIC_SCALE, quant_max
 
 ops = torch.ops.piecewise

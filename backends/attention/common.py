@@ -13,7 +13,7 @@ from typing import Callable, ClassVar, Optional
 
 import torch
 
-from framework.forward_context import get_forward_context
+from framework.core.forward_context import get_forward_context
 
 
 class AttentionCGSupport(enum.IntEnum):

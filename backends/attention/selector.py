@@ -29,7 +29,7 @@ import logging
 from typing import Iterable, Optional
 
 from backends.attention.common import AttentionCGSupport, get_backend
-from framework.forward_context import CUDAGraphMode
+from framework.core.forward_context import CUDAGraphMode
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from framework.config import default_capture_sizes
-from framework.dispatcher import CudagraphDispatcher
-from framework.forward_context import BatchDescriptor, CUDAGraphMode
+from framework.core.config import default_capture_sizes
+from framework.cudagraph.dispatcher import CudagraphDispatcher
+from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
 
 M = CUDAGraphMode
 SIZES = [1, 2, 4, 8, 16, 24, 32]

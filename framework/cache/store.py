@@ -1,6 +1,6 @@
 """On-disk artifact store for compiled pieces: atomic writes, checksums, dedup, a file lock.
 
-Layout (one *key* per distinct set of cache-key factors, see :mod:`framework.cache_key`)::
+Layout (one *key* per distinct set of cache-key factors, see :mod:`framework.cache.key`)::
 
     <root>/<key>/factors.json                      the factors that were hashed into <key>
     <root>/<key>/rank_<r>/<model_tag>/index.json   entry key -> artifact record, blob records
@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping
 
 from filelock import FileLock
 
-from framework.cache_key import canonical_json, compute_cache_key
+from framework.cache.key import canonical_json, compute_cache_key
 
 INDEX_FORMAT = 1
 INDEX_FILE = "index.json"
@@ -536,9 +536,3 @@ class ArtifactStore:
             _remove(tmp)
         _fsync_dir(final.parent)
         return h.hexdigest(), size
-
-
-if __name__ == "__main__":
-    from framework.cache_cli import main
-
-    raise SystemExit(main())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.cache import (ArtifactStore, CacheCorruptionWarning, compute_cache_key,
+from framework.cache.store import (ArtifactStore, CacheCorruptionWarning, compute_cache_key,
                              record_problem)
 
 FACTORS = {"env": {"torch": "x"}, "compilation_config": "abc", "dtype": "float32"}
@@ -206,7 +206,7 @@ def test_stale_temp_files_of_dead_writers_are_swept(store):
 _CONCURRENT_WORKER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    from framework.cache import ArtifactStore
+    from framework.cache.store import ArtifactStore
     root, factors, start, outer_lock, report = sys.argv[1:6]
     store = ArtifactStore.open(root, json.loads(factors))
     compiled, written = [], []

@@ -12,8 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from framework.config_base import NO_HASH, StrictConfig, check_sizes
-from framework.forward_context import CUDAGraphMode
+from framework.core.config_base import NO_HASH, StrictConfig, check_sizes
+from framework.core.forward_context import CUDAGraphMode
 
 logger = logging.getLogger(__name__)
 

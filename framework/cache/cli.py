@@ -27,9 +27,9 @@ from typing import Any, Sequence
 
 from filelock import FileLock, Timeout
 
-from framework.cache import (FACTORS_FILE, INDEX_FILE, LOCK_FILE, CacheIndexError,
+from framework.cache.store import (FACTORS_FILE, INDEX_FILE, LOCK_FILE, CacheIndexError,
                              default_cache_dir, read_index, record_problem)
-from framework.cache_key import compute_cache_key, flatten_factors
+from framework.cache.key import compute_cache_key, flatten_factors
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _TIME_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -91,7 +91,7 @@ def test_concurrent_cold_starts_share_one_artifact_set(llama_checkpoint, referen
     assert all(r["out"] == reference for r in results)
     assert sum(r["compiles"] for r in results) == max(r["compiles"] for r in results), \
         "exactly one process should compile; the others load"
-    from framework.cache import read_index
+    from framework.cache.store import read_index
     index_files = list(Path(tmp_path).glob("*/rank_0/*/index.json"))
     assert len(index_files) == 1
     index = read_index(index_files[0])

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from framework import cudagraph
-from framework.cudagraph import (CUDAGraphOps, CUDAGraphWrapper, EmulatedGraphOps,
+from framework.cudagraph.wrapper import (CUDAGraphOps, CUDAGraphWrapper, EmulatedGraphOps,
                                  clear_all_graphs, live_wrappers, total_stats, weak_ref_tensor)
-from framework.forward_context import (BatchDescriptor, CUDAGraphMode, ForwardContext,
+from framework.core.forward_context import (BatchDescriptor, CUDAGraphMode, ForwardContext,
                                        set_forward_context)
 
 FULL, PIECEWISE, NONE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE

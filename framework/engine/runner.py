@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from backends.attention.common import AttentionMetadata
-from framework.forward_context import (BatchDescriptor, CUDAGraphMode, ForwardContext,
+from framework.core.forward_context import (BatchDescriptor, CUDAGraphMode, ForwardContext,
                                        set_forward_context)
-from framework.kv_cache import BlockAllocator
-from framework.scheduler import ScheduledChunk
+from framework.engine.kv_cache import BlockAllocator
+from framework.engine.scheduler import ScheduledChunk
 
 DispatchFn = Callable[[int, int, bool], tuple[CUDAGraphMode, BatchDescriptor]]
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from framework.config_base import check_sizes
-from framework.forward_context import BatchDescriptor, CUDAGraphMode
+from framework.core.config_base import check_sizes
+from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
 
 logger = logging.getLogger(__name__)
 

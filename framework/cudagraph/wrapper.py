@@ -35,7 +35,7 @@ from unittest import mock
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from framework.forward_context import (BatchDescriptor, CUDAGraphMode, get_forward_context,
+from framework.core.forward_context import (BatchDescriptor, CUDAGraphMode, get_forward_context,
                                        is_forward_context_available)
 
 logger = logging.getLogger(__name__)

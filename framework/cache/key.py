@@ -65,7 +65,7 @@ def compute_cache_key(factors: Mapping[str, Any]) -> tuple[str, dict]:
     """Hash named factors into a 16-hex-char key.
 
     Returns ``(key, normalized_factors)``; the normalized dict is exactly what was hashed (plain
-    JSON data) and is what :class:`framework.cache.ArtifactStore` writes to ``factors.json``.
+    JSON data) and is what :class:`framework.cache.store.ArtifactStore` writes to ``factors.json``.
     """
     if not isinstance(factors, Mapping):
         raise TypeError(f"compute_cache_key: factors must be a mapping of name -> value, "

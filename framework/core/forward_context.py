@@ -96,7 +96,7 @@ def get_forward_context() -> ForwardContext:
         raise RuntimeError(
             "no forward context is set: the attention op and CUDA-graph wrappers read their "
             "metadata from it. Wrap the model call in "
-            "`with framework.forward_context.set_forward_context(...)` (the runner does this)."
+            "`with framework.core.forward_context.set_forward_context(...)` (the runner does this)."
         )
     return _current
 

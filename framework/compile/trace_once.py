@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from framework.torch_compat import forget_dynamo_cache
+from framework.compile.torch_compat import forget_dynamo_cache
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from framework.compile import ArgBinding, RecompileError, TraceOnce, tensor_arg_dims
+from framework.compile.trace_once import ArgBinding, RecompileError, TraceOnce, tensor_arg_dims
 
 
 class Toy(torch.nn.Module):

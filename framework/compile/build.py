@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from framework.cache_key import source_factors
-from framework.config import CompilationConfig, CompilationMode
+from framework.cache.key import source_factors
+from framework.core.config import CompilationConfig, CompilationMode
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def build_forward(model: torch.nn.Module, config: CompilationConfig, *, model_ha
     if config.mode == CompilationMode.NONE:
         return CompiledForward(model, config.mode)
     if config.mode == CompilationMode.STOCK_TORCH_COMPILE:
-        from framework.compile import stock_compile
+        from framework.compile.trace_once import stock_compile
         return CompiledForward(stock_compile(model), config.mode)
     return _build_piecewise(model, config, model_hash=model_hash, dtype=dtype,
                             quant_hash=quant_hash, model_tag=model_tag, wrap_piece=wrap_piece)
@@ -77,7 +77,7 @@ def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, qua
                      model_tag, wrap_piece) -> CompiledForward:
     from backends.compiler import make_compiler
     from backends.piecewise_backend import PiecewiseBackend
-    from framework.compile import ArgBinding, TraceOnce
+    from framework.compile.trace_once import ArgBinding, TraceOnce
 
     passes = build_pass_manager(config, dtype, quant_hash)
     compiler = make_compiler(config.backend, graph_pass=passes,
@@ -125,8 +125,8 @@ def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, qua
 
 
 def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_hash, model_tag):
-    from framework.cache import ArtifactStore, default_cache_dir
-    from framework.cache_key import env_factors, inductor_factors
+    from framework.cache.store import ArtifactStore, default_cache_dir
+    from framework.cache.key import env_factors, inductor_factors
 
     factors = {
         "env": env_factors(),

@@ -1,6 +1,6 @@
 """Quantization config: which linear layers are quantized, and how.
 
-Leaf module (imports only :mod:`framework.config_base`); the quantization *pass* that applies
+Leaf module (imports only :mod:`framework.core.config_base`); the quantization *pass* that applies
 it lives in :mod:`passes.quant_schemes`.
 
 Vocabulary::
@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from framework.config_base import StrictConfig
+from framework.core.config_base import StrictConfig
 
 DTYPES = ("int8", "fp8_e4m3")
 SCALES = ("static", "dynamic")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from framework.cache import ArtifactStore
-from framework.cache_cli import main, parse_duration, parse_size
+from framework.cache.store import ArtifactStore
+from framework.cache.cli import main, parse_duration, parse_size
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
 OLD = {"env": {"torch": "2.13.0", "python": "3.11"}, "source": {"models/llama.py": "aaa"},
@@ -65,7 +65,7 @@ def test_ls_lists_keys_with_counts_sizes_and_ages(cache, capsys):
 
 def test_module_entry_point_runs_as_python_dash_m(cache):
     root, old, _ = cache
-    proc = subprocess.run([sys.executable, "-m", "framework.cache", "ls", str(root)],
+    proc = subprocess.run([sys.executable, "-m", "framework.cache.store", "ls", str(root)],
                           cwd=ROOT_DIR, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert old.key in proc.stdout

@@ -1,7 +1,7 @@
 """QuantizationConfig: shorthands, field-by-field merge, layer selection, validation, hash."""
 import pytest
 
-from framework.quantization import (SHORTHANDS, QuantizationConfig, QuantKey, QuantSpec,
+from framework.core.quantization import (SHORTHANDS, QuantizationConfig, QuantKey, QuantSpec,
                                     register_hydra_configs)
 
 QC = QuantizationConfig

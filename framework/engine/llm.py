@@ -14,13 +14,14 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from framework.compilation import CompiledForward, build_forward
-from framework.graph_capture import capture_graphs, setup_graphs
-from framework.config import CompilationConfig, CompilationMode
-from framework.kv_cache import (BlockAllocator, KVCacheSpec, allocate_kv_caches,
+from framework.compile.build import CompiledForward, build_forward
+from framework.cudagraph.setup import setup_graphs
+from framework.engine.capture import capture_graphs
+from framework.core.config import CompilationConfig, CompilationMode
+from framework.engine.kv_cache import (BlockAllocator, KVCacheSpec, allocate_kv_caches,
                                 num_blocks_for)
-from framework.runner import ModelRunner
-from framework.scheduler import Request, ScheduledChunk, Scheduler
+from framework.engine.runner import ModelRunner
+from framework.engine.scheduler import Request, ScheduledChunk, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class LLM:
     def _quantize(self, quantization: Any) -> tuple[Any, Optional[str]]:
         if quantization is None:
             return None, None
-        from framework.quantization import QuantizationConfig
+        from framework.core.quantization import QuantizationConfig
         from passes.quant_schemes import quantize_model
 
         qc = QuantizationConfig.parse(quantization)

@@ -9,9 +9,9 @@ import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from framework.cache_key import (compute_cache_key, env_factors, flatten_factors,
+from framework.cache.key import (compute_cache_key, env_factors, flatten_factors,
                                  inductor_factors, source_factors)
-from framework.config import CompilationConfig
+from framework.core.config import CompilationConfig
 
 
 class _NamedPass(CustomGraphPass):

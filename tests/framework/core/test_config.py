@@ -2,9 +2,9 @@
 hashes that ignore paths and logging."""
 import pytest
 
-from framework.config import (CompilationConfig, CompilationMode, PassConfig,
+from framework.core.config import (CompilationConfig, CompilationMode, PassConfig,
                               default_capture_sizes, level_passes)
-from framework.forward_context import CUDAGraphMode
+from framework.core.forward_context import CUDAGraphMode
 
 
 @pytest.mark.parametrize("data,field", [

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from framework import LLM, CompilationConfig
-from framework.cudagraph import EmulatedGraphOps, clear_all_graphs
-from framework.forward_context import BatchDescriptor, CUDAGraphMode
+from framework.cudagraph.wrapper import EmulatedGraphOps, clear_all_graphs
+from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
 
 PROMPTS = [[3, 17, 42, 9, 100, 7], [8, 1, 250], [77, 12, 5, 90]]
 

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from framework.kv_cache import BlockAllocator
+from framework.engine.kv_cache import BlockAllocator
 
 
 @dataclass
