@@ -2,7 +2,7 @@
 
     python -m experiments.train_synthetic --task addition --out models/synthetic/addition
 
-The model is transformers' own ``LlamaForCausalLM`` (so ``models.registry.load_model`` and
+The model is transformers' own ``LlamaForCausalLM`` (so ``models.loader.load_model`` and
 ``framework.LLM`` load it like any HF folder), trained from scratch with the loss on the answer
 tokens and the EOS only.  Training is deterministic: fixed seeds for weights and data,
 ``torch.use_deterministic_algorithms``, and a fixed thread count (1 by default; the float sums

@@ -43,7 +43,7 @@ class LLM:
                  device: Optional[str] = None, model_tag: Optional[str] = None,
                  graph_ops: Any = None):
         from models.config import parse_dtype
-        from models.registry import load_model
+        from models.loader import load_model
 
         t_start = time.perf_counter()
         torch.manual_seed(seed)

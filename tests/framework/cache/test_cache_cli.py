@@ -65,7 +65,7 @@ def test_ls_lists_keys_with_counts_sizes_and_ages(cache, capsys):
 
 def test_module_entry_point_runs_as_python_dash_m(cache):
     root, old, _ = cache
-    proc = subprocess.run([sys.executable, "-m", "framework.cache.store", "ls", str(root)],
+    proc = subprocess.run([sys.executable, "-m", "framework.cache", "ls", str(root)],
                           cwd=ROOT_DIR, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert old.key in proc.stdout
