@@ -311,7 +311,3 @@ def calibrate_activation_scales(model: nn.Module, run: Callable[[], Any]) -> dic
         layer.input_scale.clamp_(min=MIN_DYNAMIC_SCALE)
     return {name: float(layer.input_scale) for name, layer in statics.items()}
 
-
-def scheme_of(layer: nn.Module) -> Optional[str]:
-    method = getattr(layer, "linear_method", None)
-    return getattr(method, "name", None) if method is not None else None

@@ -54,10 +54,6 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
 
-    @property
-    def is_uniform_decode(self) -> bool:
-        return self.max_query_len == 1
-
 
 class AttentionBackend:
     """Base class of attention backends; subclasses register with :func:`register_backend`."""

@@ -1,7 +1,7 @@
 """Trace a module's forward exactly once, then call the compiled graph without Dynamo.
 
 :class:`TraceOnce` marks the token dimension of tensor inputs dynamic (dim 0 of every
-argument annotated ``torch.Tensor`` unless ``dynamic_arg_dims`` says otherwise), compiles
+argument annotated ``torch.Tensor`` in the forward's signature), compiles
 with ``fullgraph=True`` and a guard filter that drops every guard, and records how each
 graph input is obtained from the call (a module parameter/buffer, an argument, or a size of
 an argument): the :class:`ArgBinding`.  Later calls bind their arguments with it and call the
@@ -153,16 +153,12 @@ class TraceOnce:
     """
 
     def __init__(self, module: torch.nn.Module, backend: Backend, *,
-                 dynamic_arg_dims: Optional[dict[str, int]] = None,
-                 on_traced: Optional[Callable[[ArgBinding], None]] = None,
                  dump_path: Optional[str] = None):
         self.module = module
         self.backend = backend
         forward = module.forward
         self.arg_names = [p for p in inspect.signature(forward).parameters]
-        self.dynamic_arg_dims = (dynamic_arg_dims if dynamic_arg_dims is not None
-                                 else tensor_arg_dims(type(module).forward))
-        self.on_traced = on_traced
+        self.dynamic_arg_dims = tensor_arg_dims(type(module).forward)
         self.dump_path = dump_path
         self.dynamo_time_s = 0.0
         """Time of the first call spent in Dynamo itself (backend compile excluded)."""
@@ -200,8 +196,6 @@ class TraceOnce:
         binding = _binding_from_graph(gm, self.module, self.arg_names, example_inputs)
         if binding is not None:
             self._compiled_fn, self._binding = compiled, binding
-            if self.on_traced is not None:
-                self.on_traced(binding)
         return compiled
 
     def _first_call(self, *args: Any) -> Any:

@@ -177,10 +177,6 @@ class CompilationConfig(StrictConfig):
             passes=self.pass_config.resolved_passes(pass_defaults), enable=[], disable=[])
         return self.replace(**values)
 
-    @property
-    def is_resolved(self) -> bool:
-        return self.mode is not None and self.cudagraph_mode is not None
-
 
 def default_capture_sizes(max_num_tokens: int) -> list[int]:
     """[1, 2, 4] + every 8 up to 256 + every 16 beyond, capped at ``max_num_tokens``."""

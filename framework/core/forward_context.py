@@ -60,11 +60,6 @@ class BatchDescriptor:
     num_tokens: int
     num_reqs: Optional[int] = None
     uniform: bool = False
-    has_lora: bool = False
-
-    def relax_for_piecewise(self) -> "BatchDescriptor":
-        """The key a PIECEWISE graph is captured under: only the token count matters."""
-        return BatchDescriptor(self.num_tokens, None, False, self.has_lora)
 
 
 @dataclass
@@ -83,8 +78,6 @@ class ForwardContext:
     """The (padded) descriptor the dispatcher chose for this forward."""
     padding_mask: Optional[torch.Tensor] = None
     """Bool [num_padded_tokens]: True for real tokens, False for padding."""
-    extras: dict = field(default_factory=dict)
-    """Free-form per-forward data for experiments (not read by the framework)."""
 
 
 _current: Optional[ForwardContext] = None

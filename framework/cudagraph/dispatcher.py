@@ -44,7 +44,7 @@ class CudagraphDispatcher:
 
     def __init__(self, cudagraph_mode: CUDAGraphMode, capture_sizes: list[int],
                  max_num_tokens: int, uniform_decode_query_len: int = 1, *,
-                 max_num_reqs: Optional[int] = None, lora_enabled: bool = False):
+                 max_num_reqs: Optional[int] = None):
         mode = CUDAGraphMode.parse(cudagraph_mode)
         if mode is None:
             raise ValueError("CudagraphDispatcher: cudagraph_mode must be set (resolve the "
@@ -79,39 +79,33 @@ class CudagraphDispatcher:
             logger.info("cudagraph_mode %s with no capture sizes: every step runs without "
                         "graphs", mode.name)
 
-        lora_flags = (False, True) if lora_enabled else (False,)
         self._keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {_FULL: set(), _PIECEWISE: set()}
         # A uniform key needs s // q request slots in the runner's buffers.
         uniform_sizes = [s for s in self.capture_sizes if s % q == 0 and s // q <= r_max]
-        for has_lora in lora_flags:
-            if mode in (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
-                self._keys[_FULL].update(BatchDescriptor(s, s // q, True, has_lora)
-                                         for s in uniform_sizes)
-            if mode is _FULL:
-                self._keys[_FULL].update(BatchDescriptor(s, min(s, r_max), False, has_lora)
-                                         for s in self.capture_sizes)
-            if mode.has_piecewise():
-                self._keys[_PIECEWISE].update(BatchDescriptor(s, None, False, has_lora)
-                                              for s in self.capture_sizes)
+        if mode in (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
+            self._keys[_FULL].update(BatchDescriptor(s, s // q, True) for s in uniform_sizes)
+        if mode is _FULL:
+            self._keys[_FULL].update(BatchDescriptor(s, min(s, r_max), False)
+                                     for s in self.capture_sizes)
+        if mode.has_piecewise():
+            self._keys[_PIECEWISE].update(BatchDescriptor(s, None, False)
+                                          for s in self.capture_sizes)
 
-        # Lookup tables indexed [has_lora][num_tokens] (num_tokens <= max_capture_size).
+        # Lookup tables indexed by num_tokens (num_tokens <= max_capture_size).
         pad_all = _padding_table(self.capture_sizes, self.max_capture_size)
         pad_uniform = _padding_table(uniform_sizes, self.max_capture_size)
         self._padded = pad_all
-        self._full_uniform = [self._table(_FULL, pad_uniform, lambda s: (s, s // q, True), lora)
-                              for lora in (False, True)]
-        self._full_general = [self._table(_FULL, pad_all, lambda s: (s, min(s, r_max), False),
-                                          lora) for lora in (False, True)]
-        self._piecewise = [self._table(_PIECEWISE, pad_all, lambda s: (s, None, False), lora)
-                           for lora in (False, True)]
+        self._full_uniform = self._table(_FULL, pad_uniform, lambda s: (s, s // q, True))
+        self._full_general = self._table(_FULL, pad_all, lambda s: (s, min(s, r_max), False))
+        self._piecewise = self._table(_PIECEWISE, pad_all, lambda s: (s, None, False))
 
-    def _table(self, mode: CUDAGraphMode, padding: list[Optional[int]], key_of,
-               has_lora: bool) -> list[Optional[tuple[CUDAGraphMode, BatchDescriptor]]]:
+    def _table(self, mode: CUDAGraphMode, padding: list[Optional[int]], key_of
+               ) -> list[Optional[tuple[CUDAGraphMode, BatchDescriptor]]]:
         """For each token count, ``(mode, key)`` of its padded size when ``mode`` has that
         key, else None."""
         table: list[Optional[tuple[CUDAGraphMode, BatchDescriptor]]] = []
         for padded in padding:
-            key = None if padded is None else BatchDescriptor(*key_of(padded), has_lora)
+            key = None if padded is None else BatchDescriptor(*key_of(padded))
             table.append((mode, key) if key in self._keys[mode] else None)
         return table
 
@@ -127,8 +121,8 @@ class CudagraphDispatcher:
             return self._padded[num_tokens]
         return num_tokens
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
-                 has_lora: bool = False) -> tuple[CUDAGraphMode, BatchDescriptor]:
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool
+                 ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """The runtime mode and the descriptor of this step (padded when a graph runs).
 
         ``uniform_decode``: every request has exactly ``uniform_decode_query_len`` query
@@ -146,22 +140,20 @@ class CudagraphDispatcher:
                 f"and num_reqs={num_reqs} does not match uniform_decode_query_len="
                 f"{self.uniform_decode_query_len}")
         if num_tokens <= self.max_capture_size:
-            lora = 1 if has_lora else 0
             if uniform_decode:
-                choice = self._full_uniform[lora][num_tokens]
+                choice = self._full_uniform[num_tokens]
                 if choice is not None:
                     return choice
-            choice = self._full_general[lora][num_tokens] or self._piecewise[lora][num_tokens]
+            choice = self._full_general[num_tokens] or self._piecewise[num_tokens]
             if choice is not None:
                 return choice
-        return _NONE, BatchDescriptor(num_tokens, num_reqs, uniform_decode, has_lora)
+        return _NONE, BatchDescriptor(num_tokens, num_reqs, uniform_decode)
 
     def capture_plan(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
         """Every (runtime mode, descriptor) to capture at start-up, largest first (later,
         smaller captures then fit into memory the pool already holds)."""
         plan = [(mode, key) for mode in (_FULL, _PIECEWISE) for key in self._keys[mode]]
-        plan.sort(key=lambda mk: (-mk[1].num_tokens, mk[0] is not _FULL, mk[1].has_lora,
-                                  mk[1].uniform))
+        plan.sort(key=lambda mk: (-mk[1].num_tokens, mk[0] is not _FULL, mk[1].uniform))
         return plan
 
     def __repr__(self) -> str:

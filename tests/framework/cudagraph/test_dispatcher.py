@@ -13,13 +13,10 @@ SIZES = [1, 2, 4, 8, 16, 24, 32]
 MAX_TOKENS = 48
 
 
-def reference(mode, sizes, n, reqs, uniform, q=1, has_lora=False, lora_enabled=False,
-              max_reqs=None):
+def reference(mode, sizes, n, reqs, uniform, q=1, max_reqs=None):
     """The dispatch rule written out plainly (the tables must agree with it)."""
     max_reqs = max_reqs or MAX_TOKENS
-    unpadded = (M.NONE, BatchDescriptor(n, reqs, uniform, has_lora))
-    if has_lora and not lora_enabled:
-        return unpadded
+    unpadded = (M.NONE, BatchDescriptor(n, reqs, uniform))
     i = bisect.bisect_left(sizes, n)
     if i == len(sizes):
         return unpadded
@@ -27,11 +24,11 @@ def reference(mode, sizes, n, reqs, uniform, q=1, has_lora=False, lora_enabled=F
     if uniform and mode in (M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE):
         usizes = [x for x in sizes if x % q == 0 and x >= n and x // q <= max_reqs]
         if usizes:
-            return M.FULL, BatchDescriptor(usizes[0], usizes[0] // q, True, has_lora)
+            return M.FULL, BatchDescriptor(usizes[0], usizes[0] // q, True)
     if mode is M.FULL:
-        return M.FULL, BatchDescriptor(s, min(s, max_reqs), False, has_lora)
+        return M.FULL, BatchDescriptor(s, min(s, max_reqs), False)
     if mode in (M.PIECEWISE, M.FULL_AND_PIECEWISE):
-        return M.PIECEWISE, BatchDescriptor(s, None, False, has_lora)
+        return M.PIECEWISE, BatchDescriptor(s, None, False)
     return unpadded
 
 
@@ -113,16 +110,6 @@ def test_request_slots_are_capped_by_max_num_reqs():
     assert d.dispatch(5, 5, True) == (M.PIECEWISE, BatchDescriptor(8))
     assert d.dispatch(4, 4, True) == (M.FULL, BatchDescriptor(4, 4, True))
     assert max(k.num_reqs for k in d.keys(M.FULL)) == 4
-
-
-def test_lora_keys():
-    d = CudagraphDispatcher(M.FULL_AND_PIECEWISE, SIZES, MAX_TOKENS, lora_enabled=True)
-    assert d.dispatch(3, 3, True, has_lora=True) == (M.FULL, BatchDescriptor(4, 4, True, True))
-    assert d.dispatch(5, 2, False, has_lora=True) == (M.PIECEWISE,
-                                                       BatchDescriptor(8, None, False, True))
-    plain = CudagraphDispatcher(M.FULL_AND_PIECEWISE, SIZES, MAX_TOKENS)
-    assert plain.dispatch(3, 3, True, has_lora=True) == (M.NONE,
-                                                          BatchDescriptor(3, 3, True, True))
 
 
 def test_padded_num_tokens():
