@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [[3, 17, 42, 9, 100], [8, 1, 250]]
 
 SCRIPT = textwrap.dedent("""

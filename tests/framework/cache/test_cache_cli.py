@@ -12,7 +12,7 @@ from filelock import FileLock
 from framework.cache.store import ArtifactStore
 from framework.cache.cli import main, parse_duration, parse_size
 
-ROOT_DIR = Path(__file__).resolve().parents[2]
+ROOT_DIR = Path(__file__).resolve().parents[3]
 OLD = {"env": {"torch": "2.13.0", "python": "3.11"}, "source": {"models/llama.py": "aaa"},
        "dtype": "float32"}
 NEW = {"env": {"torch": "2.14.0", "python": "3.11"}, "source": {"models/llama.py": "bbb"},

@@ -14,7 +14,7 @@ from framework.cache.store import (ArtifactStore, CacheCorruptionWarning, comput
                              record_problem)
 
 FACTORS = {"env": {"torch": "x"}, "compilation_config": "abc", "dtype": "float32"}
-ROOT_DIR = Path(__file__).resolve().parents[2]
+ROOT_DIR = Path(__file__).resolve().parents[3]
 
 
 def _writer(data: bytes, calls: list | None = None):

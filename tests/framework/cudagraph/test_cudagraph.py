@@ -5,7 +5,7 @@ import gc
 import pytest
 import torch
 
-from framework import cudagraph
+from framework.cudagraph import wrapper as cudagraph
 from framework.cudagraph.wrapper import (CUDAGraphOps, CUDAGraphWrapper, EmulatedGraphOps,
                                  clear_all_graphs, live_wrappers, total_stats, weak_ref_tensor)
 from framework.core.forward_context import (BatchDescriptor, CUDAGraphMode, ForwardContext,
