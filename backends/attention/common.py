@@ -15,6 +15,7 @@ import torch
 
 from framework.core.forward_context import get_forward_context
 from framework.core.ops import define_op
+from framework.core.registry import Registry
 
 
 class AttentionCGSupport(enum.IntEnum):
@@ -74,27 +75,23 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
+BACKENDS: Registry[type[AttentionBackend]] = Registry(
+    "attention backend", entry_point_group="piecewise.attention_backends")
 
 
 def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
     def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
         cls.name = name
-        _BACKENDS[name] = cls
-        return cls
+        return BACKENDS.add(name, cls)
     return deco
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; registered: "
-                         f"{sorted(_BACKENDS)}") from None
+    return BACKENDS.get(name)
 
 
 def available_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return BACKENDS.names()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -106,7 +103,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     if md is None:
         raise RuntimeError(f"no attention metadata for layer {layer_name!r} in the forward "
                            f"context (layers with metadata: {sorted(ctx.attn_metadata)[:4]}...)")
-    _BACKENDS[md.backend].forward(q, k, v, out, ctx.kv_caches[layer_name], md, scale,
+    BACKENDS.get(md.backend).forward(q, k, v, out, ctx.kv_caches[layer_name], md, scale,
                                   sliding_window)
 
 

@@ -84,7 +84,7 @@ def fake_backends():
             type(name, (AttentionBackend,), {"cudagraph_support": level}))
     yield made
     for name in made:
-        common._BACKENDS.pop(name, None)
+        common.BACKENDS.remove(name)
 
 
 def test_min_support_over_layers(fake_backends):
