@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install run test test-all bench bench-save gpu-check clean
+.PHONY: install run lint test test-all bench bench-save gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m experiments.run $(ARGS)
 
-test: $(STAMP)
+# The layer contracts (pyproject.toml [tool.importlinter]) and ruff; make test runs them first.
+lint: $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 test-all: $(STAMP)

@@ -126,9 +126,9 @@ class BackendStats:
 
 
 class PiecewiseBackend:
-    """``backend(gm, example_inputs) -> callable`` for :class:`framework.compile.TraceOnce`.
+    """``backend(gm, example_inputs) -> callable`` for :class:`framework.compile.trace_once.TraceOnce`.
 
-    ``store`` is an :class:`framework.cache.ArtifactStore` or None (no disk cache).
+    ``store`` is an :class:`framework.cache.store.ArtifactStore` or None (no disk cache).
     ``graph_pass`` (the pass manager) gets ``set_current_piece(name, range)`` before each
     compile.
     """

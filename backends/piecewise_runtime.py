@@ -52,10 +52,6 @@ class PiecewiseRuntime:
                              f" (max_num_tokens); raise max_num_tokens")
         return self._table[n]
 
-    def num_tokens_of(self, args: tuple) -> int:
-        a = args[self._arg]
-        return int(a) if self._dim is None else a.shape[self._dim]
-
     def __call__(self, *args):
         a = args[self._arg]
         n = a if self._dim is None else a.shape[self._dim]

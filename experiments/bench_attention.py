@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 import backends.attention  # noqa: F401  (registers the op and the backends)
-from backends.attention.common import AttentionMetadata
+from framework.core.attention_metadata import AttentionMetadata
 from backends.attention.cpu_paged_build import isa
 from experiments.bandwidth import measure_read_bandwidth
-from framework.forward_context import ForwardContext, set_forward_context
+from framework.core.forward_context import ForwardContext, set_forward_context
 
 
 @dataclass(frozen=True)

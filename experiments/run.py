@@ -24,7 +24,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import CompilationConfig, register_hydra_configs
+from framework.core.config import CompilationConfig, register_hydra_configs
 
 logger = logging.getLogger("experiments.run")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -103,8 +103,8 @@ def toggle_passes(pass_config: dict, names: list[str], level: int, device_type: 
     ``device_type`` (or the explicit ``passes`` list): a pass that would run goes to
     ``disable``, one that would not goes to ``enable``. ``toggle_passes=[x]`` is how
     conf/experiment/ablate_passes.yaml switches one pass on/off against O2 on any device,
-    though O2's list differs between CPU and CUDA (framework.config.LEVEL_PASSES)."""
-    from framework.config import level_passes
+    though O2's list differs between CPU and CUDA (framework.core.config.LEVEL_PASSES)."""
+    from framework.core.config import level_passes
     runs = pass_config.get("passes")
     runs = set(level_passes(level, device_type) if runs is None else runs)
     out = dict(pass_config)
@@ -114,7 +114,7 @@ def toggle_passes(pass_config: dict, names: list[str], level: int, device_type: 
 
 
 def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
-    from framework.llm import LLM
+    from framework.engine.llm import LLM
     quant = cfg.quantization
     if isinstance(quant, DictConfig):
         quant = OmegaConf.to_container(quant, resolve=True)
@@ -387,7 +387,7 @@ def register_resolvers() -> None:
 
 register_hydra_configs()
 register_resolvers()
-# framework.quantization.register_hydra_configs() is deliberately not called: it stores a
+# framework.core.quantization.register_hydra_configs() is deliberately not called: it stores a
 # config *group* named "quantization", which makes Hydra treat the top-level `quantization`
 # value of config.yaml as a group and reject `quantization=int8_per_token` ("Could not
 # override 'quantization'. No match in the defaults list"). Values are checked by

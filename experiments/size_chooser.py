@@ -180,7 +180,7 @@ def default_sizes_truncated(max_num_tokens: int, k: int, max_count: int,
     ``max_size`` are dropped first; when no remaining size reaches ``max_count`` the largest
     remaining one is the top instead.
     """
-    from framework.config import default_capture_sizes
+    from framework.core.config import default_capture_sizes
 
     default = [s for s in default_capture_sizes(max_num_tokens)
                if max_size is None or s <= max_size]

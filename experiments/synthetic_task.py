@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from framework.core.registry import Registry
+
 # --- vocabulary ---------------------------------------------------------------------------
 
 SYMBOLS = "0123456789+="
@@ -129,26 +131,21 @@ class SyntheticTask:
         return (sequences[:, :self.prompt_len].tolist(), sequences[:, self.prompt_len:].tolist())
 
 
-_TASKS: dict[str, SyntheticTask] = {}
+TASKS: Registry[SyntheticTask] = Registry("synthetic task")
 
 
 def register_task(task: SyntheticTask) -> SyntheticTask:
-    if task.name in _TASKS:
-        raise ValueError(f"synthetic task {task.name!r} is already registered")
     if task.num_keys >= 2 ** 31:
         raise ValueError(f"task {task.name!r}: num_keys must be < 2**31 (hash range)")
-    _TASKS[task.name] = task
-    return task
+    return TASKS.add(task.name, task)
 
 
 def get_task(name: str) -> SyntheticTask:
-    if name not in _TASKS:
-        raise ValueError(f"unknown synthetic task {name!r}; tasks are {sorted(_TASKS)}")
-    return _TASKS[name]
+    return TASKS.get(name)
 
 
 def task_names() -> list[str]:
-    return sorted(_TASKS)
+    return TASKS.names()
 
 
 def _addition(digits: int) -> SyntheticTask:
@@ -231,7 +228,7 @@ def generate(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: in
              quantization: Any = None, optimization_level: int = 0,
              **llm_kwargs: Any) -> GenerationRun:
     """Greedy outputs of ``framework.LLM`` for ``prompts`` (one batched ``generate``)."""
-    from framework.llm import LLM
+    from framework.engine.llm import LLM
 
     llm_kwargs.setdefault("max_num_seqs", 64)
     llm_kwargs.setdefault("max_model_len", 64)

@@ -2,7 +2,7 @@
 
     python -m experiments.train_synthetic --task addition --out models/synthetic/addition
 
-The model is transformers' own ``LlamaForCausalLM`` (so ``models.registry.load_model`` and
+The model is transformers' own ``LlamaForCausalLM`` (so ``models.loader.load_model`` and
 ``framework.LLM`` load it like any HF folder), trained from scratch with the loss on the answer
 tokens and the EOS only.  Training is deterministic: fixed seeds for weights and data,
 ``torch.use_deterministic_algorithms``, and a fixed thread count (1 by default; the float sums
@@ -13,7 +13,7 @@ stops at the same step.
 
 Writes ``config.json`` + ``model.safetensors`` (float32) and ``metrics.json``: the recipe,
 training curve, wall time, and exact match through ``framework.LLM`` at O0 on held-out prompts
-(plus each int8 quantization shorthand when ``framework.quantization`` is available).  Written
+(plus each int8 quantization shorthand when ``framework.core.quantization`` is available).  Written
 into a temporary folder and renamed, so a reader never sees a half-written checkpoint.
 """
 from __future__ import annotations

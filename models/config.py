@@ -15,7 +15,8 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from framework.config_base import StrictConfig
+from framework.core.config_base import StrictConfig
+from models.family import family_traits
 from models.rotary import check_rope_scaling
 
 _DTYPES = {
@@ -39,22 +40,6 @@ def parse_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
 
 def dtype_name(dtype: Union[str, torch.dtype]) -> str:
     return str(parse_dtype(dtype)).removeprefix("torch.")
-
-
-# How each architecture reads the fields config.json leaves implicit.  `qkv_bias=None` means
-# "from attention_bias"; `sliding` says how sliding windows are declared ("all": one window for
-# every layer when `sliding_window` is set; "qwen": only with `use_sliding_window`, per layer via
-# `layer_types` / `max_window_layers`; None: no sliding window).
-_FAMILY_TRAITS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=False, sliding=None),
-    "MistralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False, sliding="all"),
-    "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False, qk_norm=False, sliding="qwen"),
-    "Qwen3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True, sliding="qwen"),
-}
-
-
-def supported_hf_architectures() -> list[str]:
-    return sorted(_FAMILY_TRAITS)
 
 
 @dataclass
@@ -140,10 +125,7 @@ class ModelConfig(StrictConfig):
                      **overrides: Any) -> "ModelConfig":
         """Map a Hugging Face config dict; ``overrides`` replace mapped fields (e.g. dtype)."""
         arch = hf_architecture(d, source)
-        if arch not in _FAMILY_TRAITS:
-            raise ValueError(f"{source}: architecture {arch!r} is not supported; supported "
-                             f"architectures are {supported_hf_architectures()}")
-        traits = _FAMILY_TRAITS[arch]
+        traits = family_traits(arch, source)
 
         def need(key: str) -> Any:
             if d.get(key) is None:
@@ -161,7 +143,7 @@ class ModelConfig(StrictConfig):
         num_layers = int(need("num_hidden_layers"))
         theta, scaling, rope_field = _hf_rope(d, source)
         attn_bias = bool(d.get("attention_bias", False))
-        sliding_window, layer_types = _hf_sliding_window(d, traits["sliding"], num_layers)
+        sliding_window, layer_types = _hf_sliding_window(d, traits.sliding, num_layers)
         fields = dict(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -176,9 +158,9 @@ class ModelConfig(StrictConfig):
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=attn_bias if traits["qkv_bias"] is None else traits["qkv_bias"],
-            o_proj_bias=attn_bias if traits["o_bias"] is None else traits["o_bias"],
-            qk_norm=traits["qk_norm"],
+            attention_bias=attn_bias if traits.qkv_bias is None else traits.qkv_bias,
+            o_proj_bias=attn_bias if traits.o_bias is None else traits.o_bias,
+            qk_norm=traits.qk_norm,
             sliding_window=sliding_window,
             layer_types=layer_types,
             bos_token_id=d.get("bos_token_id"),

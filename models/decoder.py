@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from models.attention import PagedAttention
 from models.config import ModelConfig
 from models.layers import Linear, MergedLinear, RMSNorm
-from models.registry import register_model
+from models.family import FamilyTraits, register_model
 from models.rotary import RotaryEmbedding
 
 
@@ -117,7 +117,12 @@ class DecoderModel(nn.Module):
         return self.norm(hidden)                                     # [T, H]
 
 
-@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+@register_model("LlamaForCausalLM", FamilyTraits("llama"))
+@register_model("MistralForCausalLM", FamilyTraits("mistral", qkv_bias=False, o_bias=False,
+                                                   sliding="all"))
+@register_model("Qwen2ForCausalLM", FamilyTraits("qwen2", qkv_bias=True, o_bias=False,
+                                                 sliding="qwen"))
+@register_model("Qwen3ForCausalLM", FamilyTraits("qwen3", qk_norm=True, sliding="qwen"))
 class DecoderForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``;
     ``compute_logits(hidden [N, H]) -> [N, V]`` (the runner gathers the rows it samples first).

@@ -1,4 +1,5 @@
-"""Safetensors weight loading with Hugging Face tensor names.
+"""Loading a Hugging Face folder: ``load_model`` (config -> family class built on the meta
+device -> weights), and safetensors weight loading with Hugging Face tensor names.
 
 Only safetensors are read (``model.safetensors`` or a sharded ``model.safetensors.index.json``);
 pickled checkpoints are refused, never opened.  Checkpoint names map to ours by the model's
@@ -18,6 +19,9 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 from safetensors import safe_open
+
+from models.config import ModelConfig, dtype_name, hf_architecture, read_hf_config
+from models.family import get_model_class
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -178,3 +182,25 @@ def _where(files: dict[str, Path], model_dir: Union[str, Path]) -> str:
 def _short(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)} in all)"
+
+
+def load_model(model_dir: Union[str, Path], dtype: Union[torch.dtype, str] = torch.float32,
+               device: Union[str, torch.device] = "cpu") -> tuple[nn.Module, ModelConfig]:
+    """Build the model of a Hugging Face folder on the meta device, materialize it on
+    ``device`` and load its safetensors weights cast to ``dtype``.
+
+    Returns ``(model, config)``; the model is in eval mode with gradients off.
+    """
+    model_dir = Path(model_dir)
+    raw = read_hf_config(model_dir)
+    source = str(model_dir / "config.json")
+    cls = get_model_class(hf_architecture(raw, source), source)
+    config = ModelConfig.from_hf_dict(raw, source=source, dtype=dtype_name(dtype))
+    with torch.device("meta"):
+        model = cls(config)
+    model.to_empty(device=device)
+    model.init_non_persistent_state()
+    load_weights(model, model_dir)
+    model.requires_grad_(False)
+    model.eval()
+    return model, config

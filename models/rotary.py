@@ -13,20 +13,19 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from framework.core.registry import Registry
+
 InvFreqFn = Callable[[int, float, Mapping[str, Any]], torch.Tensor]
-_ROPE_TYPES: dict[str, tuple[InvFreqFn, tuple[str, ...]]] = {}
+ROPE_TYPES: Registry[InvFreqFn] = Registry("RoPE type")
 
 
 def register_rope_type(name: str, required: tuple[str, ...] = ()) -> Callable[[InvFreqFn], InvFreqFn]:
     """Register an inverse-frequency function; ``required`` lists the keys it reads."""
-    def deco(fn: InvFreqFn) -> InvFreqFn:
-        _ROPE_TYPES[name] = (fn, required)
-        return fn
-    return deco
+    return ROPE_TYPES.register(name, required=required)
 
 
 def supported_rope_types() -> list[str]:
-    return sorted(_ROPE_TYPES)
+    return ROPE_TYPES.names()
 
 
 def _base_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -69,11 +68,11 @@ def check_rope_scaling(scaling: Optional[Mapping[str, Any]], field: str = "rope_
     if scaling is None:
         return
     rope_type = scaling.get("rope_type")
-    if rope_type not in _ROPE_TYPES:
+    if rope_type not in ROPE_TYPES:
         raise ValueError(
             f"{field}: RoPE type {rope_type!r} is not supported; supported types are "
             f"{supported_rope_types()} (set {field} to null for plain RoPE)")
-    missing = [k for k in _ROPE_TYPES[rope_type][1] if k not in scaling]
+    missing = [k for k in ROPE_TYPES.entry(rope_type).meta["required"] if k not in scaling]
     if missing:
         raise ValueError(f"{field}: RoPE type {rope_type!r} needs the key(s) {missing}; got "
                          f"{sorted(scaling)}")
@@ -86,8 +85,7 @@ def rope_inv_freq(head_dim: int, theta: float,
     """fp32 inverse frequencies ``[head_dim // 2]`` for the given scaling (None = plain RoPE)."""
     check_rope_scaling(scaling)
     params = scaling or {"rope_type": "default"}
-    fn, _ = _ROPE_TYPES[params["rope_type"]]
-    return fn(head_dim, theta, params)
+    return ROPE_TYPES.get(params["rope_type"])(head_dim, theta, params)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

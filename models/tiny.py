@@ -24,15 +24,10 @@ from typing import Any, Optional, Union
 
 import torch
 
+from models.family import architecture_for
+
 RECIPE_VERSION = 1
 """Bump when the generation recipe changes so cached folders are regenerated."""
-
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 _TEST_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -63,8 +58,10 @@ def resolve_preset(preset: str = "default", arch: Optional[str] = None,
         raise ValueError(f"unknown tiny-model preset {preset!r}; presets are {sorted(PRESETS)}")
     family, kwargs, dtype = PRESETS[preset]
     family = arch or family
-    if family not in ARCHITECTURES:
-        raise ValueError(f"unknown tiny-model arch {family!r}; choose from {sorted(ARCHITECTURES)}")
+    try:
+        architecture_for(family)
+    except ValueError as e:
+        raise ValueError(f"unknown tiny-model arch {family!r}: {e}") from None
     dtype = overrides.pop("dtype", dtype)
     return family, {**kwargs, **overrides}, dtype
 
@@ -76,7 +73,7 @@ def build_hf_model(family: str, config_kwargs: dict[str, Any], seed: int = 0,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(family, **config_kwargs)
-    config.architectures = [ARCHITECTURES[family]]
+    config.architectures = [architecture_for(family)]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     std = float(config_kwargs.get("initializer_range", 0.02))
     gen = torch.Generator().manual_seed(seed)

@@ -21,12 +21,6 @@ _VIEW_INFO_SUFFIXES = ("_size", "_stride", "_storage_offset", "_slice_dim", "_sl
                        "_slice_end", "_alias")
 
 
-def op_name(target: Any) -> str:
-    """Qualified name of an op overload or packet (``piecewise::rms_norm``), else ``str``."""
-    name = getattr(target, "_name", None) or getattr(target, "__name__", None)
-    return str(name if name is not None else target)
-
-
 def node_op(node: torch.fx.Node) -> Any:
     """The op a node runs: its target, or for ``auto_functionalized*`` the wrapped op."""
     if node.op == "call_function" and node.target in AF_TARGETS:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from framework.config import PassConfig
+from framework.core.config import PassConfig
 from passes.base import CompileRange, GraphPass, PassContext
 from passes.registry import order_passes, resolve_pass
 

@@ -6,11 +6,9 @@ arrive as graph inputs are multiplied unpacked.  This op hides the packed tensor
 weight is packed ONCE per (address, shape, dtype) -- and again only if it is modified in place
 (its version counter moves) -- then every call runs ``mkldnn._linear_pointwise``.
 
-Registration: ``torch.library.Library`` define + a CPU impl + ``register_fake``, not
-``torch.library.custom_op``: on this op (a few tens of µs of work per decode GEMV) the
-``custom_op`` wrapper's Python layers are measurable per call (numbers in passes/README.md);
-the op is functional (no mutation, output never aliases an input), so nothing that
-``custom_op`` adds (autograd registration, mutation checks) is needed, and ``opcheck`` passes.
+Registration: :func:`framework.core.ops.define_op` with a CPU kernel only (the op exists
+for oneDNN); the op is functional (no mutation, output never aliases an input) and passes
+``opcheck``.
 """
 from __future__ import annotations
 
@@ -18,6 +16,8 @@ import weakref
 from typing import Optional
 
 import torch
+
+from framework.core.ops import define_op
 
 _PACKED: dict[tuple, tuple[torch.Tensor, int]] = {}
 """(data_ptr, shape, dtype) -> (packed weight, weight version).  An entry lives exactly as long
@@ -67,12 +67,8 @@ def _fake(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> tor
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-_LIB = torch.library.Library("piecewise", "FRAGMENT")
-_LIB.define("prepacked_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor")
-_LIB.impl("prepacked_linear", prepacked_linear_cpu, "CPU")
-torch.library.register_fake("piecewise::prepacked_linear", _fake, lib=_LIB)
-
-prepacked_linear = torch.ops.piecewise.prepacked_linear.default
+prepacked_linear = define_op("piecewise::prepacked_linear", fake=_fake, default_key="cpu")(
+    prepacked_linear_cpu)
 
 
 class PrepackedLinearMethod:

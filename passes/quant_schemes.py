@@ -2,7 +2,7 @@
 
 A scheme is a class registered with :func:`register_scheme` on a (weight key, activation key)
 *pattern*; :func:`scheme_for` picks the first scheme whose patterns match a layer's resolved
-:class:`~framework.quantization.QuantSpec` (no if-chains: adding a scheme is one decorated
+:class:`~framework.core.quantization.QuantSpec` (no if-chains: adding a scheme is one decorated
 class).  :func:`quantize_model` walks the model's linear layers -- modules exposing
 ``linear_method`` and a 2-D ``weight`` (the :class:`models.layers.Linear` protocol; ``passes``
 does not import ``models``) -- and for each layer the config quantizes:
@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 
 import passes.ops  # noqa: F401  (registers the piecewise ops)
-from framework.quantization import QuantizationConfig, QuantKey, QuantSpec
+from framework.core.quantization import QuantizationConfig, QuantKey, QuantSpec
+from framework.core.registry import Registry
 from passes.ops.quant_utils import MIN_DYNAMIC_SCALE, quant_max
 
 ops = torch.ops.piecewise
@@ -61,12 +62,12 @@ WEIGHT_ONLY = "weight_only"
 """Activation pattern of schemes that keep activations unquantized."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    name: str
-    weight: KeyPattern
-    activation: KeyPattern | str
-    cls: type["LinearScheme"]
+def _matches(weight: KeyPattern, activation: KeyPattern | str, spec: QuantSpec) -> bool:
+    if not weight.matches(spec.weight):
+        return False
+    if activation == WEIGHT_ONLY:
+        return spec.weight_only
+    return not spec.weight_only and activation.matches(spec.activation)
 
     def matches(self, spec: QuantSpec) -> bool:
         if not self.weight.matches(spec.weight):
@@ -76,31 +77,30 @@ class _Entry:
         return not spec.weight_only and self.activation.matches(spec.activation)
 
 
-_SCHEMES: list[_Entry] = []
+SCHEMES: Registry[type["LinearScheme"]] = Registry("linear quantization scheme")
+"""Tried in registration order; the first scheme whose patterns match a spec handles it."""
 
 
 def register_scheme(name: str, *, weight: dict, activation: dict | str):
     """Class decorator: the scheme handles specs matching ``weight`` and ``activation``
     (KeyPattern fields, or :data:`WEIGHT_ONLY`)."""
     def deco(cls: type[LinearScheme]) -> type[LinearScheme]:
-        if any(e.name == name for e in _SCHEMES):
-            raise ValueError(f"register_scheme: a scheme named {name!r} is already registered")
         act = activation if activation == WEIGHT_ONLY else KeyPattern(**activation)
         cls.name = name
-        _SCHEMES.append(_Entry(name, KeyPattern(**weight), act, cls))
-        return cls
+        return SCHEMES.add(name, cls, weight=KeyPattern(**weight), activation=act)
     return deco
 
 
 def registered_schemes() -> dict[str, str]:
-    return {e.name: f"weight={e.weight}, activation={e.activation}" for e in _SCHEMES}
+    return {e.name: f"weight={e.meta['weight']}, activation={e.meta['activation']}"
+            for e in SCHEMES.entries()}
 
 
 def scheme_for(spec: QuantSpec, layer_name: str = "?") -> type["LinearScheme"]:
     spec = spec.resolved()
-    for entry in _SCHEMES:
-        if entry.matches(spec):
-            return entry.cls
+    for entry in SCHEMES.entries():
+        if _matches(entry.meta["weight"], entry.meta["activation"], spec):
+            return entry.obj
     raise ValueError(f"quantization of layer {layer_name!r}: no linear scheme implements "
                      f"{spec}; registered schemes: {registered_schemes()}")
 
@@ -311,7 +311,3 @@ def calibrate_activation_scales(model: nn.Module, run: Callable[[], Any]) -> dic
         layer.input_scale.clamp_(min=MIN_DYNAMIC_SCALE)
     return {name: float(layer.input_scale) for name, layer in statics.items()}
 
-
-def scheme_of(layer: nn.Module) -> Optional[str]:
-    method = getattr(layer, "linear_method", None)
-    return getattr(method, "name", None) if method is not None else None

@@ -14,6 +14,8 @@ import sympy
 import torch
 import torch.fx
 
+from framework.core.attention_metadata import AttentionMetadata
+from framework.core.forward_context import ForwardContext, set_forward_context
 from passes.base import CompileRange
 
 _FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),
@@ -206,9 +208,6 @@ def attention_context(graph: torch.fx.Graph, size: int) -> Iterator[None]:
     if not calls:
         yield
         return
-    from backends.attention import AttentionMetadata
-    from framework.forward_context import ForwardContext, set_forward_context
-
     block_size = 16
     num_blocks = -(-size // block_size)
     md = AttentionMetadata(

@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from backends.attention import AttentionMetadata
-from framework.forward_context import ForwardContext, set_forward_context
+from framework.core.attention_metadata import AttentionMetadata
+from framework.core.forward_context import ForwardContext, set_forward_context
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Attention backends.  Importing this package registers the ``piecewise::attention`` op and
 every backend whose implementation is available on this machine."""
-from backends.attention.common import (AttentionBackend, AttentionCGSupport, AttentionMetadata,
-                                       available_backends, get_backend, register_backend)
+from framework.core.attention_metadata import AttentionMetadata
+from backends.attention.common import (AttentionBackend, AttentionCGSupport, available_backends, get_backend, register_backend)
 import importlib.util
 
 from backends.attention import torch_paged  # noqa: F401  (registers "torch")

@@ -13,7 +13,10 @@ from typing import Callable, ClassVar, Optional
 
 import torch
 
-from framework.forward_context import get_forward_context
+from framework.core.attention_metadata import AttentionMetadata
+from framework.core.forward_context import get_forward_context
+from framework.core.ops import define_op
+from framework.core.registry import Registry
 
 
 class AttentionCGSupport(enum.IntEnum):
@@ -26,37 +29,6 @@ class AttentionCGSupport(enum.IntEnum):
     """Batches where every request has the same query length."""
     ALWAYS = 3
     """Any batch, mixed prefill and decode included."""
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step metadata shared by every attention layer.
-
-    Device tensors live in the runner's persistent buffers (static addresses for CUDA graphs);
-    the ``*_cpu`` lists are host copies so the CPU path never synchronizes.
-    """
-
-    backend: str
-    """Name of the registered attention backend that runs this step."""
-    num_actual_tokens: int
-    """Real (unpadded) tokens; rows past this are padding."""
-    num_reqs: int
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc: torch.Tensor
-    """int32 [num_reqs + 1]: cumulative query lengths."""
-    seq_lens: torch.Tensor
-    """int32 [num_reqs]: context length of each request after this step."""
-    block_table: torch.Tensor
-    """int32 [num_reqs, max_blocks_per_req]: KV blocks of each request."""
-    slot_mapping: torch.Tensor
-    """int64 [num_tokens]: flat cache slot of each token; -1 for padding."""
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
-
-    @property
-    def is_uniform_decode(self) -> bool:
-        return self.max_query_len == 1
 
 
 class AttentionBackend:
@@ -77,27 +49,23 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
+BACKENDS: Registry[type[AttentionBackend]] = Registry(
+    "attention backend", entry_point_group="piecewise.attention_backends")
 
 
 def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
     def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
         cls.name = name
-        _BACKENDS[name] = cls
-        return cls
+        return BACKENDS.add(name, cls)
     return deco
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; registered: "
-                         f"{sorted(_BACKENDS)}") from None
+    return BACKENDS.get(name)
 
 
 def available_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return BACKENDS.names()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -109,7 +77,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     if md is None:
         raise RuntimeError(f"no attention metadata for layer {layer_name!r} in the forward "
                            f"context (layers with metadata: {sorted(ctx.attn_metadata)[:4]}...)")
-    _BACKENDS[md.backend].forward(q, k, v, out, ctx.kv_caches[layer_name], md, scale,
+    BACKENDS.get(md.backend).forward(q, k, v, out, ctx.kv_caches[layer_name], md, scale,
                                   sliding_window)
 
 
@@ -117,11 +85,7 @@ def _attention_fake(q, k, v, out, layer_name, scale, sliding_window) -> None:
     return None
 
 
-# Registered with torch.library.Library rather than @custom_op: this op runs 8-80 times per
-# step on the hot path, and custom_op's Python wrapper costs ~50 us per call here against
-# ~3 us for a plain Library kernel (measured side by side, torch 2.13 CPU).
-_LIB = torch.library.Library("piecewise", "FRAGMENT")
-_LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, str layer_name, "
-            "float scale, int sliding_window) -> ()")
-_LIB.impl("attention", attention, "CompositeExplicitAutograd")
-torch.library.register_fake("piecewise::attention", _attention_fake, lib=_LIB)
+attention_op = define_op(
+    "piecewise::attention", fake=_attention_fake,
+    schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) out, str layer_name, float scale, "
+           "int sliding_window) -> ()")(attention)

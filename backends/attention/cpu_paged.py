@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.attention.common import (AttentionBackend, AttentionCGSupport, AttentionMetadata,
-                                       register_backend)
+from framework.core.attention_metadata import AttentionMetadata
+from backends.attention.common import (AttentionBackend, AttentionCGSupport, register_backend)
 from backends.attention.cpu_paged_build import load_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -32,7 +32,7 @@ import torch
 
 from backends.attention.common import AttentionCGSupport, get_backend
 from backends.attention.cpu_paged_build import compiler
-from framework.forward_context import CUDAGraphMode
+from framework.core.forward_context import CUDAGraphMode
 
 logger = logging.getLogger(__name__)
 

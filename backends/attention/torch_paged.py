@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.attention.common import (AttentionBackend, AttentionCGSupport, AttentionMetadata,
-                                       register_backend)
+from framework.core.attention_metadata import AttentionMetadata
+from backends.attention.common import (AttentionBackend, AttentionCGSupport, register_backend)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -31,8 +31,8 @@ import os
 
 import torch
 
-from backends.attention.common import (AttentionBackend, AttentionCGSupport, AttentionMetadata,
-                                       register_backend)
+from framework.core.attention_metadata import AttentionMetadata
+from backends.attention.common import (AttentionBackend, AttentionCGSupport, register_backend)
 
 triton = None
 tl = None

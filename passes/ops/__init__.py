@@ -1,7 +1,7 @@
 """Fused custom ops (namespace ``piecewise``) used by the fusion and quantization passes.
 
 Importing this package registers every op below with ``torch.library``; it never imports
-Triton (GPU kernels are bound lazily on first CUDA call, see :mod:`passes.ops.kernel_registry`).
+Triton (GPU kernels are bound lazily on first CUDA call, see :mod:`framework.core.ops`).
 
 Signatures (mutated arguments marked ``!``; ops return ``None`` unless a return is shown).
 Quantized outputs are ``torch.int8`` or ``torch.float8_e4m3fn`` (chosen by ``out.dtype``);
@@ -34,6 +34,3 @@ Plain-torch implementations ``<op>_torch`` live next to each op (CPU path and te
 Triton kernels live in :mod:`passes.ops.triton` (GPU path).
 """
 from passes.ops import activation, activation_quant, norm, rope, scaled_mm  # noqa: F401  (registers)
-from passes.ops.kernel_registry import kernel_for, override_kernel, register_kernel
-
-__all__ = ["kernel_for", "override_kernel", "register_kernel"]

@@ -4,11 +4,13 @@
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from passes.ops.kernel_registry import kernel_for, register_kernel, triton_available
+from framework.core.ops import define_op, if_installed
 from passes.ops.quant_utils import check_out, per_token_scales, quantize
 
 _TRITON = "passes.ops.triton.activation"
@@ -27,61 +29,51 @@ def _gated_shape(name: str, x: Tensor) -> tuple[int, ...]:
 
 
 def silu_and_mul_torch(out: Tensor, x: Tensor) -> None:
+    """``out [T, I] = silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``."""
     out.copy_(_silu_mul(x))
 
 
 def silu_and_mul_static_quant_torch(out: Tensor, x: Tensor, scale: Tensor) -> None:
+    """``out = quant(silu_and_mul(x) / scale)``; out int8 or float8_e4m3fn, scale fp32 [1]."""
     out.copy_(quantize(_silu_mul(x), scale, out.dtype))
 
 
 def silu_and_mul_dynamic_quant_torch(out: Tensor, x: Tensor, scales: Tensor) -> None:
+    """Dynamic per-token quant of ``silu_and_mul(x)``; fp32 scales ``[T, 1]`` written."""
     y = _silu_mul(x)
     s = per_token_scales(y, out.dtype)
     scales.copy_(s)
     out.copy_(quantize(y, s, out.dtype))
 
 
-for _name, _fn in [("silu_and_mul", silu_and_mul_torch),
-                   ("silu_and_mul_static_quant", silu_and_mul_static_quant_torch),
-                   ("silu_and_mul_dynamic_quant", silu_and_mul_dynamic_quant_torch)]:
-    register_kernel(f"piecewise::{_name}", kernel=_fn)
-    if triton_available():
-        register_kernel(f"piecewise::{_name}", "cuda", f"{_TRITON}:{_name}")
+def _cuda(name: str) -> Optional[str]:
+    return if_installed("triton", f"{_TRITON}:{name}")
 
 
-@torch.library.custom_op("piecewise::silu_and_mul", mutates_args=("out",))
-def silu_and_mul(out: Tensor, x: Tensor) -> None:
-    """``out [T, I] = silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``."""
-    kernel_for("piecewise::silu_and_mul", x.device.type)(out, x)
-
-
-@silu_and_mul.register_fake
-def _(out, x) -> None:
+def _silu_and_mul_fake(out, x) -> None:
     shape = _gated_shape("piecewise::silu_and_mul", x)
     if tuple(out.shape) != shape:
         raise ValueError(f"piecewise::silu_and_mul: out has shape {tuple(out.shape)}, "
                          f"expected {shape}")
 
 
-@torch.library.custom_op("piecewise::silu_and_mul_static_quant", mutates_args=("out",))
-def silu_and_mul_static_quant(out: Tensor, x: Tensor, scale: Tensor) -> None:
-    """``out = quant(silu_and_mul(x) / scale)``; out int8 or float8_e4m3fn, scale fp32 [1]."""
-    kernel_for("piecewise::silu_and_mul_static_quant", x.device.type)(out, x, scale)
-
-
-@silu_and_mul_static_quant.register_fake
-def _(out, x, scale) -> None:
+def _silu_and_mul_static_quant_fake(out, x, scale) -> None:
     check_out("piecewise::silu_and_mul_static_quant", out,
               _gated_shape("piecewise::silu_and_mul_static_quant", x))
 
 
-@torch.library.custom_op("piecewise::silu_and_mul_dynamic_quant", mutates_args=("out", "scales"))
-def silu_and_mul_dynamic_quant(out: Tensor, x: Tensor, scales: Tensor) -> None:
-    """Dynamic per-token quant of ``silu_and_mul(x)``; fp32 scales ``[T, 1]`` written."""
-    kernel_for("piecewise::silu_and_mul_dynamic_quant", x.device.type)(out, x, scales)
-
-
-@silu_and_mul_dynamic_quant.register_fake
-def _(out, x, scales) -> None:
+def _silu_and_mul_dynamic_quant_fake(out, x, scales) -> None:
     check_out("piecewise::silu_and_mul_dynamic_quant", out,
               _gated_shape("piecewise::silu_and_mul_dynamic_quant", x))
+
+
+silu_and_mul = define_op("piecewise::silu_and_mul", mutates_args=("out",),
+                         fake=_silu_and_mul_fake, cuda=_cuda("silu_and_mul"))(silu_and_mul_torch)
+silu_and_mul_static_quant = define_op(
+    "piecewise::silu_and_mul_static_quant", mutates_args=("out",),
+    fake=_silu_and_mul_static_quant_fake, cuda=_cuda("silu_and_mul_static_quant"))(
+    silu_and_mul_static_quant_torch)
+silu_and_mul_dynamic_quant = define_op(
+    "piecewise::silu_and_mul_dynamic_quant", mutates_args=("out", "scales"),
+    fake=_silu_and_mul_dynamic_quant_fake, cuda=_cuda("silu_and_mul_dynamic_quant"))(
+    silu_and_mul_dynamic_quant_torch)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from passes.ops.kernel_registry import kernel_for, register_kernel, triton_available
+from framework.core.ops import define_op, if_installed
 from passes.ops.quant_utils import (INT8_MAX, INT8_MIN, MIN_DYNAMIC_SCALE, check_out, quant_max,
                                     quantize)
 
@@ -16,10 +16,12 @@ _TRITON = "passes.ops.triton.activation"  # shares the row kernel with silu_and_
 
 
 def static_scaled_quant_torch(out: Tensor, x: Tensor, scale: Tensor) -> None:
+    """``out = quant(x / scale)``; out int8 or float8_e4m3fn with x's shape, scale fp32 [1]."""
     out.copy_(quantize(x, scale, out.dtype))
 
 
 def dynamic_per_token_quant_torch(out: Tensor, x: Tensor, scales: Tensor) -> None:
+    """Per-row absmax quant of ``x [T, K]`` into ``out``; fp32 scales ``[T, 1]`` written."""
     # Same arithmetic as per_token_scales + quantize, in fewer eager kernels (this is the
     # unfused CPU hot path): one fp32 scratch copy, absmax via an inf-norm, in-place steps.
     y = x.to(torch.float32, copy=True)
@@ -33,30 +35,19 @@ def dynamic_per_token_quant_torch(out: Tensor, x: Tensor, scales: Tensor) -> Non
     out.copy_(y)
 
 
-for _name, _fn in [("static_scaled_quant", static_scaled_quant_torch),
-                   ("dynamic_per_token_quant", dynamic_per_token_quant_torch)]:
-    register_kernel(f"piecewise::{_name}", kernel=_fn)
-    if triton_available():
-        register_kernel(f"piecewise::{_name}", "cuda", f"{_TRITON}:{_name}")
-
-
-@torch.library.custom_op("piecewise::static_scaled_quant", mutates_args=("out",))
-def static_scaled_quant(out: Tensor, x: Tensor, scale: Tensor) -> None:
-    """``out = quant(x / scale)``; out int8 or float8_e4m3fn with x's shape, scale fp32 [1]."""
-    kernel_for("piecewise::static_scaled_quant", x.device.type)(out, x, scale)
-
-
-@static_scaled_quant.register_fake
-def _(out, x, scale) -> None:
+def _static_scaled_quant_fake(out, x, scale) -> None:
     check_out("piecewise::static_scaled_quant", out, x.shape)
 
 
-@torch.library.custom_op("piecewise::dynamic_per_token_quant", mutates_args=("out", "scales"))
-def dynamic_per_token_quant(out: Tensor, x: Tensor, scales: Tensor) -> None:
-    """Per-row absmax quant of ``x [T, K]`` into ``out``; fp32 scales ``[T, 1]`` written."""
-    kernel_for("piecewise::dynamic_per_token_quant", x.device.type)(out, x, scales)
-
-
-@dynamic_per_token_quant.register_fake
-def _(out, x, scales) -> None:
+def _dynamic_per_token_quant_fake(out, x, scales) -> None:
     check_out("piecewise::dynamic_per_token_quant", out, x.shape)
+
+
+static_scaled_quant = define_op(
+    "piecewise::static_scaled_quant", mutates_args=("out",), fake=_static_scaled_quant_fake,
+    cuda=if_installed("triton", f"{_TRITON}:static_scaled_quant"))(static_scaled_quant_torch)
+dynamic_per_token_quant = define_op(
+    "piecewise::dynamic_per_token_quant", mutates_args=("out", "scales"),
+    fake=_dynamic_per_token_quant_fake,
+    cuda=if_installed("triton", f"{_TRITON}:dynamic_per_token_quant"))(
+    dynamic_per_token_quant_torch)

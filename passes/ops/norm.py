@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from passes.ops.kernel_registry import kernel_for, register_kernel, triton_available
+from framework.core.ops import define_op, if_installed
 from passes.ops.quant_utils import check_out, per_token_scales, quantize
 
 _TRITON = "passes.ops.triton.norm"
@@ -35,27 +35,35 @@ def _check_hidden(name: str, x: Tensor, weight: Tensor) -> None:
 # --- plain-torch implementations (CPU path and oracle) --------------------------------------
 
 def rms_norm_torch(out: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
+    """``out = rms_norm(x) * weight`` (``out`` has x's shape, any float dtype)."""
     out.copy_(_rms(x, weight, eps))
 
 
 def fused_add_rms_norm_torch(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    """In place: ``residual <- x + residual``; ``x <- rms_norm(residual) * weight``."""
     residual.add_(x)
     x.copy_(_rms(residual, weight, eps))
 
 
 def rms_norm_static_quant_torch(out: Tensor, x: Tensor, weight: Tensor, scale: Tensor,
                                 eps: float) -> None:
+    """``out = quant(rms_norm(x) * weight / scale)``; out int8 or float8_e4m3fn, scale [1]."""
     out.copy_(quantize(_rms(x, weight, eps), scale, out.dtype))
 
 
 def fused_add_rms_norm_static_quant_torch(out: Tensor, x: Tensor, residual: Tensor,
                                           weight: Tensor, scale: Tensor, eps: float) -> None:
+    """``residual <- x + residual`` (in place); ``out = quant(rms_norm(residual)*weight/scale)``;
+    ``x`` is left unchanged."""
     residual.add_(x)
     out.copy_(quantize(_rms(residual, weight, eps), scale, out.dtype))
 
 
 def rms_norm_dynamic_quant_torch(out: Tensor, x: Tensor, weight: Tensor, scales: Tensor,
                                  eps: float, residual: Optional[Tensor]) -> None:
+    """Dynamic per-token quant of ``rms_norm(h) * weight`` into ``out``, its fp32 scales
+    ``[T, 1]`` into ``scales``; ``h = x``, or with ``residual`` given ``residual <- x +
+    residual`` first (in place) and ``h = residual``."""
     if residual is not None:
         residual.add_(x)
         x = residual
@@ -65,80 +73,49 @@ def rms_norm_dynamic_quant_torch(out: Tensor, x: Tensor, weight: Tensor, scales:
     out.copy_(quantize(y, s, out.dtype))
 
 
-for _name, _fn in [("rms_norm", rms_norm_torch), ("fused_add_rms_norm", fused_add_rms_norm_torch),
-                   ("rms_norm_static_quant", rms_norm_static_quant_torch),
-                   ("fused_add_rms_norm_static_quant", fused_add_rms_norm_static_quant_torch),
-                   ("rms_norm_dynamic_quant", rms_norm_dynamic_quant_torch)]:
-    register_kernel(f"piecewise::{_name}", kernel=_fn)
-    if triton_available():
-        register_kernel(f"piecewise::{_name}", "cuda", f"{_TRITON}:{_name}")
-
-
 # --- the custom ops ---------------------------------------------------------------------------
 
-@torch.library.custom_op("piecewise::rms_norm", mutates_args=("out",))
-def rms_norm(out: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
-    """``out = rms_norm(x) * weight`` (``out`` has x's shape, any float dtype)."""
-    kernel_for("piecewise::rms_norm", x.device.type)(out, x, weight, eps)
+def _cuda(name: str) -> Optional[str]:
+    return if_installed("triton", f"{_TRITON}:{name}")
 
 
-@rms_norm.register_fake
-def _(out, x, weight, eps) -> None:
+def _rms_norm_fake(out, x, weight, eps) -> None:
     _check_hidden("piecewise::rms_norm", x, weight)
 
 
-@torch.library.custom_op("piecewise::fused_add_rms_norm", mutates_args=("x", "residual"))
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
-    """In place: ``residual <- x + residual``; ``x <- rms_norm(residual) * weight``."""
-    kernel_for("piecewise::fused_add_rms_norm", x.device.type)(x, residual, weight, eps)
-
-
-@fused_add_rms_norm.register_fake
-def _(x, residual, weight, eps) -> None:
+def _fused_add_rms_norm_fake(x, residual, weight, eps) -> None:
     _check_hidden("piecewise::fused_add_rms_norm", x, weight)
 
 
-@torch.library.custom_op("piecewise::rms_norm_static_quant", mutates_args=("out",))
-def rms_norm_static_quant(out: Tensor, x: Tensor, weight: Tensor, scale: Tensor,
-                          eps: float) -> None:
-    """``out = quant(rms_norm(x) * weight / scale)``; out int8 or float8_e4m3fn, scale [1]."""
-    kernel_for("piecewise::rms_norm_static_quant", x.device.type)(out, x, weight, scale, eps)
-
-
-@rms_norm_static_quant.register_fake
-def _(out, x, weight, scale, eps) -> None:
+def _rms_norm_static_quant_fake(out, x, weight, scale, eps) -> None:
     _check_hidden("piecewise::rms_norm_static_quant", x, weight)
     check_out("piecewise::rms_norm_static_quant", out, x.shape)
 
 
-@torch.library.custom_op("piecewise::fused_add_rms_norm_static_quant",
-                         mutates_args=("out", "residual"))
-def fused_add_rms_norm_static_quant(out: Tensor, x: Tensor, residual: Tensor, weight: Tensor,
-                                    scale: Tensor, eps: float) -> None:
-    """``residual <- x + residual`` (in place); ``out = quant(rms_norm(residual)*weight/scale)``;
-    ``x`` is left unchanged."""
-    kernel_for("piecewise::fused_add_rms_norm_static_quant", x.device.type)(
-        out, x, residual, weight, scale, eps)
-
-
-@fused_add_rms_norm_static_quant.register_fake
-def _(out, x, residual, weight, scale, eps) -> None:
+def _fused_add_rms_norm_static_quant_fake(out, x, residual, weight, scale, eps) -> None:
     _check_hidden("piecewise::fused_add_rms_norm_static_quant", x, weight)
     check_out("piecewise::fused_add_rms_norm_static_quant", out, x.shape)
 
 
-@torch.library.custom_op("piecewise::rms_norm_dynamic_quant",
-                         mutates_args=("out", "scales", "residual"))
-def rms_norm_dynamic_quant(out: Tensor, x: Tensor, weight: Tensor, scales: Tensor, eps: float,
-                           residual: Optional[Tensor]) -> None:
-    """Dynamic per-token quant of ``rms_norm(h) * weight`` into ``out``, its fp32 scales
-    ``[T, 1]`` into ``scales``; ``h = x``, or with ``residual`` given ``residual <- x +
-    residual`` first (in place) and ``h = residual``."""
-    kernel_for("piecewise::rms_norm_dynamic_quant", x.device.type)(
-        out, x, weight, scales, eps, residual)
-
-
-@rms_norm_dynamic_quant.register_fake
-def _(out, x, weight, scales, eps, residual) -> None:
+def _rms_norm_dynamic_quant_fake(out, x, weight, scales, eps, residual) -> None:
     _check_hidden("piecewise::rms_norm_dynamic_quant", x, weight)
     check_out("piecewise::rms_norm_dynamic_quant", out, x.shape)
+
+
+rms_norm = define_op("piecewise::rms_norm", mutates_args=("out",), fake=_rms_norm_fake,
+                     cuda=_cuda("rms_norm"))(rms_norm_torch)
+fused_add_rms_norm = define_op(
+    "piecewise::fused_add_rms_norm", mutates_args=("x", "residual"),
+    fake=_fused_add_rms_norm_fake, cuda=_cuda("fused_add_rms_norm"))(fused_add_rms_norm_torch)
+rms_norm_static_quant = define_op(
+    "piecewise::rms_norm_static_quant", mutates_args=("out",),
+    fake=_rms_norm_static_quant_fake, cuda=_cuda("rms_norm_static_quant"))(
+    rms_norm_static_quant_torch)
+fused_add_rms_norm_static_quant = define_op(
+    "piecewise::fused_add_rms_norm_static_quant", mutates_args=("out", "residual"),
+    fake=_fused_add_rms_norm_static_quant_fake,
+    cuda=_cuda("fused_add_rms_norm_static_quant"))(fused_add_rms_norm_static_quant_torch)
+rms_norm_dynamic_quant = define_op(
+    "piecewise::rms_norm_dynamic_quant", mutates_args=("out", "scales", "residual"),
+    fake=_rms_norm_dynamic_quant_fake, cuda=_cuda("rms_norm_dynamic_quant"))(
+    rms_norm_dynamic_quant_torch)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from passes.ops.kernel_registry import kernel_for, register_kernel, triton_available
+from framework.core.ops import define_op, if_installed
 
 _TRITON = "passes.ops.triton.rope"
 
@@ -28,6 +28,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
 def qk_norm_rope_torch(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor,
                        cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                        eps: float, is_neox: bool) -> None:
+    """In place on ``qkv``: per-head RMSNorm of q and k, then rotary embedding."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     cos, sin = cos_sin_cache.index_select(0, positions.flatten()).float().chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]: broadcast over heads
@@ -38,23 +39,7 @@ def qk_norm_rope_torch(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weigh
         part.copy_(apply_rotary(h, cos, sin, is_neox))
 
 
-register_kernel("piecewise::qk_norm_rope", kernel=qk_norm_rope_torch)
-if triton_available():
-    register_kernel("piecewise::qk_norm_rope", "cuda", f"{_TRITON}:qk_norm_rope")
-
-
-@torch.library.custom_op("piecewise::qk_norm_rope", mutates_args=("qkv",))
-def qk_norm_rope(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor,
-                 cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 eps: float, is_neox: bool) -> None:
-    """In place on ``qkv``: per-head RMSNorm of q and k, then rotary embedding."""
-    kernel_for("piecewise::qk_norm_rope", qkv.device.type)(
-        qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_kv_heads, head_dim,
-        eps, is_neox)
-
-
-@qk_norm_rope.register_fake
-def _(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_kv_heads, head_dim,
+def _qk_norm_rope_fake(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_kv_heads, head_dim,
       eps, is_neox) -> None:
     name = "piecewise::qk_norm_rope"
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -70,3 +55,7 @@ def _(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_kv_heads
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[-1] != head_dim:
         raise ValueError(f"{name}: cos_sin_cache must be [max_pos, head_dim={head_dim}], got "
                          f"{tuple(cos_sin_cache.shape)}")
+
+
+qk_norm_rope = define_op("piecewise::qk_norm_rope", mutates_args=("qkv",), fake=_qk_norm_rope_fake,
+                         cuda=if_installed("triton", f"{_TRITON}:qk_norm_rope"))(qk_norm_rope_torch)

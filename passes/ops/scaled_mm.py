@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from passes.ops.kernel_registry import kernel_for, register_kernel, triton_available
+from framework.core.ops import define_op, if_installed
 
 _TRITON = "passes.ops.triton.scaled_mm"
 
@@ -53,6 +53,7 @@ def _epilogue(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Optional[Tens
 
 def int8_scaled_mm_torch(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
                          bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+    """``(x_q @ w_q) * x_scale * w_scale + bias`` for int8 ``x_q [T,K]``, ``w_q [K,N]``."""
     if x_q.device.type == "cpu":
         acc = torch._int_mm(x_q, w_q)
     else:  # oracle on devices without a kernel: exact in fp64 for K < 2**37 / 127**2
@@ -62,6 +63,8 @@ def int8_scaled_mm_torch(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Ten
 
 def fp8_scaled_mm_torch(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
                         bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+    """``(x_q @ w_q) * x_scale * w_scale + bias`` for float8_e4m3fn ``x_q [T,K]``,
+    ``w_q [K,N]``."""
     return _epilogue(x_q.float() @ w_q.float(), x_scale, w_scale, bias, out_dtype)
 
 
@@ -73,20 +76,12 @@ def _packed_ok(x: Tensor, w_q: Tensor) -> bool:
 
 def int8_weight_only_mm_torch(x: Tensor, w_q: Tensor, w_scale: Tensor,
                               bias: Optional[Tensor]) -> Tensor:
+    """``x @ (w_q * w_scale[:, None])^T + bias`` for int8 ``w_q [N, K]``; result in x's dtype."""
     if _packed_ok(x, w_q):
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w_q, w_scale.to(x.dtype))
         return y if bias is None else y + bias
     w = (w_q.to(x.dtype) * w_scale.to(x.dtype).unsqueeze(-1))
     return F.linear(x, w, bias)
-
-
-register_kernel("piecewise::int8_scaled_mm", kernel=int8_scaled_mm_torch)
-register_kernel("piecewise::fp8_scaled_mm", kernel=fp8_scaled_mm_torch)
-register_kernel("piecewise::int8_weight_only_mm", kernel=int8_weight_only_mm_torch)
-if triton_available():
-    register_kernel("piecewise::int8_scaled_mm", "cuda", f"{_TRITON}:int8_scaled_mm")
-    register_kernel("piecewise::fp8_scaled_mm", "cuda", f"{_TRITON}:fp8_scaled_mm")
-    register_kernel("piecewise::int8_weight_only_mm", "cuda", f"{_TRITON}:int8_weight_only_mm")
 
 
 def _check_mm(name: str, x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
@@ -107,44 +102,17 @@ def _check_mm(name: str, x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Ten
         raise ValueError(f"{name}: bias must be [N] = [{n}], got {tuple(bias.shape)}")
 
 
-@torch.library.custom_op("piecewise::int8_scaled_mm", mutates_args=())
-def int8_scaled_mm(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
-                   bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
-    """``(x_q @ w_q) * x_scale * w_scale + bias`` for int8 ``x_q [T,K]``, ``w_q [K,N]``."""
-    return kernel_for("piecewise::int8_scaled_mm", x_q.device.type)(
-        x_q, x_scale, w_q, w_scale, bias, out_dtype)
-
-
-@int8_scaled_mm.register_fake
-def _(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
+def _int8_scaled_mm_fake(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
     _check_mm("piecewise::int8_scaled_mm", x_q, x_scale, w_q, w_scale, bias, torch.int8)
     return x_q.new_empty((x_q.shape[0], w_q.shape[1]), dtype=out_dtype)
 
 
-@torch.library.custom_op("piecewise::fp8_scaled_mm", mutates_args=())
-def fp8_scaled_mm(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
-                  bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
-    """``(x_q @ w_q) * x_scale * w_scale + bias`` for float8_e4m3fn ``x_q [T,K]``,
-    ``w_q [K,N]``."""
-    return kernel_for("piecewise::fp8_scaled_mm", x_q.device.type)(
-        x_q, x_scale, w_q, w_scale, bias, out_dtype)
-
-
-@fp8_scaled_mm.register_fake
-def _(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
+def _fp8_scaled_mm_fake(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
     _check_mm("piecewise::fp8_scaled_mm", x_q, x_scale, w_q, w_scale, bias, torch.float8_e4m3fn)
     return x_q.new_empty((x_q.shape[0], w_q.shape[1]), dtype=out_dtype)
 
 
-@torch.library.custom_op("piecewise::int8_weight_only_mm", mutates_args=())
-def int8_weight_only_mm(x: Tensor, w_q: Tensor, w_scale: Tensor,
-                        bias: Optional[Tensor]) -> Tensor:
-    """``x @ (w_q * w_scale[:, None])^T + bias`` for int8 ``w_q [N, K]``; result in x's dtype."""
-    return kernel_for("piecewise::int8_weight_only_mm", x.device.type)(x, w_q, w_scale, bias)
-
-
-@int8_weight_only_mm.register_fake
-def _(x, w_q, w_scale, bias) -> Tensor:
+def _int8_weight_only_mm_fake(x, w_q, w_scale, bias) -> Tensor:
     name = "piecewise::int8_weight_only_mm"
     if w_q.dtype != torch.int8 or w_q.dim() != 2 or x.shape[-1] != w_q.shape[1]:
         raise ValueError(f"{name}: expected int8 w_q [N, K] with K = x.shape[-1] = "
@@ -153,3 +121,15 @@ def _(x, w_q, w_scale, bias) -> Tensor:
         raise ValueError(f"{name}: w_scale must have N = {w_q.shape[0]} elements, got "
                          f"{tuple(w_scale.shape)}")
     return x.new_empty((*x.shape[:-1], w_q.shape[0]))
+
+
+def _cuda(name: str) -> Optional[str]:
+    return if_installed("triton", f"{_TRITON}:{name}")
+
+
+int8_scaled_mm = define_op("piecewise::int8_scaled_mm", fake=_int8_scaled_mm_fake,
+                           cuda=_cuda("int8_scaled_mm"))(int8_scaled_mm_torch)
+fp8_scaled_mm = define_op("piecewise::fp8_scaled_mm", fake=_fp8_scaled_mm_fake,
+                          cuda=_cuda("fp8_scaled_mm"))(fp8_scaled_mm_torch)
+int8_weight_only_mm = define_op("piecewise::int8_weight_only_mm", fake=_int8_weight_only_mm_fake,
+                                cuda=_cuda("int8_weight_only_mm"))(int8_weight_only_mm_torch)

@@ -67,7 +67,7 @@ class StepHarness:
     positions (rewriting the same KV-cache slots), so every call does identical work."""
 
     def __init__(self, llm, batch: int, prompt_len: int = PROMPT_LEN, decode: bool = True):
-        from framework.scheduler import Request, ScheduledChunk
+        from framework.engine.scheduler import Request, ScheduledChunk
 
         self.llm = llm
         vocab = llm.model_config.vocab_size

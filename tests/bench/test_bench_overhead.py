@@ -14,10 +14,10 @@ import torch
 
 from backends.compiler import CompileRange
 from backends.piecewise_runtime import PiecewiseRuntime, RangeEntry
-from framework.compile import ArgBinding, TraceOnce
-from framework.forward_context import ForwardContext, set_forward_context
-from framework.runner import ModelRunner
-from framework.scheduler import Request, ScheduledChunk
+from framework.compile.trace_once import ArgBinding, TraceOnce
+from framework.core.forward_context import ForwardContext, set_forward_context
+from framework.engine.runner import ModelRunner
+from framework.engine.scheduler import Request, ScheduledChunk
 
 pytestmark = [pytest.mark.bench, pytest.mark.slow]
 

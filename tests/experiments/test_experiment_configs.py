@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 from experiments.size_chooser import choose_sizes
 from experiments.trace import read_trace, token_histogram
 from experiments.run import compilation_config
-from framework.config import level_passes
-from framework.quantization import SHORTHANDS, QuantizationConfig
+from framework.core.config import level_passes
+from framework.core.quantization import SHORTHANDS, QuantizationConfig
 from hydra_job_harness import CONF_DIR, TINY, compose_job, run_job_in_process
 from passes.registry import CANONICAL_ORDER, resolve_pass
 

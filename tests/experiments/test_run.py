@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from experiments.run import (agreement, compiler_caches_under, job_prompts, make_prompts,
                              synthetic_task_of, toggle_passes, warm_up_compiler)
 from experiments.trace import read_trace
-from framework.config import level_passes
+from framework.core.config import level_passes
 from hydra_job_harness import TINY, compose_job, run_job_in_process
 
 

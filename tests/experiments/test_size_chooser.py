@@ -9,7 +9,7 @@ from experiments.size_chooser import (choose_sizes, compare_with_default,
                                       default_sizes_truncated, main, to_override, waste,
                                       waste_fraction)
 from experiments.trace import TraceStep, read_trace, token_histogram, write_trace
-from framework.config import default_capture_sizes
+from framework.core.config import default_capture_sizes
 
 
 def _random_hist(seed, max_count=14):

@@ -118,7 +118,7 @@ def test_shipped_checkpoint_files_and_config():
 
 
 def test_shipped_checkpoint_loads_through_our_loader():
-    from models.registry import load_model
+    from models.loader import load_model
 
     model, config = load_model(ADDITION, torch.float32)
     assert config.architecture == "LlamaForCausalLM" and config.eos_token_ids == [EOS_ID]

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints import FAMILIES
-from models.registry import load_model
+from models.loader import load_model
 from paged_harness import PagedHarness, hf_greedy
 
 PROMPT_LENS = (5, 11, 23)   # 23 + 12 new tokens crosses Mistral's 16-token window

@@ -9,7 +9,7 @@ import torch
 
 from checkpoints import build_sharded_checkpoint, derive_checkpoint
 from models.loader import CheckpointError, checkpoint_tensor_files
-from models.registry import load_model
+from models.loader import load_model
 from paged_harness import PagedHarness
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"

@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 
 from models.decoder import DecoderForCausalLM
-from models.registry import get_model_class, load_model, register_model, supported_architectures
+from models.family import FamilyTraits, get_model_class, register_model, supported_architectures
+from models.loader import load_model
 
 
 def test_supported_architectures():
@@ -21,10 +22,22 @@ def test_unknown_architecture_lists_supported():
 
 
 def test_registering_a_name_twice_is_an_error():
+    class Other(nn.Module):
+        def forward(self, input_ids, positions): ...
+        def compute_logits(self, hidden): ...
+        def attention_layer_names(self): ...
+        def init_non_persistent_state(self): ...
+
     with pytest.raises(ValueError, match="already registered"):
-        @register_model("LlamaForCausalLM")
-        class Other(nn.Module):
-            pass
+        register_model("LlamaForCausalLM", FamilyTraits("llama"))(Other)
+
+
+def test_a_class_missing_part_of_the_contract_is_refused():
+    class Half(nn.Module):
+        def forward(self, input_ids, positions): ...
+
+    with pytest.raises(TypeError, match="lacks .*compute_logits.*ModelFamily contract"):
+        register_model("HalfForCausalLM", FamilyTraits("half"))(Half)
 
 
 def test_meta_build_rebuilds_rope_cache(llama_checkpoint):

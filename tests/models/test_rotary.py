@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from checkpoints import build_family_checkpoint
-from models.registry import load_model
+from models.loader import load_model
 from models.rotary import RotaryEmbedding, rope_inv_freq, rotate_half, supported_rope_types
 from paged_harness import PagedHarness
 

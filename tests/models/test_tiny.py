@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.registry import load_model
+from models.loader import load_model
 from models.tiny import PRESETS, ensure_tiny_model, resolve_preset
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from framework.config import PassConfig
+from framework.core.config import PassConfig
 from graph_test_backend import TestBackend, assert_close_to_eager, compile_with, count_op
 from model_forms import dynamic_quant, rms_norm, silu_mul
 from passes.manager import PassManager

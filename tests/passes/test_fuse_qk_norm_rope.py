@@ -1,6 +1,6 @@
 import torch
 
-from framework.config import PassConfig
+from framework.core.config import PassConfig
 from graph_test_backend import TestBackend, assert_close_to_eager, compile_with, count_op
 from model_forms import rms_norm
 from models.rotary import RotaryEmbedding

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from framework.config import PassConfig
+from framework.core.config import PassConfig
 from graph_test_backend import TestBackend, assert_close_to_eager, compile_with, count_op
 from model_forms import dynamic_quant, silu_mul, static_quant
 from passes.manager import PassManager

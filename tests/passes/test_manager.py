@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from framework.config import PassConfig
+from framework.core.config import PassConfig
 from graph_test_backend import TestBackend, compile_with, count_op
 from oot_pass_example import SubToAddNeg
 from passes.manager import PassManager

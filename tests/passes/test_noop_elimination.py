@@ -1,7 +1,7 @@
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from framework.config import PassConfig
+from framework.core.config import PassConfig
 from graph_test_backend import TestBackend, compile_with, count_op
 from passes.manager import PassManager
 

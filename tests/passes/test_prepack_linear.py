@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from framework.config import PassConfig
+from framework.core.config import PassConfig
 from graph_test_backend import TestBackend, assert_close_to_eager, compile_with, count_op
 from passes.manager import PassManager
 from passes.ops_prepack import _PACKED, clear_packed_weights, mkldnn_available

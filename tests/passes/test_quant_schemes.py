@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from framework.quantization import QuantizationConfig, QuantKey, QuantSpec
+from framework.core.quantization import QuantizationConfig, QuantKey, QuantSpec
 from models.layers import Linear, MergedLinear, RMSNorm
 from passes import quant_schemes as qs
 

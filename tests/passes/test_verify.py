@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from framework.config import PassConfig
+from framework.core.config import PassConfig
 from passes.base import GraphPass
 from passes.manager import PassManager
 from passes.verify import PassVerificationError, compare, concrete_size, random_inputs

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import backends.attention  # noqa: F401  (registers the op)
-from backends.attention.common import AttentionMetadata
-from framework.forward_context import ForwardContext, set_forward_context
+from framework.core.attention_metadata import AttentionMetadata
+from framework.core.forward_context import ForwardContext, set_forward_context
 
 HQ, HKV, D, BS, NB = 4, 2, 16, 4, 32
 

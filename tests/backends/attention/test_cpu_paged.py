@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import backends.attention  # noqa: F401  (registers the op and the backends)
-from backends.attention.common import AttentionMetadata
+from framework.core.attention_metadata import AttentionMetadata
 from backends.attention.cpu_paged import paged_attention
 from backends.attention.cpu_paged_build import isa, load_library
-from framework.forward_context import ForwardContext, set_forward_context
+from framework.core.forward_context import ForwardContext, set_forward_context
 
 
 def make_step(ctx_lens, q_lens, hq, hkv, d, block_size, dtype, pad=0, seed=0):

@@ -7,7 +7,7 @@ from backends.attention import torch_paged  # noqa: F401  (registers "torch")
 from backends.attention.common import AttentionBackend, AttentionCGSupport, register_backend
 from backends.attention.selector import (min_support, resolve_cudagraph_mode,
                                          select_cudagraph_mode)
-from framework.forward_context import CUDAGraphMode
+from framework.core.forward_context import CUDAGraphMode
 
 M, S = CUDAGraphMode, AttentionCGSupport
 FAP, FDO = M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY
@@ -84,7 +84,7 @@ def fake_backends():
             type(name, (AttentionBackend,), {"cudagraph_support": level}))
     yield made
     for name in made:
-        common._BACKENDS.pop(name, None)
+        common.BACKENDS.remove(name)
 
 
 def test_min_support_over_layers(fake_backends):

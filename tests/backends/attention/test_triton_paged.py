@@ -15,8 +15,8 @@ TOL = dict(atol=2e-4, rtol=2e-4) if ON_GPU else dict(atol=1e-5, rtol=1e-5)  # GP
 
 triton = pytest.importorskip("triton")
 
-from backends.attention.common import (AttentionCGSupport, AttentionMetadata,  # noqa: E402
-                                       get_backend)
+from backends.attention.common import AttentionCGSupport, get_backend  # noqa: E402
+from framework.core.attention_metadata import AttentionMetadata  # noqa: E402
 from backends.attention import torch_paged  # noqa: E402,F401  (registers "torch")
 from backends.attention import triton_paged  # noqa: E402
 

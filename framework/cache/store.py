@@ -1,0 +1,538 @@
+"""On-disk artifact store for compiled pieces: atomic writes, checksums, dedup, a file lock.
+
+Layout (one *key* per distinct set of cache-key factors, see :mod:`framework.cache.key`)::
+
+    <root>/<key>/factors.json                      the factors that were hashed into <key>
+    <root>/<key>/rank_<r>/<model_tag>/index.json   entry key -> artifact record, blob records
+    <root>/<key>/rank_<r>/<model_tag>/artifacts/<graph_hash>.bin
+    <root>/<key>/rank_<r>/<model_tag>/blobs/<name>
+    <root>/<key>/rank_<r>/<model_tag>/.lock
+
+Guarantees:
+
+* Every file is written to a temp name in its final directory, fsynced, checksummed and
+  ``os.replace``-d into place; ``index.json`` the same way.  A crash leaves either the old or
+  the new file, never a partial one (stale temp files are swept by the next writer).
+* The index records each artifact's sha256 and size; :meth:`ArtifactStore.lookup` verifies them.
+  Corruption (truncated file, flipped bytes, missing file, unparsable index) is reported with
+  :class:`CacheCorruptionWarning` naming the file, the bad entry is dropped and ``None`` comes
+  back so the caller recompiles.  Corruption never raises.
+* Entries with the same ``graph_hash`` share one artifact file; ``lookup(entry, graph_hash)``
+  links a new entry to an identical piece's artifact so it is not compiled again.
+* :meth:`ArtifactStore.lock` is a cross-process lock.  Compile *inside* it::
+
+      with store.lock():
+          path = store.lookup(entry, graph_hash)
+          if path is None:
+              compiled = compile_piece(...)
+              path = store.store(entry, graph_hash,
+                                 lambda tmp: compiled.save(path=str(tmp), format="binary"))
+
+  Several processes starting cold on one directory then serialize per entry: the first
+  compiles and stores, the others wait, find the entry and load it — every graph is compiled
+  once and the directory ends with one complete set of artifacts.  The lock is re-entrant
+  within a process (and shared by every store on the same directory in it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from filelock import FileLock
+
+from framework.cache.key import canonical_json, compute_cache_key
+
+INDEX_FORMAT = 1
+INDEX_FILE = "index.json"
+FACTORS_FILE = "factors.json"
+LOCK_FILE = ".lock"
+ARTIFACT_DIR = "artifacts"
+BLOB_DIR = "blobs"
+TMP_PREFIX = ".tmp-"
+ENV_CACHE_DIR = "PIECEWISE_CACHE_DIR"
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+_ARTIFACT_REL = re.compile(rf"^{ARTIFACT_DIR}/[A-Za-z0-9_][A-Za-z0-9_.\-]*\.bin$")
+_BLOB_REL = re.compile(rf"^{BLOB_DIR}/[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+class CacheCorruptionWarning(UserWarning):
+    """A cache file failed verification; it was dropped and will be recompiled."""
+
+
+class CacheIndexError(ValueError):
+    """An ``index.json`` that does not parse or does not have the expected structure."""
+
+
+def default_cache_dir() -> Path:
+    """``$PIECEWISE_CACHE_DIR`` or ``~/.cache/piecewise``."""
+    env = os.environ.get(ENV_CACHE_DIR)
+    return Path(env).expanduser() if env else Path("~/.cache/piecewise").expanduser()
+
+
+@dataclasses.dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    writes: int = 0
+    dedup_reuses: int = 0
+    blob_hits: int = 0
+    blob_misses: int = 0
+    blob_writes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- file helpers
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # platforms without directory fds (Windows): rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _tmp_path(directory: Path, stem: str) -> Path:
+    return directory / f"{TMP_PREFIX}{stem}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via temp file + fsync + rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(path.parent, path.name)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        _remove(tmp)
+    _fsync_dir(path.parent)
+
+
+def empty_index() -> dict[str, Any]:
+    return {"format": INDEX_FORMAT, "entries": {}, "blobs": {}}
+
+
+def _check_record(record: Any, rel_pattern: re.Pattern, path_field: str) -> str | None:
+    if not isinstance(record, dict):
+        return "record is not an object"
+    rel = record.get(path_field)
+    if not isinstance(rel, str) or not rel_pattern.match(rel):
+        return f"bad {path_field!r} {rel!r}"
+    if not isinstance(record.get("sha256"), str) or len(record["sha256"]) != 64:
+        return "missing sha256"
+    if not isinstance(record.get("size"), int) or record["size"] < 0:
+        return "missing size"
+    return None
+
+
+def read_index(path: str | Path) -> dict[str, Any]:
+    """Parse an index file; a missing file is an empty index.
+
+    Raises :class:`CacheIndexError` when the file does not parse or is not a format-1 index.
+    Individual malformed records are kept; :func:`record_problem` reports them.
+    """
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return empty_index()
+    try:
+        data = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheIndexError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
+        raise CacheIndexError(f"{path}: not a format-{INDEX_FORMAT} cache index")
+    if not isinstance(data.get("entries"), dict) or not isinstance(data.get("blobs", {}), dict):
+        raise CacheIndexError(f"{path}: 'entries'/'blobs' must be objects")
+    data.setdefault("blobs", {})
+    return data
+
+
+def record_problem(directory: Path, record: Any, kind: str = "artifact") -> str | None:
+    """Why the file behind an index record is unusable, or ``None`` when it verifies."""
+    field, pattern = ("artifact", _ARTIFACT_REL) if kind == "artifact" else ("path", _BLOB_REL)
+    problem = _check_record(record, pattern, field)
+    if problem:
+        return problem
+    path = directory / record[field]
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "file is missing"
+    if size != record["size"]:
+        return f"size {size} bytes, index records {record['size']} (truncated or overwritten)"
+    if file_sha256(path) != record["sha256"]:
+        return "sha256 mismatch (corrupted)"
+    return None
+
+
+# ----------------------------------------------------------------------------- locks
+_PROCESS_LOCKS: dict[str, FileLock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+def _shared_file_lock(path: Path) -> FileLock:
+    """One FileLock object per lock file per process, so two stores opened on the same
+    directory in one process re-enter instead of deadlocking on each other's flock."""
+    key = os.path.realpath(path)
+    with _PROCESS_LOCKS_GUARD:
+        lock = _PROCESS_LOCKS.get(key)
+        if lock is None:
+            lock = _PROCESS_LOCKS[key] = FileLock(key)
+        return lock
+
+
+# ----------------------------------------------------------------------------- the store
+class ArtifactStore:
+    """Artifacts of one (key, rank, model_tag).  See the module docstring for guarantees.
+
+    ``key`` must be ``compute_cache_key(factors)[0]`` (checked, so a key and the factors that
+    explain it can never disagree); :meth:`open` computes it for you.
+    """
+
+    def __init__(self, root: str | Path, key: str, factors: Mapping[str, Any], rank: int = 0,
+                 model_tag: str = "model") -> None:
+        expected, normalized = compute_cache_key(factors)
+        if key != expected:
+            raise ValueError(f"ArtifactStore: key {key!r} is not the hash of the given factors "
+                             f"({expected!r}); build it with compute_cache_key(factors)")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"ArtifactStore: rank must be a non-negative int, got {rank!r}")
+        if not _SAFE_NAME.match(model_tag):
+            raise ValueError(f"ArtifactStore: model_tag {model_tag!r} must be a plain file name "
+                             f"(letters, digits, '_', '-', '.')")
+        self.root = Path(root).expanduser()
+        self.key = key
+        self.factors = normalized
+        self.rank = rank
+        self.model_tag = model_tag
+        self.key_dir = self.root / key
+        self.dir = self.key_dir / f"rank_{rank}" / model_tag
+        self.stats = CacheStats()
+        self._verified: set[tuple] = set()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._write_factors()
+        os.utime(self.key_dir)  # "last used" for `prune`
+
+    @classmethod
+    def open(cls, root: str | Path, factors: Mapping[str, Any], rank: int = 0,
+             model_tag: str = "model") -> "ArtifactStore":
+        return cls(root, compute_cache_key(factors)[0], factors, rank, model_tag)
+
+    def __repr__(self) -> str:
+        return f"ArtifactStore({str(self.dir)!r})"
+
+    @property
+    def index_path(self) -> Path:
+        return self.dir / INDEX_FILE
+
+    def lock(self) -> FileLock:
+        """Cross-process, re-entrant lock on this (key, rank, model_tag) directory."""
+        self.dir.mkdir(parents=True, exist_ok=True)  # recreated if pruned while we were open
+        return _shared_file_lock(self.dir / LOCK_FILE)
+
+    # ------------------------------------------------------------------ artifacts
+    def lookup(self, entry_key: str, graph_hash: str | None = None) -> Path | None:
+        """The verified artifact path for ``entry_key``, or ``None`` (missing or corrupt).
+
+        With ``graph_hash`` (optional), a recorded entry must have that hash to count, and an
+        entry not recorded yet is linked to an existing verified artifact of the same graph
+        (an identical piece compiled under another entry key), so the caller skips compiling.
+        """
+        rel = f"{ARTIFACT_DIR}/{graph_hash}.bin" if graph_hash is not None else None
+        index = self._load_index()
+        record = index["entries"].get(entry_key)
+        if self._usable(record, graph_hash):
+            self.stats.hits += 1
+            return self.dir / record["artifact"]
+        if record is None and graph_hash is None:
+            self.stats.misses += 1
+            return None
+        with self.lock():  # re-read: another process may have stored or repaired it meanwhile
+            index = self._load_index()
+            record = index["entries"].get(entry_key)
+            if self._usable(record, graph_hash):
+                self.stats.hits += 1
+                return self.dir / record["artifact"]
+            dirty = False
+            if record is not None and (problem := self._problem(record, "artifact")):
+                self._drop_artifact(index, entry_key, record, problem)
+                dirty = True
+            shared = self._find_by_artifact(index, rel) if rel is not None else None
+            if shared is not None and (problem := self._problem(shared[1], "artifact")):
+                self._drop_artifact(index, shared[0], shared[1], problem)
+                shared, dirty = None, True
+            if shared is not None:
+                index["entries"][entry_key] = dict(shared[1])
+                if isinstance(record, dict):  # a stale entry for another graph
+                    self._unlink_if_unreferenced(index, record.get("artifact"))
+                self._save_index(index)
+                self.stats.hits += 1
+                self.stats.dedup_reuses += 1
+                return self.dir / rel
+            if dirty:
+                self._save_index(index)
+        self.stats.misses += 1
+        return None
+
+    def _usable(self, record: Any, graph_hash: str | None) -> bool:
+        if record is None or self._problem(record, "artifact") is not None:
+            return False
+        return graph_hash is None or record.get("graph_hash") == graph_hash
+
+    def store(self, entry_key: str, graph_hash: str,
+              write: Callable[[Path], None]) -> Path:
+        """Record ``entry_key`` -> the artifact for ``graph_hash``, writing it if needed.
+
+        ``graph_hash`` must identify everything the artifact depends on beyond the cache key
+        (graph, input shapes/compile range, compiler): entries with equal hashes share a file.
+        ``write(tmp_path)`` must create a *file* at ``tmp_path``; it runs only when no verified
+        artifact for ``graph_hash`` exists.  If it raises, nothing is recorded or left behind.
+        """
+        if not isinstance(entry_key, str) or not entry_key:
+            raise ValueError(f"ArtifactStore.store: entry_key must be a non-empty string, "
+                             f"got {entry_key!r}")
+        if not _SAFE_NAME.match(graph_hash):
+            raise ValueError(f"ArtifactStore.store: graph_hash {graph_hash!r} must be a plain "
+                             f"file name (letters, digits, '_', '-', '.')")
+        rel = f"{ARTIFACT_DIR}/{graph_hash}.bin"
+        with self.lock():
+            index = self._load_index()
+            shared = self._find_by_artifact(index, rel)
+            if shared is not None and self._problem(shared[1], "artifact") is None:
+                record = dict(shared[1])
+                self.stats.dedup_reuses += 1
+            else:
+                if shared is not None:
+                    self._drop_artifact(index, shared[0], shared[1],
+                                        self._problem(shared[1], "artifact"))
+                self._sweep_stale_temps()
+                self._write_factors()  # (again, in case `prune` removed the key meanwhile)
+                sha, size = self._write_file(self.dir / rel, write)
+                record = {"artifact": rel, "sha256": sha, "size": size,
+                          "created": time.time(), "graph_hash": graph_hash}
+                self.stats.writes += 1
+            previous = index["entries"].get(entry_key)
+            index["entries"][entry_key] = record
+            if isinstance(previous, dict) and previous.get("artifact") != rel:
+                self._unlink_if_unreferenced(index, previous.get("artifact"))
+            self._save_index(index)
+        return self.dir / rel
+
+    def discard(self, entry_key: str, reason: str) -> None:
+        """Drop an entry whose artifact verified but would not load (e.g. the loader raised),
+        with a warning naming the file; entries sharing the artifact go too."""
+        with self.lock():
+            index = self._load_index()
+            record = index["entries"].get(entry_key)
+            if record is not None:
+                self._drop_artifact(index, entry_key, record, reason)
+                self._save_index(index)
+
+    def entries(self) -> dict[str, dict]:
+        """A copy of the index's entry records (entry key -> record)."""
+        return json.loads(json.dumps(self._load_index()["entries"]))
+
+    # ------------------------------------------------------------------ blobs
+    def store_blob(self, name: str, data: bytes) -> Path:
+        """Atomically save auxiliary bytes (e.g. a serialized traced program) under ``name``."""
+        if not _SAFE_NAME.match(name):
+            raise ValueError(f"ArtifactStore.store_blob: name {name!r} must be a plain file name")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"ArtifactStore.store_blob({name!r}): data must be bytes, "
+                            f"got {type(data).__name__}")
+        data = bytes(data)
+        rel = f"{BLOB_DIR}/{name}"
+        with self.lock():
+            index = self._load_index()
+            self._sweep_stale_temps()
+            atomic_write_bytes(self.dir / rel, data)
+            index["blobs"][name] = {"path": rel, "sha256": hashlib.sha256(data).hexdigest(),
+                                    "size": len(data), "created": time.time()}
+            self._save_index(index)
+            self.stats.blob_writes += 1
+        return self.dir / rel
+
+    def load_blob(self, name: str) -> bytes | None:
+        """The bytes stored under ``name`` if present and intact, else ``None``."""
+        record = self._load_index()["blobs"].get(name)
+        data = None
+        problem = _check_record(record, _BLOB_REL, "path") if record is not None else None
+        if record is not None and problem is None:
+            try:
+                data = (self.dir / record["path"]).read_bytes()
+            except FileNotFoundError:
+                problem = "file is missing"
+            else:
+                if len(data) != record["size"]:
+                    problem = (f"size {len(data)} bytes, index records {record['size']} "
+                               f"(truncated or overwritten)")
+                elif hashlib.sha256(data).hexdigest() != record["sha256"]:
+                    problem = "sha256 mismatch (corrupted)"
+        if record is not None and problem is None:
+            self.stats.blob_hits += 1
+            return data
+        if record is not None:
+            with self.lock():
+                index = self._load_index()
+                if index["blobs"].get(name) == record:
+                    where = record.get("path", name) if isinstance(record, dict) else name
+                    self._warn(self.dir / str(where), problem)
+                    self.stats.corrupt += 1
+                    del index["blobs"][name]
+                    if isinstance(record, dict) and _BLOB_REL.match(str(record.get("path"))):
+                        _remove(self.dir / record["path"])
+                    self._save_index(index)
+        self.stats.blob_misses += 1
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _warn(self, path: Path, problem: str | None, stacklevel: int = 3) -> None:
+        warnings.warn(f"piecewise cache: {path}: {problem}; dropping it (will recompile)",
+                      CacheCorruptionWarning, stacklevel=stacklevel)
+
+    def _write_factors(self) -> None:
+        path = self.key_dir / FACTORS_FILE
+        text = canonical_json(self.factors)
+        try:
+            if path.read_text() == text:
+                return
+        except (FileNotFoundError, UnicodeDecodeError):
+            pass
+        atomic_write_bytes(path, text.encode())
+
+    def _load_index(self) -> dict[str, Any]:
+        try:
+            return read_index(self.index_path)
+        except CacheIndexError as e:
+            with self.lock():
+                try:  # another process may already have replaced it
+                    return read_index(self.index_path)
+                except CacheIndexError:
+                    pass
+                warnings.warn(f"piecewise cache: {e}; discarding the index and its artifacts "
+                              f"(will recompile)", CacheCorruptionWarning, stacklevel=3)
+                self.stats.corrupt += 1
+                # Nothing vouches for the files the index described any more.
+                for sub in (ARTIFACT_DIR, BLOB_DIR):
+                    _remove(self.dir / sub)
+                _remove(self.index_path)
+                self._verified.clear()
+            return empty_index()
+
+    def _save_index(self, index: dict[str, Any]) -> None:
+        atomic_write_bytes(self.index_path,
+                           json.dumps(index, sort_keys=True, indent=1).encode())
+
+    def _problem(self, record: Any, kind: str) -> str | None:
+        """record_problem, memoized per (file identity, checksum) within this process."""
+        field = "artifact" if kind == "artifact" else "path"
+        if _check_record(record, _ARTIFACT_REL if kind == "artifact" else _BLOB_REL, field):
+            return record_problem(self.dir, record, kind)
+        try:
+            st = (self.dir / record[field]).stat()
+        except FileNotFoundError:
+            return "file is missing"
+        identity = (record[field], st.st_ino, st.st_size, st.st_mtime_ns, record["sha256"])
+        if identity in self._verified:
+            return None
+        problem = record_problem(self.dir, record, kind)
+        if problem is None:
+            self._verified.add(identity)
+        return problem
+
+    @staticmethod
+    def _find_by_artifact(index: dict, rel: str) -> tuple[str, dict] | None:
+        for entry_key, record in index["entries"].items():
+            if isinstance(record, dict) and record.get("artifact") == rel:
+                return entry_key, record
+        return None
+
+    def _drop_artifact(self, index: dict, entry_key: str, record: Any,
+                       problem: str | None) -> None:
+        """Remove a bad artifact and every entry that shares it (they are all bad)."""
+        rel = record.get("artifact") if isinstance(record, dict) else None
+        self._warn(self.dir / str(rel or INDEX_FILE), f"entry {entry_key!r}: {problem}", 4)
+        self.stats.corrupt += 1
+        index["entries"].pop(entry_key, None)
+        if rel is None or not _ARTIFACT_REL.match(rel):
+            return
+        for other in [k for k, r in index["entries"].items()
+                      if isinstance(r, dict) and r.get("artifact") == rel]:
+            del index["entries"][other]
+        _remove(self.dir / rel)
+
+    def _unlink_if_unreferenced(self, index: dict, rel: Any) -> None:
+        if not isinstance(rel, str) or not _ARTIFACT_REL.match(rel):
+            return
+        if self._find_by_artifact(index, rel) is None:
+            _remove(self.dir / rel)
+
+    def _sweep_stale_temps(self) -> None:
+        """Temp files only exist while their writer holds the lock, which we now hold: any
+        left over belong to a process that died mid-write."""
+        for directory in (self.dir, self.dir / ARTIFACT_DIR, self.dir / BLOB_DIR):
+            if directory.is_dir():
+                for tmp in directory.glob(f"{TMP_PREFIX}*"):
+                    _remove(tmp)
+
+    @staticmethod
+    def _write_file(final: Path, write: Callable[[Path], None]) -> tuple[str, int]:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_path(final.parent, final.name)
+        try:
+            write(tmp)
+            if not tmp.is_file():
+                raise RuntimeError(
+                    f"ArtifactStore: the write callback did not create a file at {tmp} "
+                    f"(directory-style artifacts are not supported; save in a single-file "
+                    f"format such as standalone_compile's format='binary')")
+            h = hashlib.sha256()
+            with open(tmp, "rb+") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+                os.fsync(f.fileno())
+                size = f.tell()
+            os.replace(tmp, final)
+        finally:
+            _remove(tmp)
+        _fsync_dir(final.parent)
+        return h.hexdigest(), size

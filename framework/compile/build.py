@@ -1,0 +1,149 @@
+"""Glue from a resolved :class:`CompilationConfig` to a compiled forward callable.
+
+``build_forward`` returns the callable the runner invokes for each step, for every
+compilation mode: eager (O0), stock ``torch.compile`` (baseline), or piecewise (trace once,
+split, passes, per-range compile, artifact cache, warm start without Dynamo).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from framework.cache.key import source_factors
+from framework.core.config import CompilationConfig, CompilationMode
+
+logger = logging.getLogger(__name__)
+
+
+def model_source_files(model: torch.nn.Module) -> list[str]:
+    """Source files of every module class in the model (what Dynamo will trace)."""
+    files = set()
+    for m in model.modules():
+        for cls in type(m).__mro__:
+            if cls.__module__.startswith("torch."):
+                break
+            try:
+                files.add(inspect.getsourcefile(cls))
+            except TypeError:
+                pass
+    return sorted(f for f in files if f)
+
+
+@dataclass
+class CompiledForward:
+    """The step callable plus what it took to build it."""
+
+    forward: Callable
+    mode: CompilationMode
+    stats: dict[str, Any] = field(default_factory=dict)
+    backend: Any = None
+    pass_manager: Any = None
+    trace_once: Any = None
+    store: Any = None
+    finalize: Optional[Callable[[], None]] = None
+    """Run after the first (tracing) forward: saves the program for warm starts."""
+
+
+def build_pass_manager(config: CompilationConfig, dtype: torch.dtype,
+                       quant_hash: Optional[str]):
+    if not config.pass_config.passes:
+        return None
+    from passes.manager import PassManager
+
+    manager = PassManager(config.pass_config, dtype=dtype, quant_config_hash=quant_hash,
+                          debug_dump_path=config.debug_dump_path)
+    # The resolved config records the order the passes run in (the manager sorts the list
+    # into the canonical order; config.py, a leaf module, cannot import the registry).
+    config.pass_config.passes = list(manager.names)
+    return manager
+
+
+def build_forward(model: torch.nn.Module, config: CompilationConfig, *, model_hash: str,
+                  dtype: torch.dtype, quant_hash: Optional[str], model_tag: str = "model",
+                  wrap_piece: Optional[Callable] = None) -> CompiledForward:
+    if config.mode == CompilationMode.NONE:
+        return CompiledForward(model, config.mode)
+    if config.mode == CompilationMode.STOCK_TORCH_COMPILE:
+        from framework.compile.trace_once import stock_compile
+        return CompiledForward(stock_compile(model), config.mode)
+    return _build_piecewise(model, config, model_hash=model_hash, dtype=dtype,
+                            quant_hash=quant_hash, model_tag=model_tag, wrap_piece=wrap_piece)
+
+
+def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, quant_hash,
+                     model_tag, wrap_piece) -> CompiledForward:
+    from backends.compiler import make_compiler
+    from backends.piecewise_backend import PiecewiseBackend
+    from framework.compile.trace_once import ArgBinding, TraceOnce
+
+    passes = build_pass_manager(config, dtype, quant_hash)
+    compiler = make_compiler(config.backend, graph_pass=passes,
+                             inductor_config=config.inductor_config)
+    store = None
+    if config.use_cache and config.backend != "eager":
+        store = _open_store(model, config, compiler, passes, model_hash=model_hash, dtype=dtype,
+                            quant_hash=quant_hash, model_tag=model_tag)
+    backend = PiecewiseBackend(
+        compiler=compiler, splitting_ops=config.splitting_ops,
+        compile_ranges_endpoints=config.compile_ranges_endpoints,
+        compile_sizes=config.compile_sizes, max_num_tokens=config.max_num_tokens, store=store,
+        graph_pass=passes, progress=config.progress_bar, dump_path=config.debug_dump_path,
+        wrap_piece=wrap_piece)
+    out = CompiledForward(None, config.mode, backend=backend, pass_manager=passes, store=store)
+    traced = TraceOnce(model, backend, dump_path=config.debug_dump_path)
+    out.trace_once = traced
+    t0 = time.perf_counter()
+    restored = backend.restore()
+    if restored is not None:
+        split, program = restored
+        if program.get("source_hashes") == source_factors(program.get("source_files", [])):
+            traced.install(split, ArgBinding.from_json(program["binding"]))
+            out.stats["warm_restore_s"] = time.perf_counter() - t0
+            out.stats["dynamo_skipped"] = True
+        else:
+            logger.info("model source changed since the cached program; re-tracing")
+            if passes is not None:
+                passes.instances.clear()  # the restored pieces are not used
+
+    def finalize() -> None:
+        if traced.binding is None or out.stats.get("dynamo_skipped"):
+            return
+        # The key covers the model's class files; the files Dynamo actually traced through
+        # (helpers in other modules) are checked again when the program is restored.
+        files = backend.traced_files
+        backend.save_program({"binding": traced.binding.to_json(), "source_files": files,
+                              "source_hashes": source_factors(files)})
+        if config.debug_dump_path:
+            Path(config.debug_dump_path).mkdir(parents=True, exist_ok=True)
+            (Path(config.debug_dump_path) / "binding.json").write_text(
+                json.dumps(traced.binding.to_json(), indent=1))
+
+    out.finalize = finalize
+    out.forward = traced
+    return out
+
+
+def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_hash, model_tag):
+    from framework.cache.store import ArtifactStore, default_cache_dir
+    from framework.cache.key import env_factors, inductor_factors
+
+    factors = {
+        "env": env_factors(),
+        "compiler": inductor_factors() if compiler.name == "inductor" else {},
+        "compiler_adaptor": compiler.compute_hash(),
+        "compilation_config": config.compute_hash(),
+        "passes": passes.cache_factors() if passes is not None else None,
+        "model_config": model_hash,
+        "dtype": str(dtype),
+        "quantization": quant_hash,
+        "source": source_factors(model_source_files(model)),
+    }
+    root = config.cache_dir or default_cache_dir()
+    return ArtifactStore.open(root, factors, rank=0, model_tag=model_tag)

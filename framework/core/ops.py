@@ -1,0 +1,132 @@
+"""One way to define every ``piecewise::`` custom op (attention, prepacked linear, fused ops).
+
+``define_op`` declares an op with ``torch.library`` (schema inferred from the Python signature,
+mutated arguments marked), registers its fake (meta) implementation and one implementation
+per dispatch key::
+
+    @define_op("piecewise::rms_norm", mutates_args=("out",), fake=_rms_norm_fake,
+               cuda="passes.ops.triton.norm:rms_norm")
+    def rms_norm(out: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
+        ...   # the plain-torch implementation: every device without its own kernel
+
+Device keys: the decorated function serves ``CompositeExplicitAutograd`` (any device) unless
+``default_key`` says otherwise; ``cpu=`` / ``cuda=`` add device kernels, each a callable or a
+``"package.module:function"`` path imported on first call (so importing an op module never
+imports Triton). The torch dispatcher picks the kernel: there is no Python-level dispatch.
+
+Ops are plain ``torch.library.Library`` definitions, not ``torch.library.custom_op``: on the
+hot path (attention runs once per layer per step) custom_op's Python wrapper cost ~50 µs per
+call against ~3 µs for a Library kernel (measured side by side, torch 2.13 CPU). Outputs never
+alias inputs (write into a mutated ``out`` argument instead).
+
+``override_kernel(qualname, device, fn)`` re-registers one device's kernel through the same
+library (``allow_override``), so every caller, compiled graphs included, uses the new kernel.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+NAMESPACE = "piecewise"
+KernelRef = Union[Callable, str]
+"""A callable, or ``"package.module:function"`` imported on first call."""
+
+DEVICE_KEYS = {"default": "CompositeExplicitAutograd", "cpu": "CPU", "cuda": "CUDA"}
+
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_KERNELS: dict[str, dict[str, KernelRef]] = {}
+"""qualname -> device ("default", "cpu", "cuda") -> what was registered (for overrides)."""
+
+
+def if_installed(package: str, ref: str) -> Optional[str]:
+    """``ref`` when ``package`` can be imported (it is not imported here), else None: how an
+    op declares a kernel that needs an optional package, e.g. Triton for ``cuda=``."""
+    return ref if importlib.util.find_spec(package) is not None else None
+
+
+def _split(qualname: str) -> str:
+    ns, sep, name = qualname.partition("::")
+    if not sep or ns != NAMESPACE or not name:
+        raise ValueError(f"op name must look like '{NAMESPACE}::rms_norm', got {qualname!r}")
+    return name
+
+
+def resolve_kernel(ref: KernelRef) -> Callable:
+    if callable(ref):
+        return ref
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _lazy(ref: KernelRef) -> Callable:
+    if callable(ref):
+        return ref
+    resolved: list[Callable] = []
+
+    def kernel(*args, **kwargs):
+        if not resolved:
+            resolved.append(resolve_kernel(ref))
+        return resolved[0](*args, **kwargs)
+    kernel.__name__ = ref.rpartition(":")[2]
+    return kernel
+
+
+def _register(qualname: str, device: str, ref: KernelRef) -> None:
+    if device not in DEVICE_KEYS:
+        raise ValueError(f"{qualname}: unknown device {device!r}; use one of {sorted(DEVICE_KEYS)}")
+    with warnings.catch_warnings():  # re-registering is what an override is for
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        _LIB.impl(_split(qualname), _lazy(ref), DEVICE_KEYS[device], allow_override=True)
+    _KERNELS.setdefault(qualname, {})[device] = ref
+
+
+def define_op(qualname: str, *, mutates_args: Sequence[str] = (), fake: Callable,
+              schema: Optional[str] = None, default_key: str = "default",
+              cpu: Optional[KernelRef] = None, cuda: Optional[KernelRef] = None
+              ) -> Callable[[Callable], torch._ops.OpOverload]:
+    """Decorator: define ``qualname`` with the decorated function as its ``default_key``
+    kernel; returns the op's default overload (``torch.ops.piecewise.<name>.default``)."""
+    name = _split(qualname)
+
+    def deco(fn: Callable) -> torch._ops.OpOverload:
+        sig = schema or torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
+        _LIB.define(name + sig)
+        torch.library.register_fake(qualname, fake, lib=_LIB)
+        _register(qualname, default_key, fn)
+        for device, ref in (("cpu", cpu), ("cuda", cuda)):
+            if ref is not None:
+                _register(qualname, device, ref)
+        return getattr(getattr(torch.ops, NAMESPACE), name).default
+    return deco
+
+
+def override_kernel(qualname: str, device: str, kernel: Optional[KernelRef]
+                    ) -> Optional[KernelRef]:
+    """Replace one device's kernel (``None``: fall back to the default kernel); returns what
+    was registered before so callers can restore it."""
+    if qualname not in _KERNELS:
+        raise KeyError(f"override_kernel: unknown op {qualname!r}; defined ops: "
+                       f"{sorted(_KERNELS)}")
+    table = _KERNELS[qualname]
+    previous = table.get(device)
+    if kernel is None:
+        if device == "default":
+            raise ValueError(f"override_kernel({qualname!r}): the default kernel cannot be "
+                             f"removed, only replaced")
+        # A device kernel cannot be unregistered; the default kernel takes its place.
+        _register(qualname, device, table["default"])
+        table.pop(device, None)
+    else:
+        _register(qualname, device, kernel)
+    return previous
+
+
+def registered_kernels() -> dict[str, dict[str, str]]:
+    """``{op: {device: description}}`` for logging, reports and tests."""
+    return {op: {dev: (ref if isinstance(ref, str) else f"{ref.__module__}.{ref.__qualname__}")
+                 for dev, ref in table.items()}
+            for op, table in sorted(_KERNELS.items())}

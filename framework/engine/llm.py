@@ -1,0 +1,380 @@
+"""The public entry point: load a Hugging Face folder, compile per the config, generate.
+
+    from framework import LLM, SamplingParams
+    llm = LLM(model_dir, dtype="float32", optimization_level=0)
+    outs = llm.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)   # new tokens, greedy
+    outs = llm.generate(["Hello"], sampling_params=SamplingParams(temperature=0.8, seed=1))
+    rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=8))  # the step API
+    while llm.has_unfinished():
+        for out in llm.step(): ...
+    llm.stats
+
+The LLM wires the parts: the scheduler (queues, admission, preemption), the block manager
+(KV blocks, prefix cache), the runner (inputs, forward, the batched sampler).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from backends.attention.selector import default_backend
+from framework.compile.build import CompiledForward, build_forward
+from framework.cudagraph.setup import setup_graphs
+from framework.engine.capture import capture_graphs
+from framework.core.config import CompilationConfig, CompilationMode
+from framework.engine.block_manager import BlockManager
+from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
+from framework.engine.outputs import RequestOutput
+from framework.engine.request import (Request, ScheduledChunk, validate_max_tokens,
+                               validate_token_ids)
+from framework.engine.runner import ModelRunner
+from framework.engine.sampling_params import SamplingParams
+from framework.engine.scheduler import Scheduler
+from framework.engine.tokenizer import decode, encode_prompt, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """A model, its compiled forward, a paged KV cache and a scheduler.
+
+    ``optimization_level`` (0–3) fills every field the ``compilation_config`` leaves unset;
+    when both are None the level is 0 (eager).  ``attention_backend`` None picks the device's
+    default (:func:`backends.attention.selector.default_backend`).
+    """
+
+    def __init__(self, model: str, dtype: str | torch.dtype = "float32",
+                 optimization_level: Optional[int] = None,
+                 compilation_config: Optional[CompilationConfig | dict] = None,
+                 quantization: Any = None, max_num_seqs: int = 8, max_model_len: int = 512,
+                 cache_dir: Optional[str] = None, seed: int = 0, *,
+                 max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
+                 attention_backend: Optional[str] = None,
+                 kv_cache_memory_bytes: Optional[int] = None,
+                 device: Optional[str] = None, model_tag: Optional[str] = None,
+                 graph_ops: Any = None, enable_prefix_caching: bool = False):
+        from models.config import parse_dtype
+        from models.loader import load_model
+
+        t_start = time.perf_counter()
+        torch.manual_seed(seed)
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                        ("block_size", block_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"LLM.{name}: must be a positive int, got {v!r}")
+        self.device = torch.device(device or "cpu")
+        self.dtype = parse_dtype(dtype)
+        self.model, self.model_config = load_model(model, self.dtype, self.device)
+        self.quant_config, quant_hash = self._quantize(quantization)
+        cc = compilation_config or CompilationConfig()
+        if isinstance(cc, dict):
+            cc = CompilationConfig.from_dict(cc)
+        if cc.level is None:
+            cc = cc.replace(level=0 if optimization_level is None else optimization_level)
+        if cache_dir is not None:
+            cc = cc.replace(cache_dir=cache_dir)
+        max_num_tokens = max_num_batched_tokens or cc.max_num_tokens or max_model_len
+        # graph_ops (tests only) supplies emulated CUDA-graph calls, so graph modes resolve
+        # as they would on a GPU.
+        self.config = cc.resolve(max_num_tokens=max_num_tokens,
+                                 has_cuda=self.device.type == "cuda" or graph_ops is not None)
+        max_num_tokens = self.config.max_num_tokens
+        self.max_model_len = max_model_len
+
+        mc = self.model_config
+        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, block_size)
+        num_blocks = num_blocks_for(spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                    memory_bytes=kv_cache_memory_bytes)
+        layer_names = self.model.attention_layer_names()
+        self.kv_caches = allocate_kv_caches(spec, layer_names, num_blocks, self.device)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"LLM.enable_prefix_caching: must be a bool, got "
+                             f"{enable_prefix_caching!r}")
+        self.allocator = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.tokenizer = load_tokenizer(model)
+        self.scheduler = Scheduler(self.allocator, block_size=block_size,
+                                   max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
+                                   max_model_len=max_model_len)
+        self._prepack_lm_head()
+        attention_backend = attention_backend or default_backend(self.device)
+        self.graphs = setup_graphs(self.config, attention_backend=attention_backend,
+                                   max_num_seqs=max_num_seqs, graph_ops=graph_ops)
+        self.compiled: CompiledForward = build_forward(
+            self.model, self.config, model_hash=mc.compute_hash(), dtype=self.dtype,
+            quant_hash=quant_hash, model_tag=model_tag or _model_tag(mc),
+            wrap_piece=self.graphs.wrap_piece())
+        self.runner = ModelRunner(
+            self.model, self.graphs.wrap_forward(self.compiled.forward),
+            kv_caches=self.kv_caches, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_tokens=max_num_tokens, max_model_len=max_model_len, device=self.device,
+            attn_backend=attention_backend, dispatch=self.graphs.dispatcher.dispatch)
+        self._next_id = 0
+        self._rng = random.Random(seed)
+        self._requests: dict[int, Request] = {}
+        self._streaming: set[int] = set()
+        self._first_logits: dict[int, Optional[torch.Tensor]] = {}
+        self._startup = {"load_s": time.perf_counter() - t_start}
+        if self.quant_config is not None:
+            self._calibrate(seed)
+        self._warmup()
+        self._startup.update(capture_graphs(self.runner, self.graphs,
+                                            progress=self.config.progress_bar))
+        self._startup["startup_s"] = time.perf_counter() - t_start
+
+    # ------------------------------------------------------------------ setup
+    def _quantize(self, quantization: Any) -> tuple[Any, Optional[str]]:
+        if quantization is None:
+            return None, None
+        from framework.core.quantization import QuantizationConfig
+        from passes.quant_schemes import quantize_model
+
+        qc = QuantizationConfig.parse(quantization)
+        if qc is None:
+            return None, None
+        self.quantized_layers = quantize_model(self.model, qc)
+        return qc, qc.compute_hash()
+
+    def _prepack_lm_head(self) -> None:
+        """The LM head runs outside the compiled graph; give it the prepacked path too when
+        the ``prepack_linear`` pass is on (it is the largest matmul of a small model)."""
+        head = getattr(self.model, "lm_head", None)
+        if head is None or "prepack_linear" not in self.config.pass_config.passes:
+            return
+        from passes.ops_prepack import PrepackedLinearMethod
+        if PrepackedLinearMethod.applies_to(head):
+            head.linear_method = PrepackedLinearMethod()
+
+    def _calibrate(self, seed: int) -> None:
+        """Static activation scales: absmax over one eager forward of seeded random tokens."""
+        from passes.quant_schemes import calibrate_activation_scales
+
+        gen = torch.Generator().manual_seed(seed)
+        n = min(self.config.max_num_tokens, 64)
+        tokens = torch.randint(self.model_config.vocab_size, (n,), generator=gen).tolist()
+        compiled, self.runner.forward = self.runner.forward, self.model
+        try:
+            self.calibrated_scales = calibrate_activation_scales(
+                self.model, lambda: self.dummy_run(n, tokens))
+        finally:
+            self.runner.forward = compiled
+
+    def dummy_run(self, num_tokens: int, token_ids: Optional[list[int]] = None) -> None:
+        """One forward over ``num_tokens`` throw-away tokens (traces/compiles on first use)."""
+        req = Request(-1, token_ids or [0] * num_tokens, max_new_tokens=1)
+        self.scheduler._reserve(req, num_tokens)
+        try:
+            self.runner.execute([ScheduledChunk(req, 0, num_tokens)])
+        finally:
+            self.allocator.free(req.block_ids)
+            if self.runner.trace:
+                self.runner.trace.pop()
+        for times in self.runner.step_times.values():
+            times.clear()
+
+    def _warmup(self) -> None:
+        if self.config.mode == CompilationMode.NONE:
+            return
+        t0 = time.perf_counter()
+        self.dummy_run(min(self.config.max_num_tokens, 16))
+        if self.compiled.finalize is not None:
+            self.compiled.finalize()
+        self._startup["compile_s"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ step API
+    def add_request(self, prompt: str | Sequence[int], params: Optional[SamplingParams] = None,
+                    *, stream: bool = False, chat_template: bool = False) -> int:
+        """Queue one request; returns its id.  ``prompt``: token ids, or text when the model
+        folder has a tokenizer.  ``stream``: ``step`` also returns this request's output
+        whenever it grows.  Raises ``ValueError`` (naming the request) for a request that
+        could never fit; requests already queued are unaffected."""
+        req = self._make_request(prompt, params, chat_template, f"request {self._next_id}")
+        self.scheduler.add(req)
+        self._next_id += 1
+        self._requests[req.req_id] = req
+        if stream:
+            self._streaming.add(req.req_id)
+        return req.req_id
+
+    def _make_request(self, prompt, params, chat_template: bool, name: str) -> Request:
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"{name}: params must be a SamplingParams, got "
+                            f"{type(params).__name__}")
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{name}: a text prompt needs a tokenizer, and the model "
+                                 f"folder has no tokenizer.json / tokenizer_config.json")
+            text, prompt = prompt, encode_prompt(self.tokenizer, prompt,
+                                                 chat_template=chat_template)
+        elif chat_template:
+            raise ValueError(f"{name}: chat_template applies to text prompts only")
+        ids = validate_token_ids(prompt, self.model_config.vocab_size, f"{name} prompt")
+        eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return Request(self._next_id, ids, params.max_tokens, eos, params=params, seed=seed,
+                       logprobs=[] if params.logprobs is not None else None, text_prompt=text)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it (and the streamed
+        ones that grew).  If the step raises, every running request is put back in the
+        waiting queue with its blocks freed (output so far kept), and the error propagates:
+        the engine stays usable."""
+        if not self.scheduler.has_work():
+            return []
+        try:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                raise RuntimeError("scheduler produced an empty step with work queued")
+            sampled, logits = self.runner.execute(chunks)
+        except BaseException:
+            self.scheduler.recover()
+            raise
+        logprobs = self.runner.last_logprobs
+        row = 0
+        grown = []
+        for c, tok in zip(chunks, sampled):
+            if tok is None:
+                continue
+            req = c.req
+            if not req.output and req.req_id in self._first_logits:
+                self._first_logits[req.req_id] = logits[row].float()
+            if req.logprobs is not None and logprobs is not None:
+                req.logprobs.append(logprobs[row])
+            row += 1
+            grown.append(req)
+        done = self.scheduler.update(chunks, sampled)
+        outs = [self._output(r) for r in done]
+        for r in done:
+            self._requests.pop(r.req_id, None)
+            self._streaming.discard(r.req_id)
+        outs += [self._output(r) for r in grown
+                 if r.req_id in self._streaming and not r.finished]
+        return outs
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request and free its blocks; False when it is unknown or already done."""
+        req = self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+        self._streaming.discard(request_id)
+        self._first_logits.pop(request_id, None)
+        return req is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = decode(self.tokenizer, req.output) if self.tokenizer is not None else None
+        return RequestOutput(req.req_id, list(req.prompt), list(req.output), text,
+                             list(req.logprobs) if req.logprobs is not None else None,
+                             req.finish_reason, req.text_prompt,
+                             {"preemptions": req.num_preemptions})
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 max_new_tokens: Optional[int] = None, *,
+                 sampling_params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
+                 ignore_eos: bool = False, return_outputs: bool = False,
+                 chat_template: bool = False) -> list:
+        """Run every prompt to completion, together with anything already queued.
+
+        Returns, per prompt: the new token ids (token-id prompts), the new text (text
+        prompts), or the ``RequestOutput`` (``return_outputs=True``).  ``max_new_tokens`` and
+        ``ignore_eos``, when given, override the sampling params' ``max_tokens`` /
+        ``ignore_eos``; without params decoding is greedy with 16 new tokens."""
+        if isinstance(prompts, (str, bytes)) or not all(
+                isinstance(p, (list, tuple, str)) for p in prompts):
+            raise TypeError("generate takes a list of prompts, each a list of token ids or "
+                            "a string")
+        if max_new_tokens is not None:
+            validate_max_tokens(max_new_tokens)
+        params = self._params_per_prompt(sampling_params, len(prompts), max_new_tokens,
+                                         ignore_eos)
+        reqs = [self._make_request(p, sp, chat_template, f"prompt {i}")
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+        for i, r in enumerate(reqs):   # all or nothing: none starts when one can never fit
+            r.req_id = self._next_id + i
+            try:
+                self.scheduler._check_fits(r)
+            except ValueError as e:
+                self.scheduler.stats.rejections += 1
+                raise ValueError(f"prompt {i}: {e}") from None
+        self._next_id += len(reqs)
+        for r in reqs:
+            self.scheduler.add(r)
+            self._requests[r.req_id] = r
+            self._first_logits[r.req_id] = None
+        mine = {r.req_id for r in reqs}
+        try:
+            while any(not r.finished for r in reqs):
+                self.step()
+        except BaseException:
+            for r in reqs:
+                if not r.finished:
+                    self.abort(r.req_id)
+            raise
+        finally:
+            self.first_token_logits = [self._first_logits.pop(i, None) for i in sorted(mine)]
+            """Logits that chose each request's first new token (for agreement checks)."""
+        if return_outputs:
+            return [self._output(r) for r in reqs]
+        if all(isinstance(p, str) for p in prompts) and prompts:
+            return [self._output(r).text for r in reqs]
+        return [list(r.output) for r in reqs]
+
+    @staticmethod
+    def _params_per_prompt(sp, n: int, max_new_tokens: Optional[int],
+                           ignore_eos: bool) -> list[SamplingParams]:
+        if sp is None:
+            sp = SamplingParams(max_tokens=16 if max_new_tokens is None else max_new_tokens)
+        sps = [sp] * n if isinstance(sp, SamplingParams) else list(sp)
+        if len(sps) != n or not all(isinstance(p, SamplingParams) for p in sps):
+            raise ValueError(f"sampling_params: one SamplingParams or a list of {n} "
+                             f"(one per prompt)")
+        changes = {}
+        if max_new_tokens is not None:
+            changes["max_tokens"] = max_new_tokens
+        if ignore_eos:
+            changes["ignore_eos"] = True
+        return [p.replace(**changes) if changes else p for p in sps]
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.config.mode.name, "level": self.config.level,
+                               "cudagraph_mode": self.graphs.mode.name,
+                               **self._startup}
+        for kind, times in self.runner.step_times.items():
+            if times:
+                ms = sorted(t * 1e3 for t in times)
+                out[f"{kind}_steps"] = len(ms)
+                out[f"{kind}_ms_median"] = statistics.median(ms)
+                out[f"{kind}_ms_p90"] = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
+        c = self.compiled
+        if c.trace_once is not None:
+            out["dynamo_time_s"] = c.trace_once.dynamo_time_s
+            out["dynamo_traces"] = c.trace_once.num_traces
+        if c.backend is not None:
+            out.update({f"compile_{k}": v for k, v in c.backend.stats.as_dict().items()})
+        if c.store is not None:
+            out.update({f"cache_{k}": v for k, v in c.store.stats.as_dict().items()})
+            out["cache_dir"] = str(c.store.dir)
+        if c.pass_manager is not None:
+            out["passes"] = c.pass_manager.stats()
+        out.update(c.stats)
+        out.update(self.scheduler.stats.as_dict())
+        out["kv_blocks_total"] = self.allocator.num_usable
+        out["kv_blocks_free"] = self.allocator.num_free
+        if self.allocator.enable_prefix_caching:
+            out.update(self.allocator.stats.as_dict())
+        return out
+
+
+def _model_tag(mc) -> str:
+    return f"{mc.architecture}-{mc.num_layers}l-{mc.hidden_size}h"

@@ -1,0 +1,217 @@
+"""The step scheduler: waiting and running queues, admission control, preemption.
+
+Each step every running request advances (one decode token, or its next prefill chunk), in
+admission order; then waiting requests are admitted while the token budget, ``max_num_seqs``
+and the KV cache allow.  A request is admitted only when the blocks for its next chunk are
+free (with prefix caching, cached leading blocks are reused and its prefill starts after
+them).  When a running request needs a block that is not free, the *newest* running request
+is preempted by recompute: its blocks are freed, its output so far is kept, and it goes back
+to the front of the waiting queue (its prompt and output are prefilled again on
+re-admission).  A request that could never fit, alone in an empty cache, is rejected by
+``add``.  A request samples a token only in a step that reaches the end of its known tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from framework.engine.block_manager import NO_PARENT, BlockManager, chain_hashes
+from framework.engine.request import Request, ScheduledChunk
+
+__all__ = ["Request", "ScheduledChunk", "Scheduler", "SchedulerStats"]
+
+
+@dataclass
+class SchedulerStats:
+    preemptions: int = 0
+    rejections: int = 0
+    aborted: int = 0
+    finished: int = 0
+    step_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"preemptions": self.preemptions, "rejections": self.rejections,
+                "aborted": self.aborted, "finished_requests": self.finished,
+                "step_errors": self.step_errors}
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockManager, *, block_size: int, max_num_seqs: int,
+                 max_num_tokens: int, max_model_len: int):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    @property
+    def prefix_caching(self) -> bool:
+        return getattr(self.allocator, "enable_prefix_caching", False)
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        """Queue a request, or reject it (``ValueError`` naming it) when it can never run."""
+        try:
+            self._check_fits(req)
+        except ValueError:
+            self.stats.rejections += 1
+            raise
+        self.waiting.append(req)
+
+    def _check_fits(self, req: Request) -> None:
+        if not req.prompt:
+            raise ValueError(f"request {req.req_id}: empty prompt")
+        total = len(req.prompt) + req.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"request {req.req_id}: prompt ({len(req.prompt)}) + "
+                             f"max_new_tokens ({req.max_new_tokens}) = {total} exceeds "
+                             f"max_model_len={self.max_model_len}")
+        # The last sampled token is never fed back, so total - 1 tokens hold K/V.
+        need = -(-(total - 1) // self.block_size)
+        usable = self.allocator.num_blocks - 1
+        if need > usable:
+            raise ValueError(f"request {req.req_id}: prompt ({len(req.prompt)}) + "
+                             f"max_new_tokens ({req.max_new_tokens}) needs {need} KV blocks "
+                             f"of {self.block_size} tokens, the whole cache holds {usable}; "
+                             f"shorten it or raise the KV cache memory budget")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req_id: int) -> Optional[Request]:
+        """Remove a request wherever it is, freeing its blocks; None when unknown."""
+        for queue in (self.running, self.waiting):
+            for r in queue:
+                if r.req_id == req_id:
+                    queue.remove(r)
+                    self._release(r)
+                    r.finish("abort")
+                    self.stats.aborted += 1
+                    return r
+        return None
+
+    # ------------------------------------------------------------------ blocks
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_cached_blocks = 0
+
+    def _blocks_needed(self, req: Request, upto: int) -> int:
+        return max(0, -(-upto // self.block_size) - len(req.block_ids))
+
+    def _reserve(self, req: Request, upto: int) -> None:
+        need = self._blocks_needed(req, upto)
+        if need > 0:
+            req.block_ids.extend(self.allocator.allocate(need))
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = self._blocks_needed(req, req.num_computed + n)
+            while need > self.allocator.num_free and self.running[-1] is not req:
+                self._preempt(self.running.pop())   # the newest running request
+                preempted = True
+            if need > self.allocator.num_free:      # it is the newest itself
+                self._preempt(self.running.pop())
+                preempted = True
+                break
+            self._reserve(req, req.num_computed + n)
+            chunks.append(ScheduledChunk(req, req.num_computed, n))
+            budget -= n
+            i += 1
+        # No admissions in a step that preempted: the preempted requests go first, later.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            hits = self._prefix_hits(req)
+            start = len(hits) * self.block_size
+            n = min(req.num_tokens - start, budget)
+            need = -(-(start + n) // self.block_size) - len(hits)
+            evictable_hits = sum(self.allocator.ref_count(b) == 0 for b in hits)
+            if need > self.allocator.num_free - evictable_hits:
+                break   # admission control: wait until its next chunk's blocks are free
+            self.waiting.popleft()
+            self.running.append(req)    # first: recover() finds it whatever raises next
+            if self.prefix_caching:
+                self.allocator.take(hits)
+                self.allocator.stats.queried_tokens += req.num_tokens
+                self.allocator.stats.hit_tokens += start
+            req.block_ids = list(hits)
+            req.num_cached_blocks = len(hits)
+            req.num_computed = start
+            self._reserve(req, start + n)
+            chunks.append(ScheduledChunk(req, start, n))
+            budget -= n
+        return chunks
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """Cached blocks for the request's leading full blocks, keeping at least one token
+        to compute (its logits give the next token)."""
+        if not self.prefix_caching:
+            return []
+        tokens = req.all_tokens()
+        n_full = len(tokens) // self.block_size
+        if len(req.block_hashes) < n_full:
+            parent = req.block_hashes[-1] if req.block_hashes else NO_PARENT
+            req.block_hashes += chain_hashes(tokens, self.block_size,
+                                             len(req.block_hashes), parent)
+        usable = (len(tokens) - 1) // self.block_size
+        return self.allocator.lookup(req.block_hashes[:usable])
+
+    # ------------------------------------------------------------------ update
+    def update(self, chunks: list[ScheduledChunk], sampled: list[Optional[int]]) -> list[Request]:
+        """Advance requests after a successful step (``sampled[i]``: chunk i's token or
+        None); returns the requests that finished."""
+        for chunk, token in zip(chunks, sampled):
+            chunk.req.num_computed = chunk.end
+            if self.prefix_caching:
+                self._register_full_blocks(chunk.req)
+            if token is not None:
+                chunk.req.append(token)
+        done = [r for r in self.running if r.finished]
+        for r in done:
+            self._release(r)
+        self.stats.finished += len(done)
+        self.running = [r for r in self.running if not r.finished]
+        return done
+
+    def _register_full_blocks(self, req: Request) -> None:
+        full = req.num_computed // self.block_size
+        if full <= req.num_cached_blocks:
+            return
+        tokens = req.all_tokens()
+        if len(req.block_hashes) < full:
+            parent = req.block_hashes[-1] if req.block_hashes else NO_PARENT
+            req.block_hashes += chain_hashes(tokens[:full * self.block_size], self.block_size,
+                                             len(req.block_hashes), parent)
+        for b in range(req.num_cached_blocks, full):
+            self.allocator.register(req.block_ids[b], req.block_hashes[b])
+        req.num_cached_blocks = full
+
+    def recover(self) -> None:
+        """After a step raised: every running request releases its blocks and goes back to
+        the front of the waiting queue (its output so far kept, recomputed later), so no
+        block leaks and nothing stays half-scheduled."""
+        self.stats.step_errors += 1
+        for req in reversed(self.running):
+            self._release(req)
+            req.num_computed = 0
+            self.waiting.appendleft(req)
+        self.running = []

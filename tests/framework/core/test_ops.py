@@ -1,0 +1,102 @@
+"""The one op-definition helper: every piecewise op is a torch.library op with one kernel per
+dispatch key; kernel overrides re-register through the same library."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import backends.attention  # noqa: F401  (defines piecewise::attention)
+import passes.ops  # noqa: F401  (defines the fused ops)
+import passes.ops_prepack  # noqa: F401  (defines piecewise::prepacked_linear)
+from framework.core import ops as core_ops
+
+ops = torch.ops.piecewise
+FUSED = {"rms_norm", "fused_add_rms_norm", "rms_norm_static_quant",
+         "fused_add_rms_norm_static_quant", "rms_norm_dynamic_quant", "static_scaled_quant",
+         "dynamic_per_token_quant", "silu_and_mul", "silu_and_mul_static_quant",
+         "silu_and_mul_dynamic_quant", "qk_norm_rope", "int8_scaled_mm", "fp8_scaled_mm",
+         "int8_weight_only_mm"}
+
+
+def test_every_op_is_defined_through_the_helper():
+    table = core_ops.registered_kernels()
+    assert {n.split("::")[1] for n in table} >= FUSED | {"attention", "prepacked_linear"}
+    triton = importlib.util.find_spec("triton") is not None
+    for name in FUSED:
+        entry = table[f"piecewise::{name}"]
+        assert entry["default"].startswith("passes.ops."), entry
+        assert ("cuda" in entry) == triton
+        if triton:
+            assert entry["cuda"].startswith("passes.ops.triton.")
+        assert hasattr(ops, name)
+    assert set(table["piecewise::prepacked_linear"]) == {"cpu"}
+    assert set(table["piecewise::attention"]) == {"default"}
+
+
+def test_ops_are_library_ops_not_custom_op_wrappers():
+    """One implementation per dispatch key, chosen by the torch dispatcher."""
+    op = ops.silu_and_mul.default
+    assert isinstance(op, torch._ops.OpOverload)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeExplicitAutograd")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd")
+
+
+def test_opcheck_of_a_mutating_and_a_functional_op():
+    x = torch.randn(3, 8)
+    torch.library.opcheck(ops.silu_and_mul.default, (torch.empty(3, 4), x))
+    torch.library.opcheck(ops.int8_weight_only_mm.default,
+                          (x, torch.randint(-5, 5, (6, 8), dtype=torch.int8), torch.rand(6), None))
+
+
+def test_override_rebinds_every_caller_and_restores():
+    calls = []
+
+    def fake_kernel(out, x):
+        calls.append(x.shape)
+        out.fill_(7)
+
+    x, out = torch.randn(2, 8), torch.empty(2, 4)
+    compiled = torch.compile(lambda o, t: ops.silu_and_mul(o, t), backend="eager")
+    previous = core_ops.override_kernel("piecewise::silu_and_mul", "cpu", fake_kernel)
+    assert previous is None
+    try:
+        ops.silu_and_mul(out, x)
+        assert (out == 7).all()
+        compiled(out, x)
+        assert len(calls) == 2
+    finally:
+        core_ops.override_kernel("piecewise::silu_and_mul", "cpu", previous)
+    assert "cpu" not in core_ops.registered_kernels()["piecewise::silu_and_mul"]
+    ops.silu_and_mul(out, x)
+    assert not (out == 7).all() and len(calls) == 2
+
+
+def test_lazy_kernel_path_resolves_on_first_call():
+    @core_ops.define_op("piecewise::_test_lazy", fake=lambda x: x.new_empty(x.shape),
+                        cpu="torch:neg")
+    def _test_lazy(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    x = torch.arange(3.0)
+    torch.testing.assert_close(_test_lazy(x), -x)   # the CPU key wins over the default
+
+
+def test_errors_name_the_op():
+    with pytest.raises(KeyError, match="unknown op 'piecewise::nope'"):
+        core_ops.override_kernel("piecewise::nope", "cpu", print)
+    with pytest.raises(ValueError, match="op name must look like"):
+        core_ops.define_op("rms_norm", fake=print)
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        core_ops.override_kernel("piecewise::silu_and_mul", "tpu", print)
+    with pytest.raises(ValueError, match="default kernel cannot be removed"):
+        core_ops.override_kernel("piecewise::silu_and_mul", "default", None)
+
+
+def test_importing_ops_does_not_import_triton():
+    code = "import sys, passes.ops; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parents[3])
+    assert out.stdout.strip() == "False"

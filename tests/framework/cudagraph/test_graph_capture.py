@@ -1,0 +1,110 @@
+"""CUDA-graph integration on CPU through EmulatedGraphOps: the same dispatcher, wrappers,
+padding and capture plan as on a GPU; replay runs the kernels recorded at capture (aten ops,
+Inductor graphs, Triton launches) on the captured static buffers, never the Python."""
+import pytest
+import torch
+
+from framework import LLM, CompilationConfig
+from framework.cudagraph.wrapper import EmulatedGraphOps, clear_all_graphs
+from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
+from triton_interpreter import language_is_interpreted, run_module_in_interpreter
+
+INTERPRETED = "triton_interpreted"
+"""Marker of the CPU tests that need the Triton interpreter (rerun in a child process)."""
+
+PROMPTS = [[3, 17, 42, 9, 100, 7], [8, 1, 250], [77, 12, 5, 90]]
+
+
+def _llm(path, **kw):
+    cc = dict(level=1, backend="eager", pass_config={"passes": []}, progress_bar=False)
+    cc.update(kw.pop("cc", {}))
+    return LLM(str(path), compilation_config=CompilationConfig(**cc), max_num_seqs=4,
+               max_model_len=64, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_checkpoint):
+    llm = LLM(str(llama_checkpoint), optimization_level=0, max_num_seqs=4, max_model_len=64)
+    return llm.generate(PROMPTS, 10, ignore_eos=True)
+
+
+def test_padded_batches_match_unpadded(llama_checkpoint, reference):
+    llm = _llm(llama_checkpoint)
+    sizes = [2, 8, 16, 64]
+
+    def padding_dispatch(n, num_reqs, uniform):
+        padded = next(s for s in sizes if s >= n)
+        return CUDAGraphMode.NONE, BatchDescriptor(padded, None, False)
+
+    llm.runner.dispatch = padding_dispatch
+    assert llm.generate(PROMPTS, 10, ignore_eos=True) == reference
+    padded = [s for s in llm.runner.trace if s["num_padded_tokens"] > s["num_tokens"]]
+    assert padded, "the workload should have exercised padding"
+
+
+def test_piecewise_graphs_capture_once_and_replay(llama_checkpoint, reference):
+    clear_all_graphs()
+    llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(),
+               cc={"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8]})
+    assert llm.stats["cudagraph_mode"] == "PIECEWISE"
+    assert llm.stats["captures"] == 4 * (llm.model_config.num_layers + 1)
+    assert llm.generate(PROMPTS, 10, ignore_eos=True) == reference
+    wrappers = [w for w in llm.compiled.backend.split_wrappers()]
+    assert all(w.stats.replays > 0 for w in wrappers)
+    assert all(w.stats.captures == 4 for w in wrappers)
+
+
+@pytest.mark.triton_interpreted
+@pytest.mark.skipif(not language_is_interpreted(),
+                    reason="needs the Triton interpreter: test_in_interpreter reruns it")
+def test_full_and_piecewise_with_graph_safe_backend(llama_checkpoint, reference):
+    clear_all_graphs()
+    llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(), attention_backend="triton",
+               cc={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]})
+    assert llm.stats["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert llm.generate(PROMPTS, 6, ignore_eos=True) == [r[:6] for r in reference]
+    full = llm.runner.forward
+    assert full.stats.captures == 3 and full.stats.replays > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or language_is_interpreted(),
+                    reason="CPU only; runs the interpreter tests of this module")
+def test_in_interpreter(request):
+    run_module_in_interpreter(__file__, request, marker=INTERPRETED)
+
+
+def test_piecewise_graphs_capture_inductor_pieces(llama_checkpoint, reference,
+                                                  compile_cache_dir):
+    """Inductor-compiled pieces inside emulated graphs: each piece's capture records the
+    compiled graph as one launch, and generation through the replays matches eager."""
+    clear_all_graphs()
+    llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(), cache_dir=compile_cache_dir,
+               cc={"backend": "inductor", "cudagraph_mode": "PIECEWISE",
+                   "cudagraph_capture_sizes": [1, 4]})
+    assert llm.generate(PROMPTS, 10, ignore_eos=True) == reference
+    wrappers = llm.compiled.backend.split_wrappers()
+    assert all(w.stats.captures == 2 and w.stats.replays > 0 for w in wrappers)
+    for w in wrappers:
+        for entry in w._entries.values():
+            assert "inductor graph" in [launch.name for launch in entry.graph.tape]
+
+
+def test_torch_backend_downgrades_full_to_piecewise(llama_checkpoint):
+    llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(),
+               cc={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2]})
+    assert llm.stats["cudagraph_mode"] == "PIECEWISE"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_modes_give_identical_tokens_on_gpu(llama_checkpoint):
+    outs = {}
+    for mode in ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
+        cc = CompilationConfig(level=2, cudagraph_mode=mode, progress_bar=False,
+                               cudagraph_capture_sizes=[1, 2, 4, 8])
+        llm = LLM(str(llama_checkpoint), device="cuda", attention_backend="triton",
+                  compilation_config=cc, max_num_seqs=4, max_model_len=64)
+        assert llm.stats["cudagraph_mode"] == mode
+        outs[mode] = llm.generate(PROMPTS, 10, ignore_eos=True)
+        clear_all_graphs()
+    assert all(o == outs["NONE"] for o in outs.values()), outs
