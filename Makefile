@@ -27,6 +27,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: lint
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)

@@ -5,6 +5,7 @@ Contract: ``compute_hash()`` (compiler + config factors for the cache key),
 writes a loadable artifact to a path, and ``load(path) -> callable`` restores it in a new
 process.  The graph is copied before compiling because Inductor may mutate it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,9 @@ class CompileRange:
         return f"size_{self.start}" if self.is_single_size else f"range_{self.start}_{self.end}"
 
 
-def compile_ranges(endpoints: list[int], sizes: list[int], max_num_tokens: int
-                   ) -> list[CompileRange]:
+def compile_ranges(
+    endpoints: list[int], sizes: list[int], max_num_tokens: int
+) -> list[CompileRange]:
     """[1, e0], [e0+1, e1], ... up to max_num_tokens, plus one single-size range per size."""
     ranges, start = [], 1
     for e in [e for e in endpoints if e < max_num_tokens] + [max_num_tokens]:
@@ -51,18 +53,23 @@ def compile_ranges(endpoints: list[int], sizes: list[int], max_num_tokens: int
 class CompilerAdaptor:
     name: ClassVar[str]
 
-    def __init__(self, graph_pass: Optional[Callable] = None,
-                 inductor_config: Optional[dict[str, Any]] = None):
+    def __init__(
+        self,
+        graph_pass: Optional[Callable] = None,
+        inductor_config: Optional[dict[str, Any]] = None,
+    ):
         self.graph_pass = graph_pass
         self.inductor_config = dict(inductor_config or {})
 
     def compute_hash(self) -> str:
         factors = {"compiler": self.name, "inductor_config": self.inductor_config}
-        return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()
-                              ).hexdigest()[:16]
+        return hashlib.sha256(
+            json.dumps(factors, sort_keys=True, default=str).encode()
+        ).hexdigest()[:16]
 
-    def compile(self, graph: torch.fx.GraphModule, example_inputs: list,
-                compile_range: CompileRange) -> tuple[Callable, Optional[SaveFn]]:
+    def compile(
+        self, graph: torch.fx.GraphModule, example_inputs: list, compile_range: CompileRange
+    ) -> tuple[Callable, Optional[SaveFn]]:
         raise NotImplementedError
 
     def load(self, path: Path) -> Callable:
@@ -77,6 +84,7 @@ def register_compiler(name: str):
         cls.name = name
         _ADAPTORS[name] = cls
         return cls
+
     return deco
 
 
@@ -90,6 +98,7 @@ def make_compiler(name: str, **kwargs: Any) -> CompilerAdaptor:
 def concretize_inputs(example_inputs: list, size: int) -> list:
     """Real tensors/ints with the token symbol replaced by ``size``: shape, stride and storage
     offset are concretized together since all three can hold the symbol."""
+
     def conc(v: Any) -> int:
         if isinstance(v, torch.SymInt):
             expr = v.node.expr
@@ -129,8 +138,9 @@ class InductorStandalone(CompilerAdaptor):
             dynamic = "from_example_inputs"
         else:
             inputs, dynamic = example_inputs, "from_graph"
-        artifact = standalone_compile(graph, inputs, dynamic_shapes=dynamic,
-                                      options={"config_patches": patches})
+        artifact = standalone_compile(
+            graph, inputs, dynamic_shapes=dynamic, options={"config_patches": patches}
+        )
 
         def save(path: Path) -> None:
             artifact.save(path=str(path), format="binary")
@@ -173,8 +183,9 @@ class Eager(CompilerAdaptor):
         if single:  # AOTAutograd wants tuple outputs
             output.args = ((output.args[0],),)
             graph.recompile()
-        compiled = aot_module_simplified(graph, example_inputs, fw_compiler=fw_compiler,
-                                         decompositions=select_decomp_table())
+        compiled = aot_module_simplified(
+            graph, example_inputs, fw_compiler=fw_compiler, decompositions=select_decomp_table()
+        )
         if single:
             return (lambda *args: compiled(*args)[0]), None
         return compiled, None

@@ -6,6 +6,7 @@ on ``operator.getitem`` or a ``torch.ops`` operator, and ``output``; constants a
 floats, strings, bools, None, dtypes and (nested) lists/tuples.  Anything else raises
 :class:`NotSerializable` and the caller keeps the Dynamo path.  No pickle is involved.
 """
+
 from __future__ import annotations
 
 import operator
@@ -62,8 +63,12 @@ def _decode(v: dict, env: dict[str, fx.Node]) -> Any:
 def graph_to_json(gm: fx.GraphModule, skip_submodules: set[str] = frozenset()) -> dict:
     nodes = []
     for n in gm.graph.nodes:
-        entry = {"name": n.name, "op": n.op, "args": _encode(tuple(n.args)),
-                 "kwargs": {k: _encode(v) for k, v in n.kwargs.items()}}
+        entry = {
+            "name": n.name,
+            "op": n.op,
+            "args": _encode(tuple(n.args)),
+            "kwargs": {k: _encode(v) for k, v in n.kwargs.items()},
+        }
         if n.op == "call_function":
             if n.target is operator.getitem:
                 entry["target"] = "getitem"
@@ -87,8 +92,9 @@ def graph_to_json(gm: fx.GraphModule, skip_submodules: set[str] = frozenset()) -
     return {"nodes": nodes, "submodules": subs}
 
 
-def graph_from_json(data: dict, modules: dict[str, torch.nn.Module] | None = None
-                    ) -> fx.GraphModule:
+def graph_from_json(
+    data: dict, modules: dict[str, torch.nn.Module] | None = None
+) -> fx.GraphModule:
     """Rebuild a GraphModule; ``modules`` supplies submodules not stored in ``data``."""
     root: dict[str, Any] = {k: graph_from_json(v) for k, v in data["submodules"].items()}
     root.update(modules or {})

@@ -10,6 +10,7 @@ Flow for the one Dynamo graph of a model:
 3. The program skeleton (split graph + which artifact each piece/range uses) is saved, so a
    warm start can rebuild the whole callable with no Dynamo trace (:meth:`restore`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from backends.compiler import CompileRange, CompilerAdaptor, compile_ranges
+from backends.compiler import CompilerAdaptor, CompileRange, compile_ranges
 from backends.graph_serde import NotSerializable, graph_from_json, graph_to_json, op_name
 from backends.piecewise_runtime import PiecewiseRuntime, RangeEntry
 
@@ -43,8 +44,9 @@ class PieceInfo:
     is_splitting_op: bool
 
 
-def split_graph(gm: fx.GraphModule, splitting_ops: list[str]
-                ) -> tuple[fx.GraphModule, list[PieceInfo]]:
+def split_graph(
+    gm: fx.GraphModule, splitting_ops: list[str]
+) -> tuple[fx.GraphModule, list[PieceInfo]]:
     """Split ``gm`` so each splitting op is alone in its submodule; the rest between two
     splitting ops forms one piece.  ``[]`` keeps the whole graph as one piece."""
     wanted = {s.removesuffix(".default") for s in splitting_ops}
@@ -86,8 +88,10 @@ def graph_hash(gm: fx.GraphModule, example_inputs: list) -> str:
 
     for i, n in enumerate(gm.graph.nodes):
         names[n.name] = f"n{i}"
-        lines.append(f"{n.op}|{n.target if n.op != 'placeholder' else ''}|"
-                     f"{ref(n.args)}|{ref(dict(n.kwargs))}")
+        lines.append(
+            f"{n.op}|{n.target if n.op != 'placeholder' else ''}|"
+            f"{ref(n.args)}|{ref(dict(n.kwargs))}"
+        )
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
             lines.append(f"in|{x.dtype}|{tuple(x.shape)}|{x.stride()}|{x.device.type}")
@@ -126,18 +130,28 @@ class BackendStats:
 
 
 class PiecewiseBackend:
-    """``backend(gm, example_inputs) -> callable`` for :class:`framework.compile.trace_once.TraceOnce`.
+    """``backend(gm, example_inputs) -> callable`` for
+    :class:`framework.compile.trace_once.TraceOnce`.
 
     ``store`` is an :class:`framework.cache.store.ArtifactStore` or None (no disk cache).
     ``graph_pass`` (the pass manager) gets ``set_current_piece(name, range)`` before each
     compile.
     """
 
-    def __init__(self, *, compiler: CompilerAdaptor, splitting_ops: list[str],
-                 compile_ranges_endpoints: list[int], compile_sizes: list[int],
-                 max_num_tokens: int, store: Any = None, graph_pass: Any = None,
-                 progress: bool = False, dump_path: Optional[str] = None,
-                 wrap_piece: Optional[Callable[[Callable, PieceInfo], Callable]] = None):
+    def __init__(
+        self,
+        *,
+        compiler: CompilerAdaptor,
+        splitting_ops: list[str],
+        compile_ranges_endpoints: list[int],
+        compile_sizes: list[int],
+        max_num_tokens: int,
+        store: Any = None,
+        graph_pass: Any = None,
+        progress: bool = False,
+        dump_path: Optional[str] = None,
+        wrap_piece: Optional[Callable[[Callable, PieceInfo], Callable]] = None,
+    ):
         self.compiler = compiler
         self.splitting_ops = list(splitting_ops)
         self.ranges = compile_ranges(compile_ranges_endpoints, compile_sizes, max_num_tokens)
@@ -196,13 +210,21 @@ class PiecewiseBackend:
             logger.info("split graph not serializable (%s): warm starts will re-trace", e)
         return split
 
-    def _build_piece(self, info: PieceInfo, sub: fx.GraphModule, inputs: list
-                     ) -> tuple[PiecewiseRuntime, dict]:
+    def _build_piece(
+        self, info: PieceInfo, sub: fx.GraphModule, inputs: list
+    ) -> tuple[PiecewiseRuntime, dict]:
         ghash = graph_hash(sub, inputs)
         self._dump(f"{info.name}.py", sub.code)
         single = not isinstance(sub.graph.output_node().args[0], (tuple, list))
-        entries, record = [], {"graph_hash": ghash, "size_from": list(_token_source(inputs)),
-                               "single_output": single, "entries": {}}
+        entries, record = (
+            [],
+            {
+                "graph_hash": ghash,
+                "size_from": list(_token_source(inputs)),
+                "single_output": single,
+                "entries": {},
+            },
+        )
         for rng in self.ranges:
             fn, source = self._compile_or_load(info, sub, inputs, rng, ghash, single)
             entries.append(RangeEntry(rng, fn, source))
@@ -213,8 +235,15 @@ class PiecewiseBackend:
     def _entry_key(self, info: PieceInfo, rng: CompileRange) -> str:
         return f"{rng}/piece_{info.index}/{self.compiler.name}"
 
-    def _compile_or_load(self, info: PieceInfo, sub: fx.GraphModule, inputs: list,
-                         rng: CompileRange, ghash: str, single: bool) -> tuple[Callable, str]:
+    def _compile_or_load(
+        self,
+        info: PieceInfo,
+        sub: fx.GraphModule,
+        inputs: list,
+        rng: CompileRange,
+        ghash: str,
+        single: bool,
+    ) -> tuple[Callable, str]:
         memo = (ghash, rng)
         key = self._entry_key(info, rng)
         if memo in self._compiled:
@@ -228,7 +257,8 @@ class PiecewiseBackend:
         if fn is None:
             if self.graph_pass is not None and hasattr(self.graph_pass, "set_current_piece"):
                 self.graph_pass.set_current_piece(
-                    info.name, rng, static_inputs=self._static_inputs.get(info.name, {}))
+                    info.name, rng, static_inputs=self._static_inputs.get(info.name, {})
+                )
             fn, save = self.compiler.compile(sub, inputs, rng)
             self.stats.compiles += 1
             source = "compiled"
@@ -239,8 +269,9 @@ class PiecewiseBackend:
         self._piece_done(info.name, rng, source)
         return fn, source
 
-    def _piece_done(self, piece: str, rng: CompileRange, source: str,
-                    shared_with: Optional[str] = None) -> None:
+    def _piece_done(
+        self, piece: str, rng: CompileRange, source: str, shared_with: Optional[str] = None
+    ) -> None:
         """Tell the pass manager how this piece instance got its code (for its records)."""
         if self.graph_pass is not None and hasattr(self.graph_pass, "piece_done"):
             self.graph_pass.piece_done(piece, rng, source, shared_with)
@@ -303,8 +334,9 @@ class PiecewiseBackend:
                 entries = []
                 for rng in self.ranges:
                     key = rec["entries"][str(rng)]
-                    fn = (self._compiled.get((rec["graph_hash"], rng))
-                          or self._load(key, rec["single_output"]))
+                    fn = self._compiled.get((rec["graph_hash"], rng)) or self._load(
+                        key, rec["single_output"]
+                    )
                     if fn is None:
                         return None
                     self._compiled[(rec["graph_hash"], rng)] = fn
@@ -327,6 +359,7 @@ class PiecewiseBackend:
     def _dump(self, name: str, text: str) -> None:
         if self.dump_path:
             import pathlib
+
             p = pathlib.Path(self.dump_path)
             p.mkdir(parents=True, exist_ok=True)
             (p / name).write_text(text)
@@ -346,21 +379,27 @@ def traced_files(gm: fx.GraphModule) -> list[str]:
     return sorted(files)
 
 
-def _static_piece_inputs(gm: fx.GraphModule, split: fx.GraphModule, example_inputs: list
-                         ) -> dict[str, dict[int, torch.Tensor]]:
+def _static_piece_inputs(
+    gm: fx.GraphModule, split: fx.GraphModule, example_inputs: list
+) -> dict[str, dict[int, torch.Tensor]]:
     """Per piece, its inputs that are real fixed-shape tensors handed to the backend (the
     model's parameters and buffers), by input position.  The pass verifier runs pieces on
     these real values: a fusion may rely on a property of a buffer (RoPE's cos/sin caches
     repeat their two halves), which random values would break."""
-    real = {n.name: x for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
-                                      example_inputs)
-            if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor)
-            and all(isinstance(s, int) for s in x.shape)}
+    real = {
+        n.name: x
+        for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)
+        if isinstance(x, torch.Tensor)
+        and not isinstance(x, torch._subclasses.FakeTensor)
+        and all(isinstance(s, int) for s in x.shape)
+    }
     out: dict[str, dict[int, torch.Tensor]] = {}
     for node in split.graph.find_nodes(op="call_module"):
-        out[node.target] = {i: real[a.name] for i, a in enumerate(node.args)
-                            if isinstance(a, fx.Node) and a.op == "placeholder"
-                            and a.name in real}
+        out[node.target] = {
+            i: real[a.name]
+            for i, a in enumerate(node.args)
+            if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in real
+        }
     return out
 
 
@@ -390,6 +429,7 @@ def _module_code(split: fx.GraphModule) -> str:
 def _first_output(fn: Callable) -> Callable:
     def call(*args):
         return fn(*args)[0]
+
     return call
 
 
@@ -401,6 +441,7 @@ def _progress(enabled: bool, total: int):
     if enabled:
         try:
             from tqdm import tqdm
+
             return tqdm(total=total, desc="compiling pieces", leave=False)
         except ImportError:  # pragma: no cover
             pass
@@ -409,4 +450,5 @@ def _progress(enabled: bool, total: int):
         def update(self, n): ...
 
         def close(self): ...
+
     return _Silent()

@@ -4,6 +4,7 @@ It holds ``compile_range -> entry``.  Single-size entries win over the range con
 Dispatch reads the token count from the arguments (a SymInt argument or the token dim of a
 tensor argument) and looks the entry up in a table indexed by token count: O(1) per call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,13 @@ class RangeEntry:
 class PiecewiseRuntime:
     """Callable standing in for one piece; dispatches each call on its token count."""
 
-    def __init__(self, name: str, entries: list[RangeEntry], max_num_tokens: int,
-                 size_from: tuple[int, Optional[int]]):
+    def __init__(
+        self,
+        name: str,
+        entries: list[RangeEntry],
+        max_num_tokens: int,
+        size_from: tuple[int, Optional[int]],
+    ):
         self.name = name
         self.entries = {e.compile_range: e for e in entries}
         self.max_num_tokens = max_num_tokens
@@ -36,8 +42,10 @@ class PiecewiseRuntime:
                 by_size[n] = e
         missing = [n for n in range(1, max_num_tokens + 1) if by_size[n] is None]
         if missing:
-            raise ValueError(f"piece {name}: no compiled entry covers token counts "
-                             f"{missing[:5]}...; compile ranges must cover 1..{max_num_tokens}")
+            raise ValueError(
+                f"piece {name}: no compiled entry covers token counts "
+                f"{missing[:5]}...; compile ranges must cover 1..{max_num_tokens}"
+            )
         self._by_size = by_size
         self._table = [e.runnable if e else None for e in by_size]
 
@@ -48,8 +56,10 @@ class PiecewiseRuntime:
 
     def _lookup(self, n: int) -> Callable:
         if not 0 < n <= self.max_num_tokens:
-            raise ValueError(f"piece {self.name}: {n} tokens is outside 1..{self.max_num_tokens}"
-                             f" (max_num_tokens); raise max_num_tokens")
+            raise ValueError(
+                f"piece {self.name}: {n} tokens is outside 1..{self.max_num_tokens}"
+                f" (max_num_tokens); raise max_num_tokens"
+            )
         return self._table[n]
 
     def __call__(self, *args):

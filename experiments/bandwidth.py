@@ -4,6 +4,7 @@ A reduction (``sum``) over a buffer well past the last-level cache streams it fr
 the median over a few repetitions (after a warm-up) at the current ``torch.get_num_threads()``
 is the achievable read rate for torch's own kernels on this machine.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -15,8 +16,10 @@ import torch
 def measure_read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
     """Bytes per second read by ``torch.sum`` over a ``megabytes`` float32 buffer (median)."""
     if megabytes <= 0 or repeats <= 0:
-        raise ValueError(f"measure_read_bandwidth: megabytes and repeats must be positive, "
-                         f"got {megabytes} and {repeats}")
+        raise ValueError(
+            f"measure_read_bandwidth: megabytes and repeats must be positive, "
+            f"got {megabytes} and {repeats}"
+        )
     buf = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
     buf.sum()  # warm-up: page faults, thread pool
     times = []

@@ -17,6 +17,7 @@ The baseline is a ``--benchmark-json`` file with the raw per-round timings strip
 machine and commit info remain).  Absolute times depend on the machine and its load: save
 the baseline and compare on the same, quiet machine.  Arguments after ``--`` go to pytest.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,14 +35,23 @@ DEFAULT_BASELINE = ROOT / "benchmarks" / "baseline.json"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", type=Path, default=DEFAULT_BASELINE,
-                   help="baseline file to compare with / save to (default: %(default)s)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        default=DEFAULT_BASELINE,
+        help="baseline file to compare with / save to (default: %(default)s)",
+    )
     p.add_argument("--save", action="store_true", help="save this run as the new baseline")
     p.add_argument("--no-compare", action="store_true", help="do not compare with the baseline")
-    p.add_argument("--fail-over", type=float, metavar="PCT",
-                   help="fail when a benchmark's median is more than PCT%% above the baseline")
+    p.add_argument(
+        "--fail-over",
+        type=float,
+        metavar="PCT",
+        help="fail when a benchmark's median is more than PCT%% above the baseline",
+    )
     p.add_argument("--preset", default="default", help="models.tiny preset (default: default)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--level", type=int, default=2, choices=[0, 1, 2, 3])
@@ -51,7 +61,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+        argv, extra = argv[:i], argv[i + 1 :]
     args = p.parse_args(argv)
     if args.fail_over is not None and args.fail_over <= 0:
         p.error("--fail-over must be positive")
@@ -60,10 +70,22 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     return args, extra
 
 
-def pytest_command(args: argparse.Namespace, extra: list[str], json_out: Optional[Path]
-                   ) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", SUITE, "-m", "bench", "-q", "-p", "no:cacheprovider",
-           "--benchmark-columns=min,median,iqr,max,rounds", "--benchmark-sort=name"]
+def pytest_command(
+    args: argparse.Namespace, extra: list[str], json_out: Optional[Path]
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        SUITE,
+        "-m",
+        "bench",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--benchmark-columns=min,median,iqr,max,rounds",
+        "--benchmark-sort=name",
+    ]
     if json_out is not None:
         cmd.append(f"--benchmark-json={json_out}")
     if not args.no_compare and args.baseline.is_file():
@@ -74,8 +96,12 @@ def pytest_command(args: argparse.Namespace, extra: list[str], json_out: Optiona
 
 
 def bench_env(args: argparse.Namespace) -> dict[str, str]:
-    env = dict(os.environ, PIECEWISE_BENCH_PRESET=args.preset, PIECEWISE_BENCH_DTYPE=args.dtype,
-               PIECEWISE_BENCH_LEVEL=str(args.level))
+    env = dict(
+        os.environ,
+        PIECEWISE_BENCH_PRESET=args.preset,
+        PIECEWISE_BENCH_DTYPE=args.dtype,
+        PIECEWISE_BENCH_LEVEL=str(args.level),
+    )
     if args.threads:
         env["PIECEWISE_BENCH_THREADS"] = str(args.threads)
     if args.cache_dir:
@@ -103,14 +129,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         rc = subprocess.call(cmd, cwd=ROOT, env=bench_env(args))
         if args.save:
             if rc != 0:
-                print(f"benchmarks failed (exit code {rc}); baseline {args.baseline} not "
-                      f"updated", file=sys.stderr)
+                print(
+                    f"benchmarks failed (exit code {rc}); baseline {args.baseline} not updated",
+                    file=sys.stderr,
+                )
                 return rc
             write_baseline(raw, args.baseline)
             print(f"saved baseline: {args.baseline}")
         elif not args.no_compare and not args.baseline.is_file():
-            print(f"no baseline at {args.baseline}; save one with `make bench-save` "
-                  f"(python -m experiments.bench --save)")
+            print(
+                f"no baseline at {args.baseline}; save one with `make bench-save` "
+                f"(python -m experiments.bench --save)"
+            )
     return rc
 
 

@@ -10,6 +10,7 @@ decode, a 4k-context decode (the KV read rate against this machine's measured re
 target >= 50%), and a 128-token prefill.  Shapes default to the default tiny model (8 query
 heads, 4 KV heads, head_dim 64, block size 16).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 import backends.attention  # noqa: F401  (registers the op and the backends)
-from framework.core.attention_metadata import AttentionMetadata
 from backends.attention.cpu_paged_build import isa
 from experiments.bandwidth import measure_read_bandwidth
+from framework.core.attention_metadata import AttentionMetadata
 from framework.core.forward_context import ForwardContext, set_forward_context
 
 
@@ -56,17 +57,26 @@ def build_step(case: Case, hq: int, hkv: int, d: int, block_size: int, dtype: to
     slots, qsl = [], [0]
     for i, (L, ql) in enumerate(zip(case.ctx_lens, case.q_lens)):
         blocks = [order.pop() for _ in range(nblk[i])]
-        table[i, :nblk[i]] = torch.tensor(blocks, dtype=torch.int32)
+        table[i, : nblk[i]] = torch.tensor(blocks, dtype=torch.int32)
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(L - ql, L)]
         qsl.append(qsl[-1] + ql)
     n = qsl[-1]
     q = torch.randn(n, hq, d, generator=g).to(dtype)
     k = torch.randn(n, hkv, d, generator=g).to(dtype)
     v = torch.randn(n, hkv, d, generator=g).to(dtype)
-    md = AttentionMetadata("torch", n, len(nblk), max(case.q_lens), max(case.ctx_lens),
-                           torch.tensor(qsl, dtype=torch.int32),
-                           torch.tensor(case.ctx_lens, dtype=torch.int32), table,
-                           torch.tensor(slots, dtype=torch.int64), qsl, list(case.ctx_lens))
+    md = AttentionMetadata(
+        "torch",
+        n,
+        len(nblk),
+        max(case.q_lens),
+        max(case.ctx_lens),
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(case.ctx_lens, dtype=torch.int32),
+        table,
+        torch.tensor(slots, dtype=torch.int64),
+        qsl,
+        list(case.ctx_lens),
+    )
     return q, k, v, torch.empty_like(q), kv, md
 
 
@@ -103,10 +113,16 @@ def run(args) -> list[dict]:
             for b in backends_:
                 samples[b].append(time_calls(b, step, calls))
         med = {b: statistics.median(s) for b, s in samples.items()}
-        rows.append({"case": case.name, **{f"{b}_us": med[b] * 1e6 for b in backends_},
-                     "speedup": med["torch"] / med["cpu_paged"],
-                     "kv_read_frac": kv_bytes(case, args.hkv, args.head_dim, dtype)
-                     / med["cpu_paged"] / bandwidth})
+        rows.append(
+            {
+                "case": case.name,
+                **{f"{b}_us": med[b] * 1e6 for b in backends_},
+                "speedup": med["torch"] / med["cpu_paged"],
+                "kv_read_frac": kv_bytes(case, args.hkv, args.head_dim, dtype)
+                / med["cpu_paged"]
+                / bandwidth,
+            }
+        )
     return rows, bandwidth
 
 
@@ -115,8 +131,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--round-seconds", type=float, default=0.05,
-                   help="time budget of one backend's batch of calls per round")
+    p.add_argument(
+        "--round-seconds",
+        type=float,
+        default=0.05,
+        help="time budget of one backend's batch of calls per round",
+    )
     p.add_argument("--hq", type=int, default=8)
     p.add_argument("--hkv", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
@@ -124,13 +144,17 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows, bandwidth = run(args)
-    print(f"# attention per layer call, {args.dtype}, {args.threads} threads, Hq={args.hq} "
-          f"Hkv={args.hkv} D={args.head_dim} block {args.block_size}, kernel ISA {isa()}, "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s, median of {args.rounds} rounds")
+    print(
+        f"# attention per layer call, {args.dtype}, {args.threads} threads, Hq={args.hq} "
+        f"Hkv={args.hkv} D={args.head_dim} block {args.block_size}, kernel ISA {isa()}, "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s, median of {args.rounds} rounds"
+    )
     print(f"{'case':<22}{'torch µs':>10}{'cpu_paged µs':>14}{'speedup':>9}{'KV read % bw':>14}")
     for r in rows:
-        print(f"{r['case']:<22}{r['torch_us']:>10.1f}{r['cpu_paged_us']:>14.1f}"
-              f"{r['speedup']:>8.1f}x{100 * r['kv_read_frac']:>13.0f}%")
+        print(
+            f"{r['case']:<22}{r['torch_us']:>10.1f}{r['cpu_paged_us']:>14.1f}"
+            f"{r['speedup']:>8.1f}x{100 * r['kv_read_frac']:>13.0f}%"
+        )
     short = [r for r in rows if r["case"].startswith("decode b1 ctx") and "4096" not in r["case"]]
     long_ = [r for r in rows if r["case"] == "decode b1 ctx 4096"]
     ok_short = all(r["cpu_paged_us"] <= 30 for r in short)

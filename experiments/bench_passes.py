@@ -7,6 +7,7 @@ Every variant is an ``LLM`` built up front; each round runs one generation per v
 turn, so all of them see the same background load; the table reports the median over rounds
 of each generation's median decode-step time, and the ratio to the first variant.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,15 +20,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "O2 + fuse_add_rmsnorm": {"pass_config": {"enable": ["fuse_add_rmsnorm"]}},
     "O2 + int8_per_token (with quant fusions)": {
         "quant": "int8_per_token",
-        "pass_config": {"enable": ["fuse_rmsnorm_quant", "fuse_silu_mul_quant"]}},
+        "pass_config": {"enable": ["fuse_rmsnorm_quant", "fuse_silu_mul_quant"]},
+    },
     "O2 + int8_per_token": {"quant": "int8_per_token"},
     "O2 + int8_per_channel_weight_only": {"quant": "int8_per_channel_weight_only"},
     "O2 + fp8_per_token": {"quant": "fp8_per_token"},
 }
 
 
-def run(preset: str, dtype: str, rounds: int, new_tokens: int, prompt_len: int,
-        cache_dir: str | None) -> list[tuple[str, float]]:
+def run(
+    preset: str, dtype: str, rounds: int, new_tokens: int, prompt_len: int, cache_dir: str | None
+) -> list[tuple[str, float]]:
     from framework import LLM, CompilationConfig
     from models.tiny import ensure_tiny_model
 
@@ -37,8 +40,9 @@ def run(preset: str, dtype: str, rounds: int, new_tokens: int, prompt_len: int,
         spec = dict(spec)
         quant = spec.pop("quant", None)
         cc = CompilationConfig(level=2, progress_bar=False, **spec)
-        llms[name] = LLM(path, dtype=dtype, quantization=quant, compilation_config=cc,
-                         cache_dir=cache_dir)
+        llms[name] = LLM(
+            path, dtype=dtype, quantization=quant, compilation_config=cc, cache_dir=cache_dir
+        )
     prompt = [[(i * 37) % 251 for i in range(prompt_len)]]
     medians: dict[str, list[float]] = {name: [] for name in llms}
     for _ in range(rounds):

@@ -9,6 +9,7 @@ prompts compute the prefix, later admissions hit it); with caching, warm (one ea
 request with the same prefix).  Reported: the summed step time of the prompts' prefill
 steps (medians over repeats), hit tokens, and that every engine chose the same tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,14 +35,26 @@ def _clear(llm: LLM) -> None:
         t.clear()
 
 
-def run(model: str, *, prompts: int, prefix: int, suffix: int, repeats: int,
-        optimization_level: int = 0, max_num_batched_tokens: int = 512) -> dict:
+def run(
+    model: str,
+    *,
+    prompts: int,
+    prefix: int,
+    suffix: int,
+    repeats: int,
+    optimization_level: int = 0,
+    max_num_batched_tokens: int = 512,
+) -> dict:
     g = random.Random(0)
     vocab = ModelConfig.from_hf_dir(model).vocab_size
     common = [g.randrange(1, vocab) for _ in range(prefix)]
     batch = [common + [g.randrange(1, vocab) for _ in range(suffix)] for _ in range(prompts)]
-    kw = dict(optimization_level=optimization_level, max_num_seqs=prompts,
-              max_model_len=prefix + suffix + 16, max_num_batched_tokens=max_num_batched_tokens)
+    kw = dict(
+        optimization_level=optimization_level,
+        max_num_seqs=prompts,
+        max_model_len=prefix + suffix + 16,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
     results: dict[str, list[float]] = {"no_caching": [], "caching_cold": [], "caching_warm": []}
     hits: dict[str, int] = {}
     outputs = {}
@@ -56,13 +69,17 @@ def run(model: str, *, prompts: int, prefix: int, suffix: int, repeats: int,
             results[name].append(_prefill_s(llm))
             hits[name] = llm.stats.get("prefix_cache_hit_tokens", 0) - hit0
     base = statistics.median(results["no_caching"])
-    return {"model": model, "prompts": prompts, "prefix": prefix, "suffix": suffix,
-            "repeats": repeats,
-            "prefill_ms": {k: statistics.median(v) * 1e3 for k, v in results.items()},
-            "speedup": {k: base / statistics.median(v) for k, v in results.items()},
-            "hit_tokens": hits,
-            "same_tokens": outputs["caching_cold"] == outputs["no_caching"]
-            == outputs["caching_warm"]}
+    return {
+        "model": model,
+        "prompts": prompts,
+        "prefix": prefix,
+        "suffix": suffix,
+        "repeats": repeats,
+        "prefill_ms": {k: statistics.median(v) * 1e3 for k, v in results.items()},
+        "speedup": {k: base / statistics.median(v) for k, v in results.items()},
+        "hit_tokens": hits,
+        "same_tokens": outputs["caching_cold"] == outputs["no_caching"] == outputs["caching_warm"],
+    }
 
 
 def main(argv=None) -> int:
@@ -79,15 +96,23 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = args.model or str(ensure_tiny_model())
-    r = run(model, prompts=args.prompts, prefix=args.prefix, suffix=args.suffix,
-            repeats=args.repeats, optimization_level=args.level)
+    r = run(
+        model,
+        prompts=args.prompts,
+        prefix=args.prefix,
+        suffix=args.suffix,
+        repeats=args.repeats,
+        optimization_level=args.level,
+    )
     if args.json:
         print(json.dumps(r, indent=1))
         return 0
     print(f"{r['prompts']} prompts, common prefix {r['prefix']} + {r['suffix']} unique tokens")
     for k, ms in r["prefill_ms"].items():
-        print(f"  {k:13s} prefill {ms:9.1f} ms  ({r['speedup'][k]:.2f}x)  "
-              f"hit tokens {r['hit_tokens'][k]}")
+        print(
+            f"  {k:13s} prefill {ms:9.1f} ms  ({r['speedup'][k]:.2f}x)  "
+            f"hit tokens {r['hit_tokens'][k]}"
+        )
     print(f"  same tokens: {'yes' if r['same_tokens'] else 'NO'}")
     return 0
 

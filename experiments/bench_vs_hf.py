@@ -29,6 +29,7 @@ cold with a fresh ``TORCHINDUCTOR_CACHE_DIR`` and piecewise cache dir per conten
 second process on the same dirs (the project: the process's ``LLM`` construction time and
 whether Dynamo was skipped; (b): first prefill + first decode on the warm Inductor cache).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,9 +54,14 @@ ROOT = Path(__file__).resolve().parent.parent
 HF_CONTENDERS = ("hf_eager", "hf_compile", "hf_static")
 LEVELS = {"O0": 0, "O1": 1, "O2": 2}
 ALL_CONTENDERS = HF_CONTENDERS + tuple(LEVELS)
-LABELS = {"hf_eager": "(a) transformers eager", "hf_compile": "(b) torch.compile(hf, dynamic)",
-          "hf_static": "(c) StaticCache+compile+freezing", "O0": "(d) piecewise O0",
-          "O1": "(d) piecewise O1", "O2": "(d) piecewise O2"}
+LABELS = {
+    "hf_eager": "(a) transformers eager",
+    "hf_compile": "(b) torch.compile(hf, dynamic)",
+    "hf_static": "(c) StaticCache+compile+freezing",
+    "O0": "(d) piecewise O0",
+    "O1": "(d) piecewise O1",
+    "O2": "(d) piecewise O2",
+}
 COLD_CONTENDERS = ("hf_compile", "hf_static", "O1", "O2")
 """Contenders whose cold start compiles (the eager ones have nothing to measure)."""
 WARM_CONTENDERS = ("hf_compile", "O1", "O2")
@@ -64,12 +70,13 @@ RESULT_MARK = "BENCH_VS_HF_RESULT "
 # Targets (issue 3), all from one run, bf16 batch 1: O2 decode speed-up over each baseline,
 # and startup ratios.
 SPEEDUP_TARGETS = {"hf_compile": 1.7, "hf_static": 1.4, "hf_eager": 2.4}
-COLD_RATIO_TARGET = 1 / 3       # O2 cold compile / (b) cold compile
-WARM_RATIO_TARGET = 0.05        # O2 warm start / O2 cold compile
+COLD_RATIO_TARGET = 1 / 3  # O2 cold compile / (b) cold compile
+WARM_RATIO_TARGET = 0.05  # O2 warm start / O2 cold compile
 
 
-def build_contenders(names: list[str], path: str, dtype: str, args: argparse.Namespace,
-                     cache_dir: str) -> list[Contender]:
+def build_contenders(
+    names: list[str], path: str, dtype: str, args: argparse.Namespace, cache_dir: str
+) -> list[Contender]:
     hf = load_hf(path, dtype) if any(n in HF_CONTENDERS for n in names) else None
     out: list[Contender] = []
     for n in names:
@@ -80,9 +87,14 @@ def build_contenders(names: list[str], path: str, dtype: str, args: argparse.Nam
         elif n == "hf_static":
             out.append(HFStatic(hf, args.prompt_len + args.steps + 1))
         else:
-            out.append(Piecewise(n, build_llm(LEVELS[n], path, dtype, cache_dir,
-                                              max(args.batches),
-                                              max_model_len(args))))
+            out.append(
+                Piecewise(
+                    n,
+                    build_llm(
+                        LEVELS[n], path, dtype, cache_dir, max(args.batches), max_model_len(args)
+                    ),
+                )
+            )
     return out
 
 
@@ -115,12 +127,18 @@ def agreement(tokens: list[list[int]], ref: list[list[int]]) -> float:
     return sum(a == b for a, b in pairs) / max(1, len(pairs))
 
 
-def measure_latency(contenders: list[Contender], dtype: str, batch: int,
-                    args: argparse.Namespace, vocab_size: int, log: Callable) -> list[dict]:
+def measure_latency(
+    contenders: list[Contender],
+    dtype: str,
+    batch: int,
+    args: argparse.Namespace,
+    vocab_size: int,
+    log: Callable,
+) -> list[dict]:
     prompts = make_prompts(batch, args.prompt_len, vocab_size)
     samples: dict[str, list[float]] = {c.name: [] for c in contenders}
     tokens: dict[str, list[list[int]]] = {}
-    for c in contenders:                                # warm-up: compiles, recompiles, caches
+    for c in contenders:  # warm-up: compiles, recompiles, caches
         t0 = time.perf_counter()
         tokens[c.name], _ = timed_generation(c, prompts, args.steps)
         log(f"  warm-up {c.name} {dtype} b{batch}: {time.perf_counter() - t0:.1f}s")
@@ -130,18 +148,26 @@ def measure_latency(contenders: list[Contender], dtype: str, batch: int,
         for c in contenders[k:] + contenders[:k]:
             toks, times = timed_generation(c, prompts, args.steps)
             stable[c.name] &= toks == tokens[c.name]
-            samples[c.name].extend(times[args.warmup_steps:])
+            samples[c.name].extend(times[args.warmup_steps :])
     ref_name = "hf_eager" if "hf_eager" in tokens else contenders[0].name
     rows = []
     for c in contenders:
         ms = [t * 1e3 for t in samples[c.name]]
-        rows.append({"dtype": dtype, "batch": batch, "contender": c.name,
-                     "median_ms": statistics.median(ms), "p90_ms": percentile(ms, 0.9),
-                     "min_ms": min(ms), "samples": len(ms),
-                     "agreement_ref": ref_name,
-                     "token_agreement": agreement(tokens[c.name], tokens[ref_name]),
-                     "tokens_stable_across_rounds": stable[c.name],
-                     "tokens": tokens[c.name]})
+        rows.append(
+            {
+                "dtype": dtype,
+                "batch": batch,
+                "contender": c.name,
+                "median_ms": statistics.median(ms),
+                "p90_ms": percentile(ms, 0.9),
+                "min_ms": min(ms),
+                "samples": len(ms),
+                "agreement_ref": ref_name,
+                "token_agreement": agreement(tokens[c.name], tokens[ref_name]),
+                "tokens_stable_across_rounds": stable[c.name],
+                "tokens": tokens[c.name],
+            }
+        )
     return rows
 
 
@@ -158,15 +184,22 @@ def startup_worker(args: argparse.Namespace) -> dict:
         llm.generate(prompt, max_new_tokens=2, ignore_eos=True)
         t2 = time.perf_counter()
         st = llm.stats
-        res.update(construct_s=t1 - t0, first_steps_s=t2 - t1, total_s=t2 - t0,
-                   # load_s: LLM setup before the warm-up forward (weights, and on a warm
-                   # start the artifact restore, warm_restore_s, which is part of it)
-                   load_s=st.get("load_s"), warm_restore_s=st.get("warm_restore_s"),
-                   warmup_compile_s=st.get("compile_s"),
-                   dynamo_skipped=bool(st.get("dynamo_skipped")),
-                   dynamo_time_s=st.get("dynamo_time_s"), compiles=st.get("compile_compiles"),
-                   loads=st.get("compile_loads"), cache_hits=st.get("cache_hits"),
-                   cache_misses=st.get("cache_misses"))
+        res.update(
+            construct_s=t1 - t0,
+            first_steps_s=t2 - t1,
+            total_s=t2 - t0,
+            # load_s: LLM setup before the warm-up forward (weights, and on a warm
+            # start the artifact restore, warm_restore_s, which is part of it)
+            load_s=st.get("load_s"),
+            warm_restore_s=st.get("warm_restore_s"),
+            warmup_compile_s=st.get("compile_s"),
+            dynamo_skipped=bool(st.get("dynamo_skipped")),
+            dynamo_time_s=st.get("dynamo_time_s"),
+            compiles=st.get("compile_compiles"),
+            loads=st.get("compile_loads"),
+            cache_hits=st.get("cache_hits"),
+            cache_misses=st.get("cache_misses"),
+        )
         return res
     hf = load_hf(path, dtype)
     t1 = time.perf_counter()
@@ -180,34 +213,53 @@ def startup_worker(args: argparse.Namespace) -> dict:
     return res
 
 
-def run_worker(name: str, dtype: str, args: argparse.Namespace, inductor_dir: Path,
-               cache_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "experiments.bench_vs_hf", "--worker", name, "--dtypes", dtype,
-           "--prompt-len", str(args.prompt_len), "--cache-dir", str(cache_dir)]
+def run_worker(
+    name: str, dtype: str, args: argparse.Namespace, inductor_dir: Path, cache_dir: Path
+) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.bench_vs_hf",
+        "--worker",
+        name,
+        "--dtypes",
+        dtype,
+        "--prompt-len",
+        str(args.prompt_len),
+        "--cache-dir",
+        str(cache_dir),
+    ]
     cmd += ["--model-dir", args.model_dir] if args.model_dir else ["--preset", args.preset]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=args.worker_timeout)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.worker_timeout
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARK)]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"startup worker {name} ({dtype}) failed with exit code "
-                           f"{proc.returncode}:\n{proc.stderr[-3000:]}")
-    res = json.loads(lines[-1][len(RESULT_MARK):])
+        raise RuntimeError(
+            f"startup worker {name} ({dtype}) failed with exit code "
+            f"{proc.returncode}:\n{proc.stderr[-3000:]}"
+        )
+    res = json.loads(lines[-1][len(RESULT_MARK) :])
     res["process_wall_s"] = time.perf_counter() - t0
     return res
 
 
-def measure_startup(names: list[str], dtype: str, args: argparse.Namespace, work: Path,
-                    log: Callable) -> list[dict]:
+def measure_startup(
+    names: list[str], dtype: str, args: argparse.Namespace, work: Path, log: Callable
+) -> list[dict]:
     rows = []
     for name in [n for n in names if n in COLD_CONTENDERS]:
         ind, pw = work / f"inductor-{name}-{dtype}", work / f"piecewise-{name}-{dtype}"
         for d in (ind, pw):
-            shutil.rmtree(d, ignore_errors=True)   # cold means cold, whatever ran before
+            shutil.rmtree(d, ignore_errors=True)  # cold means cold, whatever ran before
             d.mkdir(parents=True)
         cold = run_worker(name, dtype, args, ind, pw)
         row = {"dtype": dtype, "contender": name, "cold": cold}
@@ -232,53 +284,83 @@ def targets(latency: list[dict], startup: list[dict]) -> list[dict]:
     for base, want in SPEEDUP_TARGETS.items():
         b = lat.get(("bfloat16", 1, base))
         if o2 and b:
-            out.append({"target": f"O2 bf16 b1 decode speed-up vs {LABELS[base]}",
-                        "want": f">= {want}x", "got": b / o2, "met": b / o2 >= want})
+            out.append(
+                {
+                    "target": f"O2 bf16 b1 decode speed-up vs {LABELS[base]}",
+                    "want": f">= {want}x",
+                    "got": b / o2,
+                    "met": b / o2 >= want,
+                }
+            )
     st = {(r["dtype"], r["contender"]): r for r in startup}
     o2s, bs = st.get(("bfloat16", "O2")), st.get(("bfloat16", "hf_compile"))
     if o2s and bs:
         ratio = o2s["cold_s"] / bs["cold_s"]
-        out.append({"target": "O2 cold compile / (b) cold compile (bf16)",
-                    "want": f"<= {COLD_RATIO_TARGET:.3f}", "got": ratio,
-                    "met": ratio <= COLD_RATIO_TARGET})
+        out.append(
+            {
+                "target": "O2 cold compile / (b) cold compile (bf16)",
+                "want": f"<= {COLD_RATIO_TARGET:.3f}",
+                "got": ratio,
+                "met": ratio <= COLD_RATIO_TARGET,
+            }
+        )
     if o2s and "warm_s" in o2s:
         ratio = o2s["warm_s"] / o2s["cold_s"]
-        out.append({"target": "O2 warm start / O2 cold compile (bf16)",
-                    "want": f"<= {WARM_RATIO_TARGET}", "got": ratio,
-                    "met": ratio <= WARM_RATIO_TARGET})
+        out.append(
+            {
+                "target": "O2 warm start / O2 cold compile (bf16)",
+                "want": f"<= {WARM_RATIO_TARGET}",
+                "got": ratio,
+                "met": ratio <= WARM_RATIO_TARGET,
+            }
+        )
     return out
 
 
 def markdown(result: dict) -> str:
-    lines = ["| dtype | batch | contender | decode median ms | p90 ms | O2 speed-up vs it |"
-             " tokens = ref | stable |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| dtype | batch | contender | decode median ms | p90 ms | O2 speed-up vs it |"
+        " tokens = ref | stable |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     lat = result["latency"]
     o2 = {(r["dtype"], r["batch"]): r["median_ms"] for r in lat if r["contender"] == "O2"}
     for r in lat:
         base = o2.get((r["dtype"], r["batch"]))
         sp = f"{r['median_ms'] / base:.2f}x" if base else "-"
-        lines.append(f"| {r['dtype']} | {r['batch']} | {LABELS[r['contender']]} | "
-                     f"{r['median_ms']:.3f} | {r['p90_ms']:.3f} | {sp} | "
-                     f"{100 * r['token_agreement']:.1f}% vs {r['agreement_ref']} | "
-                     f"{'yes' if r['tokens_stable_across_rounds'] else 'NO'} |")
+        lines.append(
+            f"| {r['dtype']} | {r['batch']} | {LABELS[r['contender']]} | "
+            f"{r['median_ms']:.3f} | {r['p90_ms']:.3f} | {sp} | "
+            f"{100 * r['token_agreement']:.1f}% vs {r['agreement_ref']} | "
+            f"{'yes' if r['tokens_stable_across_rounds'] else 'NO'} |"
+        )
     if result["startup"]:
-        lines += ["", "| dtype | contender | cold s | warm s | warm dynamo skipped | cold: load s |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| dtype | contender | cold s | warm s | warm dynamo skipped | cold: load s |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in result["startup"]:
             warm_s = f"{r['warm_s']:.2f}" if "warm_s" in r else "-"
             skipped = r.get("warm", {}).get("dynamo_skipped", "-")
-            lines.append(f"| {r['dtype']} | {LABELS[r['contender']]} | {r['cold_s']:.2f} | "
-                         f"{warm_s} | {skipped} | {r['cold']['load_s']:.2f} |")
+            lines.append(
+                f"| {r['dtype']} | {LABELS[r['contender']]} | {r['cold_s']:.2f} | "
+                f"{warm_s} | {skipped} | {r['cold']['load_s']:.2f} |"
+            )
     if result["targets"]:
         lines += ["", "| target | want | got | met |", "|---|---|---|---|"]
         for t in result["targets"]:
-            lines.append(f"| {t['target']} | {t['want']} | {t['got']:.3f} | "
-                         f"{'yes' if t['met'] else 'NO'} |")
+            lines.append(
+                f"| {t['target']} | {t['want']} | {t['got']:.3f} | {'yes' if t['met'] else 'NO'} |"
+            )
     fp32 = [r for r in lat if r["dtype"] == "float32"]
     if fp32:
         bad = [f"{r['contender']} b{r['batch']}" for r in fp32 if r["token_agreement"] < 1]
-        lines += ["", "fp32 greedy-token agreement: " +
-                  ("all contenders agree" if not bad else f"DISAGREE: {', '.join(bad)}")]
+        lines += [
+            "",
+            "fp32 greedy-token agreement: "
+            + ("all contenders agree" if not bad else f"DISAGREE: {', '.join(bad)}"),
+        ]
     return "\n".join(lines)
 
 
@@ -287,6 +369,7 @@ def model_path(args: argparse.Namespace) -> str:
     if args.model_dir:
         return args.model_dir
     from models.tiny import ensure_tiny_model
+
     return str(ensure_tiny_model(preset=args.preset))
 
 
@@ -295,23 +378,29 @@ def _vocab_size(path: str) -> int:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="default", help="models.tiny preset (default: default)")
     p.add_argument("--model-dir", help="an HF checkpoint folder instead of a preset")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                   choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
+    )
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--contenders", nargs="+", default=list(ALL_CONTENDERS),
-                   choices=ALL_CONTENDERS)
+    p.add_argument("--contenders", nargs="+", default=list(ALL_CONTENDERS), choices=ALL_CONTENDERS)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=32, help="decode steps per generation")
-    p.add_argument("--warmup-steps", type=int, default=2,
-                   help="decode steps dropped at the start of every generation")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=2,
+        help="decode steps dropped at the start of every generation",
+    )
     p.add_argument("--rounds", type=int, default=10, help="round-robin measurement rounds")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--skip-startup", action="store_true",
-                   help="skip the cold/warm start subprocesses")
+    p.add_argument(
+        "--skip-startup", action="store_true", help="skip the cold/warm start subprocesses"
+    )
     p.add_argument("--work-dir", help="keep the cache dirs here (default: a temp dir, removed)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--worker-timeout", type=float, default=3600)
@@ -332,9 +421,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def versions() -> dict[str, str]:
     import transformers
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "machine": platform.machine(),
-            "cpu_count": str(os.cpu_count()), "torch_threads": str(torch.get_num_threads())}
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": str(os.cpu_count()),
+        "torch_threads": str(torch.get_num_threads()),
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -357,10 +452,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-main")
     path = model_path(args)
     vocab = _vocab_size(path)
-    result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()
-                                         if k not in ("worker", "cache_dir")},
-                              "model_dir": path, "versions": versions(),
-                              "latency": [], "startup": []}
+    result: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "cache_dir")},
+        "model_dir": path,
+        "versions": versions(),
+        "latency": [],
+        "startup": [],
+    }
     order = [c for c in ALL_CONTENDERS if c in args.contenders]
     try:
         for dtype in args.dtypes:

@@ -6,6 +6,7 @@ a decode step the same way (build the step's inputs, forward, argmax, read token
   HFStatic   (c) StaticCache + ``torch.compile(fullgraph)`` of the decode step with freezing
   Piecewise  (d) this project's ``LLM``
 """
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,7 @@ class Contender:
 
     name: str
 
-    def generate(self, prompts: list[list[int]], steps: int
-                 ) -> tuple[list[list[int]], list[float]]:
+    def generate(self, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[float]]:
         raise NotImplementedError
 
 
@@ -37,15 +37,17 @@ class HFLoop(Contender):
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        logits = self.forward(input_ids=torch.tensor(prompts), cache=cache, use_cache=True,
-                              logits_to_keep=1).logits
+        logits = self.forward(
+            input_ids=torch.tensor(prompts), cache=cache, use_cache=True, logits_to_keep=1
+        ).logits
         toks = logits[:, -1].argmax(-1).tolist()
         out, times = [[t] for t in toks], []
         for _ in range(steps):
             t0 = time.perf_counter()
             ids = torch.tensor(toks).unsqueeze(1)
-            logits = self.forward(input_ids=ids, cache=cache, use_cache=True,
-                                  logits_to_keep=1).logits
+            logits = self.forward(
+                input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1
+            ).logits
             toks = logits[:, -1].argmax(-1).tolist()
             times.append(time.perf_counter() - t0)
             for row, t in zip(out, toks):
@@ -74,16 +76,18 @@ class HFStatic(Contender):
         from transformers import StaticCache
 
         batch = len(prompts)
-        if batch not in self.caches:     # one cache per batch size: no re-allocation, no guard miss
-            self.caches[batch] = StaticCache(config=self.model.config,
-                                             max_cache_len=self.max_cache_len)
+        if batch not in self.caches:  # one cache per batch size: no re-allocation, no guard miss
+            self.caches[batch] = StaticCache(
+                config=self.model.config, max_cache_len=self.max_cache_len
+            )
         cache = self.caches[batch]
         cache.reset()
         # freezing is read when Inductor compiles (the first call per batch size); the patch
         # costs nothing measurable and keeps the global config untouched for other contenders.
         with torch._inductor.config.patch(freezing=True):
-            logits = self.model(input_ids=torch.tensor(prompts), cache=cache, use_cache=True,
-                                logits_to_keep=1).logits
+            logits = self.model(
+                input_ids=torch.tensor(prompts), cache=cache, use_cache=True, logits_to_keep=1
+            ).logits
             toks = logits[:, -1].argmax(-1).tolist()
             out, times = [[t] for t in toks], []
             for _ in range(steps):
@@ -107,9 +111,11 @@ class Piecewise(Contender):
         out = self.llm.generate(prompts, max_new_tokens=steps + 1, ignore_eos=True)
         times = list(self.llm.runner.step_times["decode"])
         if len(times) != steps:
-            raise RuntimeError(f"{self.name}: expected {steps} decode steps, the runner timed "
-                               f"{len(times)} (mixed steps: "
-                               f"{len(self.llm.runner.step_times['mixed'])})")
+            raise RuntimeError(
+                f"{self.name}: expected {steps} decode steps, the runner timed "
+                f"{len(times)} (mixed steps: "
+                f"{len(self.llm.runner.step_times['mixed'])})"
+            )
         return out, times
 
 
@@ -119,8 +125,14 @@ def load_hf(path: str, dtype: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
 
 
-def build_llm(level: int, path: str, dtype: str, cache_dir: str, max_num_seqs: int,
-              max_model_len: int):
-    return LLM(path, dtype=dtype, cache_dir=cache_dir, max_num_seqs=max_num_seqs,
-               max_model_len=max_model_len,
-               compilation_config=CompilationConfig(level=level, progress_bar=False))
+def build_llm(
+    level: int, path: str, dtype: str, cache_dir: str, max_num_seqs: int, max_model_len: int
+):
+    return LLM(
+        path,
+        dtype=dtype,
+        cache_dir=cache_dir,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        compilation_config=CompilationConfig(level=level, progress_bar=False),
+    )

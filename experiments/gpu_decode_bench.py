@@ -16,6 +16,7 @@ A decode step is measured as a difference of two generations that share their pr
 the sampled tokens back to the host each step, as a generation loop must.  Prints a markdown
 table (ms per decode step and speed-up over ``eager``) and writes JSON with ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,15 @@ DEFAULT_MODES = ("eager", "piecewise", "full_and_piecewise", "hf_reduce_overhead
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-dir", help="HF checkpoint folder (default: the tiny preset)")
-    p.add_argument("--preset", default="default",
-                   help="models.tiny preset generated when --model-dir is not given")
+    p.add_argument(
+        "--preset",
+        default="default",
+        help="models.tiny preset generated when --model-dir is not given",
+    )
     p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=ALL_MODES)
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -51,10 +56,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int, default=64, help="N: measured decode steps")
     p.add_argument("--base-steps", type=int, default=8, help="S: steps both runs share")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--attention-backend", default=None,
-                   help="framework attention backend (default: triton on CUDA, else torch)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cpu only for a plumbing smoke run (graph modes resolve to NONE)")
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="framework attention backend (default: triton on CUDA, else torch)",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu only for a plumbing smoke run (graph modes resolve to NONE)",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     for name in ("prompt_len", "decode_steps", "base_steps", "repeats"):
@@ -63,8 +75,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if any(b <= 0 for b in args.batch_sizes):
         p.error("--batch-sizes must be positive")
     if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("CUDA is not available; this benchmark is for a GPU (use --device cpu only "
-                "for a smoke run of the plumbing)")
+        p.error(
+            "CUDA is not available; this benchmark is for a GPU (use --device cpu only "
+            "for a smoke run of the plumbing)"
+        )
     if args.attention_backend is None:
         args.attention_backend = "triton" if args.device == "cuda" else "torch"
     return args
@@ -77,7 +91,7 @@ def _sync(device: str) -> None:
 
 def step_ms(generate: Callable[[int], None], args: argparse.Namespace) -> float:
     """Median ms per decode step from ``generate(num_new_tokens)`` timings."""
-    generate(args.base_steps)                                   # warm-up (compile, capture)
+    generate(args.base_steps)  # warm-up (compile, capture)
     generate(args.base_steps + args.decode_steps)
     samples = []
     for _ in range(args.repeats):
@@ -99,6 +113,7 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------ framework --
 
+
 def bench_framework(mode: str, model_dir: str, args: argparse.Namespace) -> dict:
     from framework import LLM, CompilationConfig
 
@@ -110,11 +125,16 @@ def bench_framework(mode: str, model_dir: str, args: argparse.Namespace) -> dict
         cc["cudagraph_mode"] = spec["cudagraph_mode"]
     max_batch = max(args.batch_sizes)
     t0 = time.perf_counter()
-    llm = LLM(model_dir, dtype=args.dtype, compilation_config=CompilationConfig.from_dict(cc),
-              max_num_seqs=max_batch,
-              max_model_len=args.prompt_len + args.base_steps + args.decode_steps + 16,
-              max_num_batched_tokens=max(max_batch * args.prompt_len, 256),
-              attention_backend=args.attention_backend, device=args.device)
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        compilation_config=CompilationConfig.from_dict(cc),
+        max_num_seqs=max_batch,
+        max_model_len=args.prompt_len + args.base_steps + args.decode_steps + 16,
+        max_num_batched_tokens=max(max_batch * args.prompt_len, 256),
+        attention_backend=args.attention_backend,
+        device=args.device,
+    )
     startup_s = time.perf_counter() - t0
     vocab = llm.model_config.vocab_size
     result = {"startup_s": startup_s, "ms": {}}
@@ -124,8 +144,9 @@ def bench_framework(mode: str, model_dir: str, args: argparse.Namespace) -> dict
         def generate(n: int) -> None:
             outs = llm.generate(ps, max_new_tokens=n, ignore_eos=True)
             if any(len(o) != n for o in outs):
-                raise RuntimeError(f"{mode}: asked for {n} new tokens, got "
-                                   f"{sorted({len(o) for o in outs})}")
+                raise RuntimeError(
+                    f"{mode}: asked for {n} new tokens, got {sorted({len(o) for o in outs})}"
+                )
 
         result["ms"][batch] = step_ms(generate, args)
     stats = llm.stats
@@ -135,6 +156,7 @@ def bench_framework(mode: str, model_dir: str, args: argparse.Namespace) -> dict
 
 
 # ---------------------------------------------------------------------------- transformers --
+
 
 def bench_hf(mode: str, model_dir: str, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, StaticCache
@@ -148,8 +170,9 @@ def bench_hf(mode: str, model_dir: str, args: argparse.Namespace) -> dict:
     max_len = args.prompt_len + args.base_steps + args.decode_steps + 16
     result = {"startup_s": time.perf_counter() - t0, "ms": {}, "cudagraph_mode": None}
     for batch in args.batch_sizes:
-        ids = torch.tensor(prompts(batch, args.prompt_len, model.config.vocab_size),
-                           device=args.device)
+        ids = torch.tensor(
+            prompts(batch, args.prompt_len, model.config.vocab_size), device=args.device
+        )
         # One cache per batch size, reset per generation: a new cache object would fail
         # Dynamo's guards and recompile on every generation.
         cache = StaticCache(config=model.config, max_cache_len=max_len)
@@ -168,13 +191,14 @@ def bench_hf(mode: str, model_dir: str, args: argparse.Namespace) -> dict:
                 out = forward(input_ids=tok, position_ids=pos, cache=cache, use_cache=True)
                 tok = out.logits[:, -1:].argmax(-1)
                 pos = pos + 1
-                tok.tolist()                      # the host reads each token, as a loop must
+                tok.tolist()  # the host reads each token, as a loop must
 
         result["ms"][batch] = step_ms(generate, args)
     return result
 
 
 # ------------------------------------------------------------------------------------ main --
+
 
 def format_table(results: dict[str, dict], batch_sizes: list[int]) -> str:
     head = "| mode | graphs | " + " | ".join(f"bs={b} ms/step" for b in batch_sizes)
@@ -187,8 +211,13 @@ def format_table(results: dict[str, dict], batch_sizes: list[int]) -> str:
             continue
         ms = [f"{r['ms'][b]:.3f}" for b in batch_sizes]
         speed = [f"{eager[b] / r['ms'][b]:.2f}x" if b in eager else "-" for b in batch_sizes]
-        lines.append(f"| {mode} | {r.get('cudagraph_mode') or '-'} | " + " | ".join(ms)
-                     + " | " + " | ".join(speed) + f" | {r['startup_s']:.1f} |")
+        lines.append(
+            f"| {mode} | {r.get('cudagraph_mode') or '-'} | "
+            + " | ".join(ms)
+            + " | "
+            + " | ".join(speed)
+            + f" | {r['startup_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -196,11 +225,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.model_dir is None:
         from models.tiny import ensure_tiny_model
+
         args.model_dir = str(ensure_tiny_model(preset=args.preset))
-    print(f"model {args.model_dir}  dtype {args.dtype}  device {args.device}  "
-          f"attention {args.attention_backend}  torch {torch.__version__}"
-          + (f"  gpu {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
-          flush=True)
+    print(
+        f"model {args.model_dir}  dtype {args.dtype}  device {args.device}  "
+        f"attention {args.attention_backend}  torch {torch.__version__}"
+        + (f"  gpu {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
+        flush=True,
+    )
     results: dict[str, dict] = {}
     for mode in args.modes:
         t0 = time.perf_counter()
@@ -209,8 +241,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             results[mode] = bench(mode, args.model_dir, args)
         except Exception as e:  # one failing mode must not hide the others' numbers
             results[mode] = {"error": f"{type(e).__name__}: {e}"}
-        print(f"{mode}: done in {time.perf_counter() - t0:.1f} s "
-              f"{results[mode].get('ms', results[mode].get('error'))}", flush=True)
+        print(
+            f"{mode}: done in {time.perf_counter() - t0:.1f} s "
+            f"{results[mode].get('ms', results[mode].get('error'))}",
+            flush=True,
+        )
         if args.device == "cuda":
             torch.cuda.empty_cache()
     print()

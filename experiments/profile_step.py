@@ -26,6 +26,7 @@ token and layer; the LM head reads its weight and writes/reads the logits; host 
 memory floor.  The last row compares the unprofiled step (median) with the weights' streaming
 floor (every weight but the embedding table read once per step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,15 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from experiments.bandwidth import measure_read_bandwidth
 
 ROWS = ("linears", "attention", "elementwise pieces", "LM head + sampling", "host")
-LINEAR_OPS = frozenset({"piecewise::prepacked_linear", "mkldnn::_linear_pointwise",
-                        "aten::linear", "aten::addmm", "aten::mm"})
+LINEAR_OPS = frozenset(
+    {
+        "piecewise::prepacked_linear",
+        "mkldnn::_linear_pointwise",
+        "aten::linear",
+        "aten::addmm",
+        "aten::mm",
+    }
+)
 ATTENTION_OP = "piecewise::attention"
 _EXEC, _FWD = "profile_step::execute", "profile_step::forward"
 
@@ -101,10 +109,13 @@ class _Probe:
 
 def split_steps(events) -> list[dict[str, float]]:
     """Per decode step (that has a following decode step), µs per row, from profiler events."""
+
     def span(e):
         return (e.time_range.start, e.time_range.end)
-    execs = sorted((e for e in events if e.name.startswith(_EXEC)),
-                   key=lambda e: e.time_range.start)
+
+    execs = sorted(
+        (e for e in events if e.name.startswith(_EXEC)), key=lambda e: e.time_range.start
+    )
     fwds = [span(e) for e in events if e.name == _FWD]
     attn = [span(e) for e in events if e.name == ATTENTION_OP]
     lin = [span(e) for e in events if e.name in LINEAR_OPS]
@@ -120,10 +131,16 @@ def split_steps(events) -> list[dict[str, float]]:
         attention = _union_us(a)
         linears = _union_us(lv) - _overlap_us(lv, a)
         lm_head = s1 - max((e for _, e in f), default=s0)
-        steps.append({"linears": linears, "attention": attention,
-                      "elementwise pieces": fwd - attention - linears,
-                      "LM head + sampling": lm_head,
-                      "host": period - fwd - lm_head, "step": period})
+        steps.append(
+            {
+                "linears": linears,
+                "attention": attention,
+                "elementwise pieces": fwd - attention - linears,
+                "LM head + sampling": lm_head,
+                "host": period - fwd - lm_head,
+                "step": period,
+            }
+        )
     return steps
 
 
@@ -145,13 +162,19 @@ def step_bytes(llm: Any, batch: int, mean_ctx: float) -> dict[str, int]:
     kv = int(2 * mc.num_layers * batch * mean_ctx * mc.num_kv_heads * mc.head_dim * elem)
     acts = batch * mc.num_layers * (10 * mc.hidden_size + 3 * mc.intermediate_size) * elem
     logits = batch * mc.vocab_size * (elem + 2 * 4)
-    return {"linears": linear, "attention": kv, "elementwise pieces": other + acts,
-            "LM head + sampling": head_bytes + logits, "host": 0,
-            "weights": linear + head_bytes}
+    return {
+        "linears": linear,
+        "attention": kv,
+        "elementwise pieces": other + acts,
+        "LM head + sampling": head_bytes + logits,
+        "host": 0,
+        "weights": linear + head_bytes,
+    }
 
 
-def profile_decode(llm: Any, batch: int, prompt_len: int, steps: int,
-                   seed: int = 0) -> dict[str, Any]:
+def profile_decode(
+    llm: Any, batch: int, prompt_len: int, steps: int, seed: int = 0
+) -> dict[str, Any]:
     """Warm up, time an unprofiled generation, profile one; returns per-row ms per step."""
     gen = torch.Generator().manual_seed(seed)
     vocab = llm.model_config.vocab_size
@@ -168,40 +191,57 @@ def profile_decode(llm: Any, batch: int, prompt_len: int, steps: int,
         probe.close()
     per_step = split_steps(prof.events())
     if not per_step:
-        raise RuntimeError("profile_step: the profiled generation had no consecutive decode "
-                           "steps; raise --steps")
+        raise RuntimeError(
+            "profile_step: the profiled generation had no consecutive decode steps; raise --steps"
+        )
     mean = {k: statistics.fmean(s[k] for s in per_step) / 1e3 for k in per_step[0]}
-    return {"ms": mean, "steps": len(per_step), "unprofiled_step_ms":
-            statistics.median(periods) * 1e3,
-            "mean_ctx": prompt_len + 1 + (steps - 1) / 2}
+    return {
+        "ms": mean,
+        "steps": len(per_step),
+        "unprofiled_step_ms": statistics.median(periods) * 1e3,
+        "mean_ctx": prompt_len + 1 + (steps - 1) / 2,
+    }
 
 
-def roofline(llm: Any, batch: int, prompt_len: int, steps: int,
-             bandwidth: Optional[float] = None) -> dict[str, Any]:
+def roofline(
+    llm: Any, batch: int, prompt_len: int, steps: int, bandwidth: Optional[float] = None
+) -> dict[str, Any]:
     bandwidth = bandwidth or measure_read_bandwidth()
     prof = profile_decode(llm, batch, prompt_len, steps)
     nbytes = step_bytes(llm, batch, prof["mean_ctx"])
     rows = [Row(name, prof["ms"][name], nbytes[name]) for name in ROWS]
-    return {"rows": rows, "step_ms": prof["ms"]["step"], "bandwidth": bandwidth,
-            "unprofiled_step_ms": prof["unprofiled_step_ms"], "weights_bytes": nbytes["weights"],
-            "steps": prof["steps"]}
+    return {
+        "rows": rows,
+        "step_ms": prof["ms"]["step"],
+        "bandwidth": bandwidth,
+        "unprofiled_step_ms": prof["unprofiled_step_ms"],
+        "weights_bytes": nbytes["weights"],
+        "steps": prof["steps"],
+    }
 
 
 def format_table(result: dict[str, Any]) -> str:
     bw, step = result["bandwidth"], result["step_ms"]
-    lines = ["| component | ms / step | share | MB moved | floor ms | × floor |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| component | ms / step | share | MB moved | floor ms | × floor |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         floor = r.floor_ms(bw)
         ratio = f"{r.ms / floor:.1f}×" if floor else "—"
-        lines.append(f"| {r.name} | {r.ms:.3f} | {100 * r.ms / step:.0f}% | "
-                     f"{r.bytes / 1e6:.2f} | {floor:.3f} | {ratio} |" if floor else
-                     f"| {r.name} | {r.ms:.3f} | {100 * r.ms / step:.0f}% | — | — | — |")
+        lines.append(
+            f"| {r.name} | {r.ms:.3f} | {100 * r.ms / step:.0f}% | "
+            f"{r.bytes / 1e6:.2f} | {floor:.3f} | {ratio} |"
+            if floor
+            else f"| {r.name} | {r.ms:.3f} | {100 * r.ms / step:.0f}% | — | — | — |"
+        )
     lines.append(f"| sum (profiled step) | {step:.3f} | 100% | | | |")
     wfloor = result["weights_bytes"] / bw * 1e3
     un = result["unprofiled_step_ms"]
-    lines.append(f"| whole step, unprofiled (median) vs weights' streaming floor | {un:.3f} | | "
-                 f"{result['weights_bytes'] / 1e6:.2f} | {wfloor:.3f} | {un / wfloor:.1f}× |")
+    lines.append(
+        f"| whole step, unprofiled (median) vs weights' streaming floor | {un:.3f} | | "
+        f"{result['weights_bytes'] / 1e6:.2f} | {wfloor:.3f} | {un / wfloor:.1f}× |"
+    )
     return "\n".join(lines)
 
 
@@ -234,14 +274,22 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model_dir or str(ensure_tiny_model(preset=args.preset))
-    llm = LLM(path, dtype=args.dtype, optimization_level=args.level, max_num_seqs=args.batch,
-              max_model_len=args.prompt_len + args.steps + 8, cache_dir=args.cache_dir,
-              attention_backend=args.attention_backend)
+    llm = LLM(
+        path,
+        dtype=args.dtype,
+        optimization_level=args.level,
+        max_num_seqs=args.batch,
+        max_model_len=args.prompt_len + args.steps + 8,
+        cache_dir=args.cache_dir,
+        attention_backend=args.attention_backend,
+    )
     result = roofline(llm, args.batch, args.prompt_len, args.steps)
-    print(f"# decode step roofline: {path}, {args.dtype}, O{args.level}, batch {args.batch}, "
-          f"prompt {args.prompt_len}, attention {llm.runner.attn_backend}, "
-          f"{torch.get_num_threads()} threads, read bandwidth {result['bandwidth'] / 1e9:.1f} "
-          f"GB/s, {result['steps']} profiled steps, {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    print(
+        f"# decode step roofline: {path}, {args.dtype}, O{args.level}, batch {args.batch}, "
+        f"prompt {args.prompt_len}, attention {llm.runner.attn_backend}, "
+        f"{torch.get_num_threads()} threads, read bandwidth {result['bandwidth'] / 1e9:.1f} "
+        f"GB/s, {result['steps']} profiled steps, {time.strftime('%Y-%m-%d %H:%M %Z')}"
+    )
     print(format_table(result))
     return result
 

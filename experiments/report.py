@@ -16,6 +16,7 @@ Rules (also in experiments/README.md):
 * **Outputs changed**: ``agreement.token_agreement < 1.0`` (or, when the agreement is absent,
   ``agreement.outputs_equal`` is false). Each such job gets a "⚠ outputs changed" line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,8 +97,7 @@ def load_jobs(root: Path) -> tuple[list[Job], list[str]]:
             problems.append(f"job `{name}`: {results_path} holds no JSON object")
             continue
         overrides = _read_overrides(results_path.parent, results, name, problems)
-        jobs.append(Job(name=name, path=results_path.parent, overrides=overrides,
-                        results=results))
+        jobs.append(Job(name=name, path=results_path.parent, overrides=overrides, results=results))
     jobs.sort(key=lambda job: _natural_key(job.name))
     return jobs, problems
 
@@ -108,8 +108,9 @@ def _read_overrides(job_dir: Path, results: dict, name: str, problems: list[str]
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
-            problems.append(f"job `{name}`: {path} is not valid YAML ({e}); using the "
-                            f"overrides in results.json")
+            problems.append(
+                f"job `{name}`: {path} is not valid YAML ({e}); using the overrides in results.json"
+            )
         else:
             if isinstance(loaded, list):
                 return [str(o) for o in loaded]
@@ -145,8 +146,7 @@ def unescape_override(value: str) -> str:
 
 
 def config_label(job: Job, keys: Sequence[str]) -> str:
-    parts = [f"{k}={unescape_override(job.override_map[k])}" for k in keys
-             if k in job.override_map]
+    parts = [f"{k}={unescape_override(job.override_map[k])}" for k in keys if k in job.override_map]
     return ", ".join(parts) if parts else f"job {job.name}"
 
 
@@ -179,22 +179,47 @@ class Metric:
         return number(results, *self.keys)
 
 
-METRICS: dict[str, Metric] = {m.name: m for m in [
-    Metric("decode_median", "decode median ms", ("latency_ms", "decode", "median"), ".2f",
-           show_delta=True),
-    Metric("decode_p90", "decode p90 ms", ("latency_ms", "decode", "p90"), ".2f"),
-    Metric("prefill_median", "prefill median ms", ("latency_ms", "prefill", "median"), ".2f",
-           show_delta=True),
-    Metric("tokens_per_s", "tokens/s", ("tokens_per_s",), ".1f", lower_is_better=False,
-           show_delta=True),
-    Metric("compile_cold", "compile cold s", ("compile", "cold_s"), ".2f", show_delta=True),
-    Metric("compile_warm", "warm s", ("compile", "warm_s"), ".2f"),
-]}
-AGREEMENT = Metric("token_agreement", "token agreement", ("agreement", "token_agreement"),
-                   ".4f", lower_is_better=False)
+METRICS: dict[str, Metric] = {
+    m.name: m
+    for m in [
+        Metric(
+            "decode_median",
+            "decode median ms",
+            ("latency_ms", "decode", "median"),
+            ".2f",
+            show_delta=True,
+        ),
+        Metric("decode_p90", "decode p90 ms", ("latency_ms", "decode", "p90"), ".2f"),
+        Metric(
+            "prefill_median",
+            "prefill median ms",
+            ("latency_ms", "prefill", "median"),
+            ".2f",
+            show_delta=True,
+        ),
+        Metric(
+            "tokens_per_s",
+            "tokens/s",
+            ("tokens_per_s",),
+            ".1f",
+            lower_is_better=False,
+            show_delta=True,
+        ),
+        Metric("compile_cold", "compile cold s", ("compile", "cold_s"), ".2f", show_delta=True),
+        Metric("compile_warm", "warm s", ("compile", "warm_s"), ".2f"),
+    ]
+}
+AGREEMENT = Metric(
+    "token_agreement",
+    "token agreement",
+    ("agreement", "token_agreement"),
+    ".4f",
+    lower_is_better=False,
+)
 LOGIT_DIFF = Metric("max_logit_diff", "max logit diff", ("agreement", "max_logit_diff"), ".3g")
-EXACT_MATCH = Metric("exact_match", "exact match", ("accuracy", "exact_match"), ".3f",
-                     lower_is_better=False)
+EXACT_MATCH = Metric(
+    "exact_match", "exact match", ("accuracy", "exact_match"), ".3f", lower_is_better=False
+)
 PADDING = Metric("padding_waste", "padding waste", ("padding_waste",), ".2%")
 
 
@@ -231,16 +256,22 @@ def _cache_cell(results: dict) -> str:
     return f"{MISSING if hits is None else hits}/{MISSING if misses is None else misses}"
 
 
-def sweep_table(jobs: Sequence[Job], keys: Sequence[str], base: Job,
-                best: Optional[Job]) -> list[str]:
+def sweep_table(
+    jobs: Sequence[Job], keys: Sequence[str], base: Job, best: Optional[Job]
+) -> list[str]:
     """The markdown lines of one sweep's main table."""
-    extra = [m for m in (EXACT_MATCH, PADDING) if any(m.value(j.results) is not None
-                                                       for j in jobs)]
-    headers = (["", "job"] + list(keys) + [m.header for m in METRICS.values()]
-               + ["cache hits/misses", AGREEMENT.header, LOGIT_DIFF.header]
-               + [m.header for m in extra])
-    lines = ["| " + " | ".join(_cell(h) for h in headers) + " |",
-             "|" + "|".join(["---"] * len(headers)) + "|"]
+    extra = [m for m in (EXACT_MATCH, PADDING) if any(m.value(j.results) is not None for j in jobs)]
+    headers = (
+        ["", "job"]
+        + list(keys)
+        + [m.header for m in METRICS.values()]
+        + ["cache hits/misses", AGREEMENT.header, LOGIT_DIFF.header]
+        + [m.header for m in extra]
+    )
+    lines = [
+        "| " + " | ".join(_cell(h) for h in headers) + " |",
+        "|" + "|".join(["---"] * len(headers)) + "|",
+    ]
     for job in jobs:
         marks = (["★ best"] if job is best else []) + (["baseline"] if job is base else [])
         if outputs_changed(job.results):
@@ -268,8 +299,10 @@ def pass_table(jobs: Sequence[Job], labels: dict[str, str]) -> list[str]:
             names.extend(n for n in passes if n not in names)
     if not names:
         return []
-    lines = ["| configuration | " + " | ".join(_cell(n) for n in names) + " |",
-             "|" + "|".join(["---"] * (len(names) + 1)) + "|"]
+    lines = [
+        "| configuration | " + " | ".join(_cell(n) for n in names) + " |",
+        "|" + "|".join(["---"] * (len(names) + 1)) + "|",
+    ]
     for job in jobs:
         cells = [labels[job.name]]
         for name in names:
@@ -298,8 +331,9 @@ def changed_lines(jobs: Sequence[Job], labels: dict[str, str]) -> list[str]:
             details.append("outputs differ from O0")
         if diff is not None:
             details.append(f"max logit diff {diff:.3g}")
-        lines.append(f"- ⚠ outputs changed: `{labels[job.name]}` (job {job.name}) — "
-                     + ", ".join(details))
+        lines.append(
+            f"- ⚠ outputs changed: `{labels[job.name]}` (job {job.name}) — " + ", ".join(details)
+        )
     return lines
 
 
@@ -315,10 +349,12 @@ def _sizes_label(sizes: Any, fallback: str) -> str:
     return f"[{sizes[0]},{sizes[1]},…,{sizes[-1]}] K={len(sizes)}"
 
 
-def write_plots(group: str, jobs: Sequence[Job], labels: dict[str, str],
-                out_dir: Path) -> list[tuple[str, Path]]:
+def write_plots(
+    group: str, jobs: Sequence[Job], labels: dict[str, str], out_dir: Path
+) -> list[tuple[str, Path]]:
     """Latency, compile-time and padding-waste PNGs for one sweep; returns (title, path)."""
     import matplotlib
+
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
@@ -335,17 +371,27 @@ def write_plots(group: str, jobs: Sequence[Job], labels: dict[str, str],
     def bars(ax, phase: str) -> bool:
         # Configurations that changed outputs are hatched and labelled, so a fast but wrong
         # configuration cannot be mistaken for a win.
-        rows = [(labels[j.name] + (" (outputs changed)" if outputs_changed(j.results) else ""),
-                 number(j.results, "latency_ms", phase, "median"),
-                 number(j.results, "latency_ms", phase, "p90"), outputs_changed(j.results))
-                for j in jobs]
+        rows = [
+            (
+                labels[j.name] + (" (outputs changed)" if outputs_changed(j.results) else ""),
+                number(j.results, "latency_ms", phase, "median"),
+                number(j.results, "latency_ms", phase, "p90"),
+                outputs_changed(j.results),
+            )
+            for j in jobs
+        ]
         rows = [r for r in rows if r[1] is not None]
         if not rows:
             return False
         x = range(len(rows))
         upper = [max((p90 if p90 is not None else med) - med, 0.0) for _, med, p90, _ in rows]
-        drawn = ax.bar(x, [r[1] for r in rows], yerr=[[0.0] * len(rows), upper], capsize=4,
-                       color="tab:blue" if phase == "decode" else "tab:orange")
+        drawn = ax.bar(
+            x,
+            [r[1] for r in rows],
+            yerr=[[0.0] * len(rows), upper],
+            capsize=4,
+            color="tab:blue" if phase == "decode" else "tab:orange",
+        )
         for patch, row in zip(drawn.patches, rows):
             if row[3]:
                 patch.set_hatch("//")
@@ -366,8 +412,14 @@ def write_plots(group: str, jobs: Sequence[Job], labels: dict[str, str],
     else:
         plt.close(fig)
 
-    rows = [(labels[j.name], number(j.results, "compile", "cold_s"),
-             number(j.results, "compile", "warm_s")) for j in jobs]
+    rows = [
+        (
+            labels[j.name],
+            number(j.results, "compile", "cold_s"),
+            number(j.results, "compile", "warm_s"),
+        )
+        for j in jobs
+    ]
     rows = [r for r in rows if r[1] is not None or r[2] is not None]
     if rows:
         fig, ax = plt.subplots(figsize=(width, 4.5))
@@ -380,8 +432,13 @@ def write_plots(group: str, jobs: Sequence[Job], labels: dict[str, str],
         ax.legend()
         save(fig, "Compile time per configuration (cold vs warm cache)", "compile")
 
-    rows = [(_sizes_label(get(j.results, "capture_sizes"), labels[j.name]),
-             number(j.results, "padding_waste")) for j in jobs]
+    rows = [
+        (
+            _sizes_label(get(j.results, "capture_sizes"), labels[j.name]),
+            number(j.results, "padding_waste"),
+        )
+        for j in jobs
+    ]
     rows = [r for r in rows if r[1] is not None]
     if rows:
         fig, ax = plt.subplots(figsize=(width, 4.5))
@@ -397,16 +454,23 @@ def write_plots(group: str, jobs: Sequence[Job], labels: dict[str, str],
 def _versions_line(jobs: Sequence[Job]) -> str:
     parts = []
     for key in ("torch", "piecewise", "python"):
-        values = {str(get(j.results, "versions", key)) for j in jobs
-                  if get(j.results, "versions", key) is not None}
+        values = {
+            str(get(j.results, "versions", key))
+            for j in jobs
+            if get(j.results, "versions", key) is not None
+        }
         if values:
-            parts.append(f"{key} {values.pop()}" if len(values) == 1
-                         else f"{key} varies ({', '.join(sorted(values))})")
+            parts.append(
+                f"{key} {values.pop()}"
+                if len(values) == 1
+                else f"{key} varies ({', '.join(sorted(values))})"
+            )
     return "Versions: " + ", ".join(parts) if parts else "Versions: " + MISSING
 
 
-def build_report(root: Path, metric: str = "decode_median", plots: bool = True,
-                 plot_dir: Optional[Path] = None) -> str:
+def build_report(
+    root: Path, metric: str = "decode_median", plots: bool = True, plot_dir: Optional[Path] = None
+) -> str:
     """Write the PNGs for every sweep under ``root`` into ``plot_dir`` (default ``root``)
     and return the markdown text (which links the PNGs by file name)."""
     if metric not in METRICS:
@@ -414,19 +478,29 @@ def build_report(root: Path, metric: str = "decode_median", plots: bool = True,
     best_metric = METRICS[metric]
     jobs, problems = load_jobs(root)
     if not jobs:
-        raise FileNotFoundError(f"report: no results.json under {root}; pass the multirun "
-                                f"folder (e.g. multirun/2025-01-01/12-00-00)")
+        raise FileNotFoundError(
+            f"report: no results.json under {root}; pass the multirun "
+            f"folder (e.g. multirun/2025-01-01/12-00-00)"
+        )
     groups = group_by_experiment(jobs)
     num_changed = sum(outputs_changed(j.results) for j in jobs)
-    lines = [f"# Experiment report: `{root}`", "",
-             f"{len(jobs)} job(s) in {len(groups)} sweep(s). {_versions_line(jobs)}.", "",
-             f"Baseline of a sweep: the first job with `\"baseline\": true` in results.json, "
-             f"else the first job; deltas are relative to it. ★ best: "
-             f"{'lowest' if best_metric.lower_is_better else 'highest'} {best_metric.header} "
-             f"among configurations whose outputs are unchanged.", ""]
+    lines = [
+        f"# Experiment report: `{root}`",
+        "",
+        f"{len(jobs)} job(s) in {len(groups)} sweep(s). {_versions_line(jobs)}.",
+        "",
+        f'Baseline of a sweep: the first job with `"baseline": true` in results.json, '
+        f"else the first job; deltas are relative to it. ★ best: "
+        f"{'lowest' if best_metric.lower_is_better else 'highest'} {best_metric.header} "
+        f"among configurations whose outputs are unchanged.",
+        "",
+    ]
     if num_changed:
-        lines += [f"**{num_changed} configuration(s) changed outputs versus O0** "
-                  f"(see the ⚠ lines below).", ""]
+        lines += [
+            f"**{num_changed} configuration(s) changed outputs versus O0** "
+            f"(see the ⚠ lines below).",
+            "",
+        ]
     elif any(AGREEMENT.value(j.results) is not None for j in jobs):
         lines += ["No configuration changed outputs: every measured token agreement is 1.0.", ""]
     else:
@@ -441,20 +515,33 @@ def build_report(root: Path, metric: str = "decode_median", plots: bool = True,
         labels = {j.name: config_label(j, keys) for j in group_jobs}
         base = baseline_job(group_jobs)
         best = best_job(group_jobs, best_metric)
-        lines += [f"## Sweep: {group}", "",
-                  f"Baseline: `{labels[base.name]}` (job {base.name}). Best: "
-                  + (f"`{labels[best.name]}` (job {best.name})." if best else
-                     f"{MISSING} (no job reports {best_metric.header})."), ""]
+        lines += [
+            f"## Sweep: {group}",
+            "",
+            f"Baseline: `{labels[base.name]}` (job {base.name}). Best: "
+            + (
+                f"`{labels[best.name]}` (job {best.name})."
+                if best
+                else f"{MISSING} (no job reports {best_metric.header})."
+            ),
+            "",
+        ]
         lines += sweep_table(group_jobs, keys, base, best)
         lines.append("")
         changed = changed_lines(group_jobs, labels)
-        unmeasured = [j.name for j in group_jobs if AGREEMENT.value(j.results) is None
-                      and get(j.results, "agreement", "outputs_equal") is None]
+        unmeasured = [
+            j.name
+            for j in group_jobs
+            if AGREEMENT.value(j.results) is None
+            and get(j.results, "agreement", "outputs_equal") is None
+        ]
         if changed:
             lines += changed
         elif unmeasured:
-            lines.append(f"No measured configuration changed outputs; agreement was not "
-                         f"measured for job(s) {', '.join(unmeasured)}.")
+            lines.append(
+                f"No measured configuration changed outputs; agreement was not "
+                f"measured for job(s) {', '.join(unmeasured)}."
+            )
         else:
             lines.append("Outputs unchanged in every configuration of this sweep.")
         lines.append("")
@@ -467,8 +554,12 @@ def build_report(root: Path, metric: str = "decode_median", plots: bool = True,
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_report(root: Path | str, metric: str = "decode_median", plots: bool = True,
-                 output: Optional[Path | str] = None) -> Path:
+def write_report(
+    root: Path | str,
+    metric: str = "decode_median",
+    plots: bool = True,
+    output: Optional[Path | str] = None,
+) -> Path:
     """Build the report for ``root`` and write it to ``output`` (default ``root/report.md``)."""
     root = Path(root)
     if not root.is_dir():
@@ -480,15 +571,21 @@ def write_report(root: Path | str, metric: str = "decode_median", plots: bool = 
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None,
-         echo: Callable[[str], None] = print) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.report",
-                                     description="Markdown + PNG report of a Hydra multirun.")
+def main(argv: Optional[Sequence[str]] = None, echo: Callable[[str], None] = print) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.report",
+        description="Markdown + PNG report of a Hydra multirun.",
+    )
     parser.add_argument("dir", help="multirun folder (holds one subfolder per job)")
-    parser.add_argument("--metric", default="decode_median", choices=sorted(METRICS),
-                        help="column that picks the best row (default: decode_median)")
-    parser.add_argument("--no-plots", dest="plots", action="store_false",
-                        help="write only report.md")
+    parser.add_argument(
+        "--metric",
+        default="decode_median",
+        choices=sorted(METRICS),
+        help="column that picks the best row (default: decode_median)",
+    )
+    parser.add_argument(
+        "--no-plots", dest="plots", action="store_false", help="write only report.md"
+    )
     parser.add_argument("--output", default=None, help="report path (default DIR/report.md)")
     args = parser.parse_args(argv)
     out = write_report(args.dir, metric=args.metric, plots=args.plots, output=args.output)

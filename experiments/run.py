@@ -7,6 +7,7 @@
 Prints a short summary and writes ``results.json`` (schema: experiments/README.md) and the
 step trace ``trace.jsonl`` into the Hydra run folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,6 +43,7 @@ def resolve_model_path(model_cfg: DictConfig) -> str:
             raise ValueError(f"model.name={model_cfg.name!r}: no checkpoint in {path}")
         return str(path)
     from models.tiny import ensure_tiny_model
+
     return str(ensure_tiny_model(preset=model_cfg.preset))
 
 
@@ -50,8 +52,10 @@ def make_prompts(workload: DictConfig, vocab_size: int, seed: int) -> list[list[
     lo, hi = int(workload.prompt_len_min), int(workload.prompt_len_max)
     if not 0 < lo <= hi:
         raise ValueError(f"workload.prompt_len_min/max: need 0 < min <= max, got {lo}, {hi}")
-    return [[rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))]
-            for _ in range(int(workload.num_prompts))]
+    return [
+        [rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))]
+        for _ in range(int(workload.num_prompts))
+    ]
 
 
 def synthetic_task_of(model_path: str):
@@ -65,20 +69,30 @@ def synthetic_task_of(model_path: str):
     except (OSError, ValueError, AttributeError):
         return None
     from experiments.synthetic_task import get_task, task_names
+
     return get_task(name) if name in task_names() else None
 
 
-def job_prompts(cfg: DictConfig, model_path: str, vocab_size: int
-                ) -> tuple[list[list[int]], int, bool, Optional[list[list[int]]]]:
+def job_prompts(
+    cfg: DictConfig, model_path: str, vocab_size: int
+) -> tuple[list[list[int]], int, bool, Optional[list[list[int]]]]:
     """(prompts, max_new_tokens, ignore_eos, answers). A synthetic-task checkpoint gets
     ``workload.num_prompts`` held-out prompts of its task (answers known, so exact match is
     measured); any other model the workload's random prompts (answers None)."""
     task = synthetic_task_of(model_path)
     if task is None:
-        return (make_prompts(cfg.workload, vocab_size, int(cfg.seed)),
-                int(cfg.workload.max_new_tokens), bool(cfg.workload.ignore_eos), None)
-    logger.info("%s is a %r synthetic-task checkpoint: %d held-out prompts, exact match "
-                "recorded", model_path, task.name, int(cfg.workload.num_prompts))
+        return (
+            make_prompts(cfg.workload, vocab_size, int(cfg.seed)),
+            int(cfg.workload.max_new_tokens),
+            bool(cfg.workload.ignore_eos),
+            None,
+        )
+    logger.info(
+        "%s is a %r synthetic-task checkpoint: %d held-out prompts, exact match recorded",
+        model_path,
+        task.name,
+        int(cfg.workload.num_prompts),
+    )
     keys = task.held_out_keys(int(cfg.workload.num_prompts), int(cfg.seed))
     prompts, answers = task.split(task.sequences(keys))
     # The answer ends with EOS: the model must stop by itself for an exact match.
@@ -91,10 +105,12 @@ def compilation_config(cfg: DictConfig) -> CompilationConfig:
         data["cache_dir"] = str(cfg.cache_dir)
     toggles = cfg.get("toggle_passes")
     if toggles:
-        data["pass_config"] = toggle_passes(data.get("pass_config") or {}, list(toggles),
-                                            level=2 if data.get("level") is None
-                                            else int(data["level"]),
-                                            device_type=str(cfg.get("device") or "cpu"))
+        data["pass_config"] = toggle_passes(
+            data.get("pass_config") or {},
+            list(toggles),
+            level=2 if data.get("level") is None else int(data["level"]),
+            device_type=str(cfg.get("device") or "cpu"),
+        )
     return CompilationConfig.from_dict(data)
 
 
@@ -105,6 +121,7 @@ def toggle_passes(pass_config: dict, names: list[str], level: int, device_type: 
     conf/experiment/ablate_passes.yaml switches one pass on/off against O2 on any device,
     though O2's list differs between CPU and CUDA (framework.core.config.LEVEL_PASSES)."""
     from framework.core.config import level_passes
+
     runs = pass_config.get("passes")
     runs = set(level_passes(level, device_type) if runs is None else runs)
     out = dict(pass_config)
@@ -115,21 +132,30 @@ def toggle_passes(pass_config: dict, names: list[str], level: int, device_type: 
 
 def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
     from framework.engine.llm import LLM
+
     quant = cfg.quantization
     if isinstance(quant, DictConfig):
         quant = OmegaConf.to_container(quant, resolve=True)
     engine = cfg.get("engine") or {}
     kv_bytes = engine.get("kv_cache_memory_bytes")
-    return LLM(model_path, dtype=cfg.dtype, compilation_config=cc, quantization=quant,
-               max_num_seqs=int(cfg.max_num_seqs), max_model_len=int(cfg.max_model_len),
-               max_num_batched_tokens=cfg.max_num_batched_tokens, seed=int(cfg.seed),
-               enable_prefix_caching=bool(engine.get("enable_prefix_caching", False)),
-               block_size=int(engine.get("block_size", 16)),
-               kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes))
+    return LLM(
+        model_path,
+        dtype=cfg.dtype,
+        compilation_config=cc,
+        quantization=quant,
+        max_num_seqs=int(cfg.max_num_seqs),
+        max_model_len=int(cfg.max_model_len),
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        seed=int(cfg.seed),
+        enable_prefix_caching=bool(engine.get("enable_prefix_caching", False)),
+        block_size=int(engine.get("block_size", 16)),
+        kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes),
+    )
 
 
-def text_examples(llm, model_path: str, prompts: list[list[int]],
-                  outputs: list[list[int]]) -> Optional[list[dict[str, str]]]:
+def text_examples(
+    llm, model_path: str, prompts: list[list[int]], outputs: list[list[int]]
+) -> Optional[list[dict[str, str]]]:
     """With a tokenizer: a few prompts and answers as text (None without one).  A synthetic
     addition checkpoint answers ``123+456=`` in the usual notation (its own writes numbers
     least significant digit first)."""
@@ -138,26 +164,36 @@ def text_examples(llm, model_path: str, prompts: list[list[int]],
     task = synthetic_task_of(model_path)
     if task is not None and task.name == "addition":
         from experiments.synthetic_tokenizer import from_model_notation, to_model_notation
+
         shown = ["123+456=", "999+1=", "500+500="]
-        answers = llm.generate([to_model_notation(p) for p in shown],
-                               max_new_tokens=task.answer_len + 1)
-        return [{"prompt": p, "answer": from_model_notation(a)}
-                for p, a in zip(shown, answers)]
+        answers = llm.generate(
+            [to_model_notation(p) for p in shown], max_new_tokens=task.answer_len + 1
+        )
+        return [{"prompt": p, "answer": from_model_notation(a)} for p, a in zip(shown, answers)]
     dec = llm.tokenizer.decode
-    return [{"prompt": dec(p, skip_special_tokens=True),
-             "answer": dec(o, skip_special_tokens=True)} for p, o in zip(prompts[:3], outputs)]
+    return [
+        {"prompt": dec(p, skip_special_tokens=True), "answer": dec(o, skip_special_tokens=True)}
+        for p, o in zip(prompts[:3], outputs)
+    ]
 
 
 def _percentiles(values_s: list[float]) -> Optional[dict[str, float]]:
     if not values_s:
         return None
     ms = sorted(v * 1e3 for v in values_s)
-    return {"median": statistics.median(ms), "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
-            "n": len(ms)}
+    return {
+        "median": statistics.median(ms),
+        "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+        "n": len(ms),
+    }
 
 
-def agreement(outputs: list[list[int]], reference: list[list[int]],
-              logits: list[torch.Tensor], ref_logits: list[torch.Tensor]) -> dict[str, Any]:
+def agreement(
+    outputs: list[list[int]],
+    reference: list[list[int]],
+    logits: list[torch.Tensor],
+    ref_logits: list[torch.Tensor],
+) -> dict[str, Any]:
     total = same = 0
     for out, ref in zip(outputs, reference):
         total += max(len(out), len(ref))
@@ -166,8 +202,11 @@ def agreement(outputs: list[list[int]], reference: list[list[int]],
                 break
             same += 1
     diff = max(((a - b).abs().max().item() for a, b in zip(logits, ref_logits)), default=0.0)
-    return {"token_agreement": same / total if total else 1.0, "max_logit_diff": diff,
-            "outputs_equal": outputs == reference}
+    return {
+        "token_agreement": same / total if total else 1.0,
+        "max_logit_diff": diff,
+        "outputs_equal": outputs == reference,
+    }
 
 
 @contextmanager
@@ -184,6 +223,7 @@ def compiler_caches_under(cache_dir: Optional[str]):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(Path(cache_dir).resolve() / "triton")
     from torch._inductor.utils import clear_inductor_caches
+
     clear_inductor_caches()
     try:
         yield
@@ -213,8 +253,11 @@ def warm_up_compiler() -> Optional[float]:
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, compiler_caches_under(tmp):
-        fn = torch.compile(lambda x, w: torch.nn.functional.silu(x @ w) * x.sum(-1, True),
-                           dynamic=True, fullgraph=True)
+        fn = torch.compile(
+            lambda x, w: torch.nn.functional.silu(x @ w) * x.sum(-1, True),
+            dynamic=True,
+            fullgraph=True,
+        )
         fn(torch.randn(8, 16), torch.randn(16, 16))
         torch._dynamo.reset()
         clear_inductor_caches()  # nothing of the throw-away compile may serve the job
@@ -239,7 +282,8 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     llm = build_llm(cfg, model_path, cc)
     cold_s = time.perf_counter() - t0
     prompts, max_new_tokens, ignore_eos, answers = job_prompts(
-        cfg, model_path, llm.model_config.vocab_size)
+        cfg, model_path, llm.model_config.vocab_size
+    )
     t1 = time.perf_counter()
     outputs = llm.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     gen_s = time.perf_counter() - t1
@@ -255,45 +299,61 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         if llm.config.level == 0 and not cfg.quantization:
             agree = {"token_agreement": 1.0, "max_logit_diff": 0.0, "outputs_equal": True}
         else:
-            ref_llm = build_llm(OmegaConf.merge(cfg, {"quantization": None}), model_path,
-                                CompilationConfig(level=0))
-            ref_out = ref_llm.generate(prompts, max_new_tokens=max_new_tokens,
-                                       ignore_eos=ignore_eos)
-            agree = agreement(outputs, ref_out, llm.first_token_logits,
-                              ref_llm.first_token_logits)
+            ref_llm = build_llm(
+                OmegaConf.merge(cfg, {"quantization": None}), model_path, CompilationConfig(level=0)
+            )
+            ref_out = ref_llm.generate(
+                prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos
+            )
+            agree = agreement(outputs, ref_out, llm.first_token_logits, ref_llm.first_token_logits)
     accuracy = None
     if answers is not None:
         from experiments.synthetic_task import exact_match
+
         accuracy = {"exact_match": exact_match(outputs, answers), "n": len(answers)}
     trace = llm.runner.trace or []
     padding = _padding(trace, llm.config.cudagraph_capture_sizes)
     _write_trace(out_dir / "trace.jsonl", trace, llm.config.max_num_tokens)
     # PassManager.stats(): {name: {"status", "total_matches" (per piece instance),
     # "unique_graph_matches", "total_time_s", "pieces", "instances"}}
-    passes = {name: {"matches": rec.get("total_matches", 0),
-                     "unique_graph_matches": rec.get("unique_graph_matches"),
-                     "status": rec.get("status"),
-                     "time_s": rec.get("total_time_s", 0.0)}
-              for name, rec in (stats.get("passes") or {}).items()}
+    passes = {
+        name: {
+            "matches": rec.get("total_matches", 0),
+            "unique_graph_matches": rec.get("unique_graph_matches"),
+            "status": rec.get("status"),
+            "time_s": rec.get("total_time_s", 0.0),
+        }
+        for name, rec in (stats.get("passes") or {}).items()
+    }
     result = {
         "experiment": cfg.experiment_name,
         "overrides": _overrides(),
         "baseline": bool(cfg.baseline),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "resolved_compilation": llm.config.to_dict(),
-        "versions": {"torch": torch.__version__, "piecewise": "0.1.0",
-                     "python": platform.python_version()},
-        "compile": {"cold_s": cold_s, "warm_s": warm_s, "process_init_s": process_init_s,
-                    "dynamo_s": stats.get("dynamo_time_s"),
-                    "pieces": stats.get("compile_num_pieces"),
-                    "unique_artifacts": stats.get("compile_unique_graphs"),
-                    "compiles": stats.get("compile_compiles"),
-                    "loads": stats.get("compile_loads"),
-                    "cache_hits": stats.get("cache_hits"),
-                    "cache_misses": stats.get("cache_misses")},
-        "latency_ms": {"prefill": _percentiles(llm.runner.step_times["prefill"]
-                                               + llm.runner.step_times["mixed"]),
-                       "decode": _percentiles(llm.runner.step_times["decode"])},
+        "versions": {
+            "torch": torch.__version__,
+            "piecewise": "0.1.0",
+            "python": platform.python_version(),
+        },
+        "compile": {
+            "cold_s": cold_s,
+            "warm_s": warm_s,
+            "process_init_s": process_init_s,
+            "dynamo_s": stats.get("dynamo_time_s"),
+            "pieces": stats.get("compile_num_pieces"),
+            "unique_artifacts": stats.get("compile_unique_graphs"),
+            "compiles": stats.get("compile_compiles"),
+            "loads": stats.get("compile_loads"),
+            "cache_hits": stats.get("cache_hits"),
+            "cache_misses": stats.get("cache_misses"),
+        },
+        "latency_ms": {
+            "prefill": _percentiles(
+                llm.runner.step_times["prefill"] + llm.runner.step_times["mixed"]
+            ),
+            "decode": _percentiles(llm.runner.step_times["decode"]),
+        },
         "tokens_per_s": new_tokens / gen_s if gen_s > 0 else None,
         "passes": passes,
         "agreement": agree,
@@ -312,6 +372,7 @@ def _padding(trace: list[dict], sizes: list[int]) -> Optional[float]:
     if not trace or not sizes:
         return None
     from experiments.size_chooser import waste_fraction
+
     hist: dict[int, int] = {}
     for step in trace:
         hist[step["num_tokens"]] = hist.get(step["num_tokens"], 0) + 1
@@ -320,6 +381,7 @@ def _padding(trace: list[dict], sizes: list[int]) -> Optional[float]:
 
 def _write_trace(path: Path, trace: list[dict], max_num_tokens: int) -> None:
     from experiments.trace import write_trace
+
     if trace:
         write_trace(path, trace, max_num_tokens)
 
@@ -327,6 +389,7 @@ def _write_trace(path: Path, trace: list[dict], max_num_tokens: int) -> None:
 def _overrides() -> list[str]:
     try:
         from hydra.core.hydra_config import HydraConfig
+
         return list(HydraConfig.get().overrides.task)
     except ValueError:
         return []
@@ -334,8 +397,10 @@ def _overrides() -> list[str]:
 
 def summary(r: dict[str, Any]) -> str:
     lat = r["latency_ms"]
+
     def fmt(d):
         return "—" if not d else f"{d['median']:.2f} ms (p90 {d['p90']:.2f})"
+
     agree = r["agreement"]
     lines = [
         f"experiment {r['experiment']}  overrides {' '.join(r['overrides']) or '(none)'}",
@@ -344,14 +409,21 @@ def summary(r: dict[str, Any]) -> str:
         f"  prefill step {fmt(lat['prefill'])}; decode step {fmt(lat['decode'])}",
         f"  tokens/s {r['tokens_per_s']:.1f}",
         "  generated tokens agree with eager: "
-        + ("n/a" if agree is None else "yes" if agree["outputs_equal"]
-           else f"no (agreement {agree['token_agreement']:.3f})"),
+        + (
+            "n/a"
+            if agree is None
+            else "yes"
+            if agree["outputs_equal"]
+            else f"no (agreement {agree['token_agreement']:.3f})"
+        ),
     ]
     for ex in r.get("text_examples") or []:
         lines.append(f"  {ex['prompt']!r} -> {ex['answer']!r}")
     if r.get("accuracy"):
-        lines.append(f"  exact match {r['accuracy']['exact_match']:.3f} "
-                     f"({r['accuracy']['n']} held-out prompts)")
+        lines.append(
+            f"  exact match {r['accuracy']['exact_match']:.3f} "
+            f"({r['accuracy']['n']} held-out prompts)"
+        )
     return "\n".join(lines)
 
 
@@ -360,6 +432,7 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
     from hydra.types import RunMode
 
     from experiments.tracking import log_mlflow, require_tracking
+
     require_tracking(cfg.tracking)  # a missing mlflow fails now, not after the compile
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
@@ -369,8 +442,12 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
     if cfg.tracking == "mlflow":
         # One store per sweep (its folder) so every job of a multirun shows in one MLflow UI.
         multirun = hydra_cfg.mode == RunMode.MULTIRUN
-        log_mlflow(result, out_dir, tracking_uri=cfg.get("tracking_uri"),
-                   store_root=Path(hydra_cfg.sweep.dir) if multirun else out_dir)
+        log_mlflow(
+            result,
+            out_dir,
+            tracking_uri=cfg.get("tracking_uri"),
+            store_root=Path(hydra_cfg.sweep.dir) if multirun else out_dir,
+        )
     decode = result["latency_ms"]["decode"]
     return decode["median"] if decode else None
 
@@ -378,10 +455,13 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
 def register_resolvers() -> None:
     """``${eq:a,b}`` -> ``a == b``: experiment files mark their baseline job with it, e.g.
     ``baseline: ${eq:${compile.level},0}`` (containers compare as plain lists/dicts)."""
+
     def eq(a: Any, b: Any) -> bool:
-        plain = [OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-                 for v in (a, b)]
+        plain = [
+            OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for v in (a, b)
+        ]
         return plain[0] == plain[1]
+
     OmegaConf.register_new_resolver("eq", eq, replace=True)
 
 

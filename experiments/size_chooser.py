@@ -27,6 +27,7 @@ CLI::
     python -m experiments.size_chooser TRACE -k 8 [--max-size N] [--no-cover-max]
                                                    [--target capture|compile|both] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,9 @@ def _clean_histogram(hist: Mapping[int, float]) -> dict[int, float]:
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
             raise ValueError(f"histogram: token counts must be positive integers, got {count!r}")
         if not np.isfinite(weight) or weight < 0:
-            raise ValueError(f"histogram: weight of count {count} must be a finite number "
-                             f">= 0, got {weight!r}")
+            raise ValueError(
+                f"histogram: weight of count {count} must be a finite number >= 0, got {weight!r}"
+            )
         if weight > 0:
             cleaned[int(count)] = weight
     return dict(sorted(cleaned.items()))
@@ -83,15 +85,18 @@ def waste(sizes: Sequence[int], hist: Mapping[int, float], cover_max: bool = Tru
         index = int(np.searchsorted(sizes, count))  # first size >= count
         if index == len(sizes):
             if cover_max:
-                raise ValueError(f"waste: token count {count} is above the largest size "
-                                 f"{sizes[-1]}; add a size >= {count} or pass cover_max=False")
+                raise ValueError(
+                    f"waste: token count {count} is above the largest size "
+                    f"{sizes[-1]}; add a size >= {count} or pass cover_max=False"
+                )
             continue
         total += weight * (sizes[index] - count)
     return total
 
 
-def waste_fraction(sizes: Sequence[int], hist: Mapping[int, float],
-                   cover_max: bool = True) -> float:
+def waste_fraction(
+    sizes: Sequence[int], hist: Mapping[int, float], cover_max: bool = True
+) -> float:
     """Padded tokens as a fraction of all computed tokens (real + padded), in [0, 1)."""
     hist = _clean_histogram(hist)
     padded = waste(sizes, hist, cover_max=cover_max)
@@ -99,8 +104,9 @@ def waste_fraction(sizes: Sequence[int], hist: Mapping[int, float],
     return padded / (real + padded) if real + padded else 0.0
 
 
-def choose_sizes(hist: Mapping[int, float], k: int, max_size: Optional[int] = None,
-                 cover_max: bool = True) -> list[int]:
+def choose_sizes(
+    hist: Mapping[int, float], k: int, max_size: Optional[int] = None, cover_max: bool = True
+) -> list[int]:
     """The at most ``k`` sizes minimising :func:`waste` on ``hist`` (exact DP, see module doc).
 
     ``max_size`` caps the sizes (default: the largest count). Returns fewer than ``k`` sizes
@@ -115,9 +121,11 @@ def choose_sizes(hist: Mapping[int, float], k: int, max_size: Optional[int] = No
     if max_size is not None:
         above = [c for c in hist if c > max_size]
         if above and cover_max:
-            raise ValueError(f"choose_sizes: token count {max(above)} is above "
-                             f"max_size={max_size}; raise max_size or pass cover_max=False "
-                             f"to let counts above it run unpadded")
+            raise ValueError(
+                f"choose_sizes: token count {max(above)} is above "
+                f"max_size={max_size}; raise max_size or pass cover_max=False "
+                f"to let counts above it run unpadded"
+            )
         hist = {c: w for c, w in hist.items() if c <= max_size}
         if not hist:
             raise ValueError(f"choose_sizes: no token count is <= max_size={max_size}")
@@ -164,14 +172,16 @@ def to_override(sizes: Sequence[int], field: str = "cudagraph_capture_sizes") ->
     (``[...]`` is a glob pattern): the CLI prints it quoted.
     """
     if field not in OVERRIDE_FIELDS.values():
-        raise ValueError(f"to_override: field must be one of {sorted(OVERRIDE_FIELDS.values())}, "
-                         f"got {field!r}")
+        raise ValueError(
+            f"to_override: field must be one of {sorted(OVERRIDE_FIELDS.values())}, got {field!r}"
+        )
     sizes = _check_sizes(sizes)
     return f"compile.{field}=[{','.join(str(s) for s in sizes)}]"
 
 
-def default_sizes_truncated(max_num_tokens: int, k: int, max_count: int,
-                            max_size: Optional[int] = None) -> list[int]:
+def default_sizes_truncated(
+    max_num_tokens: int, k: int, max_count: int, max_size: Optional[int] = None
+) -> list[int]:
     """The default capture list cut to ``k`` sizes, as fairly as possible to the default.
 
     Keeps the default list's ``k-1`` smallest sizes plus the smallest default size that covers
@@ -182,11 +192,14 @@ def default_sizes_truncated(max_num_tokens: int, k: int, max_count: int,
     """
     from framework.core.config import default_capture_sizes
 
-    default = [s for s in default_capture_sizes(max_num_tokens)
-               if max_size is None or s <= max_size]
+    default = [
+        s for s in default_capture_sizes(max_num_tokens) if max_size is None or s <= max_size
+    ]
     if not default:
-        raise ValueError(f"the default capture list for max_num_tokens={max_num_tokens} has no "
-                         f"size <= max_size={max_size}")
+        raise ValueError(
+            f"the default capture list for max_num_tokens={max_num_tokens} has no "
+            f"size <= max_size={max_size}"
+        )
     covering = [s for s in default if s >= max_count]
     top = covering[0] if covering else default[-1]
     below = [s for s in default if s < top]
@@ -214,9 +227,13 @@ class SizeComparison:
         return 1.0 - self.chosen_waste / self.default_waste if self.default_waste else 0.0
 
 
-def compare_with_default(hist: Mapping[int, float], k: int, max_num_tokens: int,
-                         max_size: Optional[int] = None,
-                         cover_max: bool = True) -> SizeComparison:
+def compare_with_default(
+    hist: Mapping[int, float],
+    k: int,
+    max_num_tokens: int,
+    max_size: Optional[int] = None,
+    cover_max: bool = True,
+) -> SizeComparison:
     """Choose ``k`` sizes and compare with :func:`default_sizes_truncated` on ``hist``.
 
     Both sets cover the same counts: every count with ``cover_max``, else the counts up to
@@ -228,9 +245,11 @@ def compare_with_default(hist: Mapping[int, float], k: int, max_num_tokens: int,
     if not hist:
         raise ValueError("compare_with_default: the histogram is empty")
     if cover_max and max_size is not None and max(hist) > max_size:
-        raise ValueError(f"compare_with_default: token count {max(hist)} is above "
-                         f"max_size={max_size}; raise max_size or pass cover_max=False "
-                         f"(--no-cover-max) to let counts above it run unpadded")
+        raise ValueError(
+            f"compare_with_default: token count {max(hist)} is above "
+            f"max_size={max_size}; raise max_size or pass cover_max=False "
+            f"(--no-cover-max) to let counts above it run unpadded"
+        )
     to_cover = [c for c in hist if max_size is None or c <= max_size]
     if not to_cover:
         raise ValueError(f"compare_with_default: no token count is <= max_size={max_size}")
@@ -243,61 +262,91 @@ def compare_with_default(hist: Mapping[int, float], k: int, max_num_tokens: int,
         max_size = default[-1]
     chosen = choose_sizes(hist, k, max_size=max_size, cover_max=cover_max)
     return SizeComparison(
-        k=k, cover_max=cover_max, max_size=max_size, chosen=chosen,
+        k=k,
+        cover_max=cover_max,
+        max_size=max_size,
+        chosen=chosen,
         chosen_waste=waste(chosen, hist, cover_max=cover_max),
         chosen_fraction=waste_fraction(chosen, hist, cover_max=cover_max),
         default=default,
         default_waste=waste(default, hist, cover_max=cover_max),
         default_fraction=waste_fraction(default, hist, cover_max=cover_max),
-        num_steps=sum(hist.values()))
+        num_steps=sum(hist.values()),
+    )
 
 
 def _format_waste(total: float, fraction: float, steps: float) -> str:
     per_step = total / steps if steps else 0.0
-    return (f"{total:,.0f} padded tokens ({100 * fraction:.2f}% of computed tokens, "
-            f"{per_step:.2f} per step)")
+    return (
+        f"{total:,.0f} padded tokens ({100 * fraction:.2f}% of computed tokens, "
+        f"{per_step:.2f} per step)"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.size_chooser",
-        description="Choose K capture/compile sizes minimising padding waste on a trace.")
+        description="Choose K capture/compile sizes minimising padding waste on a trace.",
+    )
     parser.add_argument("trace", help="trace file (JSON Lines, see experiments/README.md)")
     parser.add_argument("-k", type=int, required=True, help="number of sizes to choose")
-    parser.add_argument("--max-size", type=int, default=None,
-                        help="largest allowed size (default: the trace's largest count)")
-    parser.add_argument("--no-cover-max", dest="cover_max", action="store_false",
-                        help="let counts above --max-size run unpadded instead of failing")
-    parser.add_argument("--target", choices=["capture", "compile", "both"], default="capture",
-                        help="which CompilationConfig field(s) the override sets")
+    parser.add_argument(
+        "--max-size",
+        type=int,
+        default=None,
+        help="largest allowed size (default: the trace's largest count)",
+    )
+    parser.add_argument(
+        "--no-cover-max",
+        dest="cover_max",
+        action="store_false",
+        help="let counts above --max-size run unpadded instead of failing",
+    )
+    parser.add_argument(
+        "--target",
+        choices=["capture", "compile", "both"],
+        default="capture",
+        help="which CompilationConfig field(s) the override sets",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = parser.parse_args(argv)
 
     try:
         trace = read_trace(args.trace)
         hist = token_histogram(trace)
-        comparison = compare_with_default(hist, args.k, trace.max_num_tokens,
-                                          max_size=args.max_size, cover_max=args.cover_max)
+        comparison = compare_with_default(
+            hist, args.k, trace.max_num_tokens, max_size=args.max_size, cover_max=args.cover_max
+        )
     except (ValueError, FileNotFoundError) as e:  # TraceFormatError is a ValueError
         parser.error(str(e))
-    fields = (list(OVERRIDE_FIELDS.values()) if args.target == "both"
-              else [OVERRIDE_FIELDS[args.target]])
+    fields = (
+        list(OVERRIDE_FIELDS.values()) if args.target == "both" else [OVERRIDE_FIELDS[args.target]]
+    )
     overrides = [to_override(comparison.chosen, f) for f in fields]
     if args.json:
         payload = asdict(comparison)
-        payload.update(reduction=comparison.reduction, overrides=overrides, trace=args.trace,
-                       max_num_tokens=trace.max_num_tokens, distinct_counts=len(hist))
+        payload.update(
+            reduction=comparison.reduction,
+            overrides=overrides,
+            trace=args.trace,
+            max_num_tokens=trace.max_num_tokens,
+            distinct_counts=len(hist),
+        )
         print(json.dumps(payload))
         return 0
     steps = comparison.num_steps
-    print(f"trace: {args.trace} ({len(trace)} steps, {len(hist)} distinct token counts, "
-          f"max_num_tokens={trace.max_num_tokens})")
+    print(
+        f"trace: {args.trace} ({len(trace)} steps, {len(hist)} distinct token counts, "
+        f"max_num_tokens={trace.max_num_tokens})"
+    )
     if not comparison.cover_max:
         print(f"counts above {comparison.max_size} run unpadded (not covered by either set)")
     print(f"chosen sizes (K={args.k}): {comparison.chosen}")
     print(f"  waste: {_format_waste(comparison.chosen_waste, comparison.chosen_fraction, steps)}")
-    print(f"default list truncated to K={args.k} (K-1 smallest + smallest covering size): "
-          f"{comparison.default}")
+    print(
+        f"default list truncated to K={args.k} (K-1 smallest + smallest covering size): "
+        f"{comparison.default}"
+    )
     print(f"  waste: {_format_waste(comparison.default_waste, comparison.default_fraction, steps)}")
     print(f"padding saved vs default: {100 * comparison.reduction:.1f}%")
     print("override: " + " ".join(shlex.quote(o) for o in overrides))

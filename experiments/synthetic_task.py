@@ -19,6 +19,7 @@ training never sees, so evaluation measures generalisation, not memorisation.
 
     python -m experiments.synthetic_task models/synthetic/addition --quantization int8_per_token
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,12 +37,12 @@ from framework.core.registry import Registry
 # --- vocabulary ---------------------------------------------------------------------------
 
 SYMBOLS = "0123456789+="
-EOS_ID = len(SYMBOLS)          # 12
-VOCAB_SIZE = 16                # ids 13..15 unused (a round size; never a target)
+EOS_ID = len(SYMBOLS)  # 12
+VOCAB_SIZE = 16  # ids 13..15 unused (a round size; never a target)
 _SYMBOL_IDS = {c: i for i, c in enumerate(SYMBOLS)}
 PLUS_ID, EQUALS_ID = _SYMBOL_IDS["+"], _SYMBOL_IDS["="]
 
-_DRAW = 4096                   # keys per random draw in SyntheticTask.sample_keys
+_DRAW = 4096  # keys per random draw in SyntheticTask.sample_keys
 HELD_OUT_BUCKETS = 16
 """One key in HELD_OUT_BUCKETS (by :func:`is_held_out`) is reserved for evaluation."""
 
@@ -51,14 +52,17 @@ def encode(text: str) -> list[int]:
     try:
         return [_SYMBOL_IDS[c] for c in text]
     except KeyError as e:
-        raise ValueError(f"encode: character {e.args[0]!r} in {text!r} is not in the "
-                         f"synthetic vocabulary {SYMBOLS!r}") from None
+        raise ValueError(
+            f"encode: character {e.args[0]!r} in {text!r} is not in the "
+            f"synthetic vocabulary {SYMBOLS!r}"
+        ) from None
 
 
 def decode(ids: Sequence[int]) -> str:
     """Token ids -> text; EOS is shown as ``$`` and ids outside the vocabulary as ``?``."""
-    return "".join(SYMBOLS[i] if 0 <= i < len(SYMBOLS) else "$" if i == EOS_ID else "?"
-                   for i in ids)
+    return "".join(
+        SYMBOLS[i] if 0 <= i < len(SYMBOLS) else "$" if i == EOS_ID else "?" for i in ids
+    )
 
 
 def _hash32(keys: torch.Tensor) -> torch.Tensor:
@@ -79,9 +83,11 @@ def _digits(values: torch.Tensor, width: int) -> torch.Tensor:
 
 # --- tasks ---------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class SyntheticTask:
     """Fixed-length prompts and answers; ``sequences(keys)`` gives prompt + answer + EOS."""
+
     name: str
     num_keys: int
     prompt_len: int
@@ -121,21 +127,21 @@ class SyntheticTask:
         smaller ``n`` are a prefix of those for a larger one."""
         g = torch.Generator().manual_seed(seed)
         keys = self.sample_keys(2 * n, g, "test")
-        unique = list(dict.fromkeys(keys.tolist()))      # in order of first appearance
+        unique = list(dict.fromkeys(keys.tolist()))  # in order of first appearance
         if len(unique) < n:
             raise ValueError(f"task {self.name!r}: cannot draw {n} distinct held-out keys")
         return torch.tensor(unique[:n], dtype=torch.int64)
 
     def split(self, sequences: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
         """``[n, seq_len]`` -> (prompts, answers with EOS) as lists of token ids."""
-        return (sequences[:, :self.prompt_len].tolist(), sequences[:, self.prompt_len:].tolist())
+        return (sequences[:, : self.prompt_len].tolist(), sequences[:, self.prompt_len :].tolist())
 
 
 TASKS: Registry[SyntheticTask] = Registry("synthetic task")
 
 
 def register_task(task: SyntheticTask) -> SyntheticTask:
-    if task.num_keys >= 2 ** 31:
+    if task.num_keys >= 2**31:
         raise ValueError(f"task {task.name!r}: num_keys must be < 2**31 (hash range)")
     return TASKS.add(task.name, task)
 
@@ -149,20 +155,33 @@ def task_names() -> list[str]:
 
 
 def _addition(digits: int) -> SyntheticTask:
-    base = 10 ** digits
+    base = 10**digits
 
     def build(keys: torch.Tensor) -> torch.Tensor:
         a, b = keys // base, keys % base
         n = keys.shape[0]
         plus = torch.full((n, 1), PLUS_ID, dtype=torch.int64)
         equals = torch.full((n, 1), EQUALS_ID, dtype=torch.int64)
-        return torch.cat([_digits(a, digits).flip(1), plus, _digits(b, digits).flip(1), equals,
-                          _digits(a + b, digits + 1).flip(1)], dim=1)
+        return torch.cat(
+            [
+                _digits(a, digits).flip(1),
+                plus,
+                _digits(b, digits).flip(1),
+                equals,
+                _digits(a + b, digits + 1).flip(1),
+            ],
+            dim=1,
+        )
 
-    return SyntheticTask("addition", base * base, prompt_len=2 * digits + 2,
-                         answer_len=digits + 1, build=build,
-                         description=f"{digits}-digit a+b = {digits + 1}-digit sum, every "
-                                     f"number zero-padded, least-significant digit first")
+    return SyntheticTask(
+        "addition",
+        base * base,
+        prompt_len=2 * digits + 2,
+        answer_len=digits + 1,
+        build=build,
+        description=f"{digits}-digit a+b = {digits + 1}-digit sum, every "
+        f"number zero-padded, least-significant digit first",
+    )
 
 
 def _reversal(length: int) -> SyntheticTask:
@@ -171,8 +190,14 @@ def _reversal(length: int) -> SyntheticTask:
         equals = torch.full((keys.shape[0], 1), EQUALS_ID, dtype=torch.int64)
         return torch.cat([d, equals, d.flip(1)], dim=1)
 
-    return SyntheticTask("reversal", 10 ** length, prompt_len=length + 1, answer_len=length,
-                         build=build, description=f"reverse {length} digits")
+    return SyntheticTask(
+        "reversal",
+        10**length,
+        prompt_len=length + 1,
+        answer_len=length,
+        build=build,
+        description=f"reverse {length} digits",
+    )
 
 
 register_task(_addition(3))
@@ -180,6 +205,7 @@ register_task(_reversal(6))
 
 
 # --- scoring -------------------------------------------------------------------------------
+
 
 def exact_match(outputs: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
     """Fraction of outputs equal to their answer, EOS included: the model must also stop."""
@@ -190,8 +216,7 @@ def exact_match(outputs: Sequence[Sequence[int]], answers: Sequence[Sequence[int
     return sum(list(o) == list(a) for o, a in zip(outputs, answers)) / len(answers)
 
 
-def token_agreement(outputs: Sequence[Sequence[int]],
-                    reference: Sequence[Sequence[int]]) -> float:
+def token_agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
     """Greedy-token agreement as in ``experiments.run``: tokens equal to the reference's up to
     the first divergence, over the longer of each pair."""
     total = same = 0
@@ -205,6 +230,7 @@ def token_agreement(outputs: Sequence[Sequence[int]],
 
 
 # --- evaluation through the framework ---------------------------------------------------------
+
 
 def read_task_name(model_dir: str | Path) -> str:
     """The task a shipped checkpoint was trained on (``metrics.json``, else the folder name)."""
@@ -224,24 +250,44 @@ class GenerationRun:
     """Linear layers the quantization config rewrote (0 unquantized): proof it applied."""
 
 
-def generate(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int,
-             quantization: Any = None, optimization_level: int = 0,
-             **llm_kwargs: Any) -> GenerationRun:
+def generate(
+    model_dir: str | Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    quantization: Any = None,
+    optimization_level: int = 0,
+    **llm_kwargs: Any,
+) -> GenerationRun:
     """Greedy outputs of ``framework.LLM`` for ``prompts`` (one batched ``generate``)."""
     from framework.engine.llm import LLM
 
     llm_kwargs.setdefault("max_num_seqs", 64)
     llm_kwargs.setdefault("max_model_len", 64)
-    llm = LLM(str(model_dir), dtype="float32", optimization_level=optimization_level,
-              quantization=quantization, **llm_kwargs)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        optimization_level=optimization_level,
+        quantization=quantization,
+        **llm_kwargs,
+    )
     outputs = llm.generate(prompts, max_new_tokens=max_new_tokens)
-    return GenerationRun(outputs, torch.stack(llm.first_token_logits),
-                         len(getattr(llm, "quantized_layers", None) or {}))
+    return GenerationRun(
+        outputs,
+        torch.stack(llm.first_token_logits),
+        len(getattr(llm, "quantized_layers", None) or {}),
+    )
 
 
-def evaluate(model_dir: str | Path, quantization: Any = None, optimization_level: int = 0,
-             n: int = 200, seed: int = 1234, task: Optional[str] = None,
-             reference: Optional[dict[str, Any]] = None, **llm_kwargs: Any) -> dict[str, Any]:
+def evaluate(
+    model_dir: str | Path,
+    quantization: Any = None,
+    optimization_level: int = 0,
+    n: int = 200,
+    seed: int = 1234,
+    task: Optional[str] = None,
+    reference: Optional[dict[str, Any]] = None,
+    **llm_kwargs: Any,
+) -> dict[str, Any]:
     """Exact match of ``LLM(model_dir, quantization=..., optimization_level=...)`` on ``n``
     held-out prompts, and its greedy-token agreement with the unquantized O0 model.
 
@@ -257,8 +303,9 @@ def evaluate(model_dir: str | Path, quantization: Any = None, optimization_level
     t = get_task(task or read_task_name(model_dir))
     prompts, answers = t.split(t.sequences(t.held_out_keys(n, seed)))
     t0 = time.perf_counter()
-    run = generate(model_dir, prompts, t.answer_len + 1, quantization, optimization_level,
-                   **llm_kwargs)
+    run = generate(
+        model_dir, prompts, t.answer_len + 1, quantization, optimization_level, **llm_kwargs
+    )
     seconds = time.perf_counter() - t0
     if quantization is None and optimization_level == 0:
         ref_outputs, ref_logits = run.outputs, run.first_token_logits
@@ -271,26 +318,39 @@ def evaluate(model_dir: str | Path, quantization: Any = None, optimization_level
         ref_outputs, ref_logits = ref.outputs, ref.first_token_logits
     em = exact_match(run.outputs, answers)
     return {
-        "task": t.name, "n": n, "seed": seed, "exact_match": em,
-        "correct": round(em * n), "quantization": quantization,
-        "optimization_level": optimization_level, "quantized_layers": run.quantized_layers,
+        "task": t.name,
+        "n": n,
+        "seed": seed,
+        "exact_match": em,
+        "correct": round(em * n),
+        "quantization": quantization,
+        "optimization_level": optimization_level,
+        "quantized_layers": run.quantized_layers,
         "token_agreement_vs": {"unquantized_O0": token_agreement(run.outputs, ref_outputs)},
         "max_logit_diff_vs": {
-            "unquantized_O0": float((run.first_token_logits - ref_logits).abs().max())},
-        "outputs": run.outputs, "first_token_logits": run.first_token_logits,
-        "examples": [f"{decode(p)}{decode(o)}  (want {decode(a)})"
-                     for p, o, a in list(zip(prompts, run.outputs, answers))[:3]],
+            "unquantized_O0": float((run.first_token_logits - ref_logits).abs().max())
+        },
+        "outputs": run.outputs,
+        "first_token_logits": run.first_token_logits,
+        "examples": [
+            f"{decode(p)}{decode(o)}  (want {decode(a)})"
+            for p, o, a in list(zip(prompts, run.outputs, answers))[:3]
+        ],
         "seconds": seconds,
     }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.synthetic_task",
-                                description="Exact-match accuracy of a synthetic-task "
-                                            "checkpoint through framework.LLM")
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.synthetic_task",
+        description="Exact-match accuracy of a synthetic-task checkpoint through framework.LLM",
+    )
     p.add_argument("model_dir", help="e.g. models/synthetic/addition")
-    p.add_argument("--quantization", default=None,
-                   help="a shorthand such as int8_per_token or int8_per_channel_weight_only")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="a shorthand such as int8_per_token or int8_per_channel_weight_only",
+    )
     p.add_argument("-O", "--optimization-level", type=int, default=0)
     p.add_argument("-n", type=int, default=200, help="held-out prompts (default 200)")
     p.add_argument("--seed", type=int, default=1234)
@@ -300,16 +360,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     res = evaluate(args.model_dir, args.quantization, args.optimization_level, args.n, args.seed)
     if args.json:
-        print(json.dumps({k: v for k, v in res.items()
-                          if k not in ("outputs", "first_token_logits")}))
+        print(
+            json.dumps({k: v for k, v in res.items() if k not in ("outputs", "first_token_logits")})
+        )
         return 0
     agree = res["token_agreement_vs"]["unquantized_O0"]
-    print(f"task {res['task']}  n={res['n']}  quantization={res['quantization']}  "
-          f"O{res['optimization_level']}")
-    print(f"exact match: {res['exact_match']:.3f} ({res['correct']}/{res['n']})  "
-          f"quantized layers: {res['quantized_layers']}  ({res['seconds']:.1f} s)")
-    print(f"vs unquantized O0: token agreement {agree:.4f}, max first-token logit diff "
-          f"{res['max_logit_diff_vs']['unquantized_O0']:.4g}")
+    print(
+        f"task {res['task']}  n={res['n']}  quantization={res['quantization']}  "
+        f"O{res['optimization_level']}"
+    )
+    print(
+        f"exact match: {res['exact_match']:.3f} ({res['correct']}/{res['n']})  "
+        f"quantized layers: {res['quantized_layers']}  ({res['seconds']:.1f} s)"
+    )
+    print(
+        f"vs unquantized O0: token agreement {agree:.4f}, max first-token logit diff "
+        f"{res['max_logit_diff_vs']['unquantized_O0']:.4g}"
+    )
     for line in res["examples"]:
         print("  " + line)
     return 0

@@ -10,6 +10,7 @@ The tokenizer speaks the model's own notation, where every number is written lea
 significant digit first (``"321+654="`` -> ``"9750"`` is 123 + 456 = 0579).
 :func:`to_model_notation` / :func:`from_model_notation` convert from / to the usual one.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -23,6 +23,7 @@ The runner (in ``framework``, which may not import ``experiments``) keeps the pe
 counts; ``experiments.run`` hands them to :func:`write_trace`. :func:`token_histogram` turns
 a trace into the ``{num_tokens: steps}`` histogram that ``experiments.size_chooser`` optimises.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,32 +87,39 @@ def _check_int(where: str, name: str, value: Any) -> int:
     return value
 
 
-def _validate_step(where: str, values: Mapping[str, Any], max_num_tokens: int,
-                   previous_step: Optional[int]) -> TraceStep:
+def _validate_step(
+    where: str, values: Mapping[str, Any], max_num_tokens: int, previous_step: Optional[int]
+) -> TraceStep:
     missing = [name for name in STEP_FIELDS if name not in values]
     if missing:
-        raise TraceFormatError(f"{where}: missing field(s) {missing}; a step needs "
-                               f"{list(STEP_FIELDS)}")
+        raise TraceFormatError(
+            f"{where}: missing field(s) {missing}; a step needs {list(STEP_FIELDS)}"
+        )
     v = {name: _check_int(where, name, values[name]) for name in STEP_FIELDS}
     if not 1 <= v["num_tokens"] <= max_num_tokens:
-        raise TraceFormatError(f"{where}: num_tokens={v['num_tokens']} is outside "
-                               f"[1, max_num_tokens={max_num_tokens}]")
+        raise TraceFormatError(
+            f"{where}: num_tokens={v['num_tokens']} is outside [1, max_num_tokens={max_num_tokens}]"
+        )
     if v["num_reqs"] < 1:
         raise TraceFormatError(f"{where}: num_reqs must be >= 1, got {v['num_reqs']}")
     if not 0 <= v["num_decode"] <= v["num_reqs"]:
-        raise TraceFormatError(f"{where}: num_decode={v['num_decode']} must be in "
-                               f"[0, num_reqs={v['num_reqs']}]")
+        raise TraceFormatError(
+            f"{where}: num_decode={v['num_decode']} must be in [0, num_reqs={v['num_reqs']}]"
+        )
     if v["num_prefill_tokens"] < 0:
-        raise TraceFormatError(f"{where}: num_prefill_tokens must be >= 0, got "
-                               f"{v['num_prefill_tokens']}")
+        raise TraceFormatError(
+            f"{where}: num_prefill_tokens must be >= 0, got {v['num_prefill_tokens']}"
+        )
     if v["num_decode"] + v["num_prefill_tokens"] != v["num_tokens"]:
         raise TraceFormatError(
             f"{where}: num_tokens={v['num_tokens']} != num_decode ({v['num_decode']}) + "
             f"num_prefill_tokens ({v['num_prefill_tokens']}); every decode request "
-            f"contributes one token")
+            f"contributes one token"
+        )
     if previous_step is not None and v["step"] <= previous_step:
-        raise TraceFormatError(f"{where}: step {v['step']} does not increase (previous "
-                               f"step {previous_step})")
+        raise TraceFormatError(
+            f"{where}: step {v['step']} does not increase (previous step {previous_step})"
+        )
     return TraceStep(**v)
 
 
@@ -122,8 +130,9 @@ def _check_max_num_tokens(where: str, value: Any) -> int:
     return value
 
 
-def write_trace(path: Union[str, os.PathLike], steps: Iterable[StepLike],
-                max_num_tokens: int) -> Path:
+def write_trace(
+    path: Union[str, os.PathLike], steps: Iterable[StepLike], max_num_tokens: int
+) -> Path:
     """Write ``steps`` to ``path`` in the trace format; returns the path.
 
     Steps may be :class:`TraceStep` objects, mappings or objects with the step attributes.
@@ -135,8 +144,9 @@ def write_trace(path: Union[str, os.PathLike], steps: Iterable[StepLike],
     validated: list[TraceStep] = []
     previous = None
     for index, step in enumerate(steps):
-        checked = _validate_step(f"write_trace({path}): step #{index}", _step_values(step),
-                                 max_num_tokens, previous)
+        checked = _validate_step(
+            f"write_trace({path}): step #{index}", _step_values(step), max_num_tokens, previous
+        )
         validated.append(checked)
         previous = checked.step
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "max_num_tokens": max_num_tokens}
@@ -154,8 +164,10 @@ def read_trace(path: Union[str, os.PathLike]) -> Trace:
     """Parse a trace file; errors name the file and the 1-based line number."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"trace file {path} does not exist; record one with the "
-                                f"runner (see experiments/README.md, 'Trace format')")
+        raise FileNotFoundError(
+            f"trace file {path} does not exist; record one with the "
+            f"runner (see experiments/README.md, 'Trace format')"
+        )
     steps: list[TraceStep] = []
     max_num_tokens: Optional[int] = None
     previous = None
@@ -169,8 +181,7 @@ def read_trace(path: Union[str, os.PathLike]) -> Trace:
             except json.JSONDecodeError as e:
                 raise TraceFormatError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict):
-                raise TraceFormatError(f"{where}: expected a JSON object, got "
-                                       f"{type(obj).__name__}")
+                raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             if max_num_tokens is None:
                 max_num_tokens = _read_header(where, obj)
                 continue
@@ -178,19 +189,24 @@ def read_trace(path: Union[str, os.PathLike]) -> Trace:
             steps.append(step)
             previous = step.step
     if max_num_tokens is None:
-        raise TraceFormatError(f"{path}: empty file; expected the header line "
-                               f'{{"format": "{FORMAT_NAME}", "version": {FORMAT_VERSION}, '
-                               f'"max_num_tokens": N}}')
+        raise TraceFormatError(
+            f"{path}: empty file; expected the header line "
+            f'{{"format": "{FORMAT_NAME}", "version": {FORMAT_VERSION}, '
+            f'"max_num_tokens": N}}'
+        )
     return Trace(max_num_tokens=max_num_tokens, steps=tuple(steps), path=str(path))
 
 
 def _read_header(where: str, obj: dict) -> int:
     if obj.get("format") != FORMAT_NAME:
-        raise TraceFormatError(f"{where}: first line must be the header with "
-                               f'"format": "{FORMAT_NAME}", got {obj!r}')
+        raise TraceFormatError(
+            f'{where}: first line must be the header with "format": "{FORMAT_NAME}", got {obj!r}'
+        )
     if obj.get("version") != FORMAT_VERSION:
-        raise TraceFormatError(f"{where}: unsupported trace version {obj.get('version')!r}; "
-                               f"this reader understands version {FORMAT_VERSION}")
+        raise TraceFormatError(
+            f"{where}: unsupported trace version {obj.get('version')!r}; "
+            f"this reader understands version {FORMAT_VERSION}"
+        )
     if "max_num_tokens" not in obj:
         raise TraceFormatError(f"{where}: header lacks 'max_num_tokens'")
     return _check_max_num_tokens(where, obj["max_num_tokens"])

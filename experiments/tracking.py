@@ -20,6 +20,7 @@ SQLite store instead (or any MLflow tracking URI).
 mlflow is not a dependency: it is imported only when tracking is on, and a missing install is
 reported before the job starts (:func:`require_tracking`), not after a long compile.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ from typing import Any, Mapping, Optional
 TRACKERS = ("none", "mlflow")
 """Values of the ``tracking`` config key."""
 
-_MAX_PARAM_VALUE = 500   # MLflow's historical param value limit (newer servers allow 6000)
+_MAX_PARAM_VALUE = 500  # MLflow's historical param value limit (newer servers allow 6000)
 _PARAMS_PER_BATCH = 100  # MLflow's log_batch limit for params (and tags)
 
 
@@ -46,8 +47,10 @@ def _import_mlflow():
     try:
         import mlflow
     except ImportError as e:
-        raise ImportError("tracking=mlflow needs the mlflow package, which is not installed: "
-                          "`pip install mlflow` (or run with tracking=none)") from e
+        raise ImportError(
+            "tracking=mlflow needs the mlflow package, which is not installed: "
+            "`pip install mlflow` (or run with tracking=none)"
+        ) from e
     return mlflow
 
 
@@ -72,13 +75,14 @@ def params_of(result: Mapping[str, Any]) -> dict[str, str]:
     for key, value in flatten(result.get("config") or {}).items():
         text = "null" if value is None else str(value)
         if len(text) > _MAX_PARAM_VALUE:
-            text = text[:_MAX_PARAM_VALUE - 3] + "..."
+            text = text[: _MAX_PARAM_VALUE - 3] + "..."
         params[key] = text
     return params
 
 
 def metrics_of(result: Mapping[str, Any]) -> dict[str, float]:
     """The finite numbers of a results.json (schema: experiments/README.md) as MLflow metrics."""
+
     def get(*keys: str) -> Any:
         node: Any = result
         for key in keys:
@@ -107,8 +111,11 @@ def metrics_of(result: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(rec, Mapping):
             raw[f"pass.{name}.matches"] = rec.get("matches")
             raw[f"pass.{name}.time_s"] = rec.get("time_s")
-    return {k: float(v) for k, v in raw.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in raw.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def tags_of(result: Mapping[str, Any]) -> dict[str, str]:
@@ -122,14 +129,20 @@ def tags_of(result: Mapping[str, Any]) -> dict[str, str]:
         changed = not agreement["outputs_equal"]
     else:
         changed = None
-    return {"experiment": str(result.get("experiment", "")),
-            "baseline": str(bool(result.get("baseline"))).lower(),
-            "outputs_changed": "unknown" if changed is None else str(changed).lower(),
-            "overrides": " ".join(result.get("overrides") or [])[:_MAX_PARAM_VALUE]}
+    return {
+        "experiment": str(result.get("experiment", "")),
+        "baseline": str(bool(result.get("baseline"))).lower(),
+        "outputs_changed": "unknown" if changed is None else str(changed).lower(),
+        "overrides": " ".join(result.get("overrides") or [])[:_MAX_PARAM_VALUE],
+    }
 
 
-def log_mlflow(result: Mapping[str, Any], out_dir: Path,
-               tracking_uri: Optional[str] = None, store_root: Optional[Path] = None) -> str:
+def log_mlflow(
+    result: Mapping[str, Any],
+    out_dir: Path,
+    tracking_uri: Optional[str] = None,
+    store_root: Optional[Path] = None,
+) -> str:
     """Log one job (its results dict and the files in ``out_dir``) as an MLflow run; returns
     the run id. ``tracking_uri`` None: a file store under ``store_root`` (default
     ``out_dir``)."""
@@ -151,19 +164,22 @@ def log_mlflow(result: Mapping[str, Any], out_dir: Path,
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / ".mlflow.lock")):
         experiment = client.get_experiment_by_name(name)
-        experiment_id = (experiment.experiment_id if experiment is not None
-                         else client.create_experiment(name))
+        experiment_id = (
+            experiment.experiment_id if experiment is not None else client.create_experiment(name)
+        )
     overrides = " ".join(result.get("overrides") or [])
-    run = client.create_run(experiment_id, run_name=(overrides or out_dir.name)[:200],
-                            tags=tags_of(result))
+    run = client.create_run(
+        experiment_id, run_name=(overrides or out_dir.name)[:200], tags=tags_of(result)
+    )
     run_id = run.info.run_id
     try:
         params = [Param(k, v) for k, v in params_of(result).items()]
         for i in range(0, len(params), _PARAMS_PER_BATCH):
-            client.log_batch(run_id, params=params[i:i + _PARAMS_PER_BATCH])
+            client.log_batch(run_id, params=params[i : i + _PARAMS_PER_BATCH])
         timestamp = int(run.info.start_time or 0)
-        client.log_batch(run_id, metrics=[Metric(k, v, timestamp, 0)
-                                          for k, v in metrics_of(result).items()])
+        client.log_batch(
+            run_id, metrics=[Metric(k, v, timestamp, 0) for k, v in metrics_of(result).items()]
+        )
         for filename in ("results.json", "trace.jsonl"):
             if (out_dir / filename).is_file():
                 client.log_artifact(run_id, str(out_dir / filename))

@@ -16,6 +16,7 @@ training curve, wall time, and exact match through ``framework.LLM`` at O0 on he
 (plus each int8 quantization shorthand when ``framework.core.quantization`` is available).  Written
 into a temporary folder and renamed, so a reader never sees a half-written checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,16 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from experiments.synthetic_task import (EOS_ID, SYMBOLS, VOCAB_SIZE, SyntheticTask, evaluate,
-                                        exact_match, get_task, task_names)
+from experiments.synthetic_task import (
+    EOS_ID,
+    SYMBOLS,
+    VOCAB_SIZE,
+    SyntheticTask,
+    evaluate,
+    exact_match,
+    get_task,
+    task_names,
+)
 
 EVAL_N = 200
 EVAL_SEED = 1234
@@ -44,6 +53,7 @@ QUANT_SHORTHANDS = ("int8_per_token", "int8_per_channel_weight_only")
 @dataclass
 class TrainRecipe:
     """Everything that determines the trained weights (recorded in metrics.json)."""
+
     task: str = "addition"
     seed: int = 0
     hidden_size: int = 128
@@ -67,14 +77,25 @@ def build_model(recipe: TrainRecipe, task: SyntheticTask):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size, num_hidden_layers=recipe.num_layers,
-        num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_heads,
-        max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.02,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=None)
+        vocab_size=VOCAB_SIZE,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_heads,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=None,
+    )
     if task.seq_len > config.max_position_embeddings:
-        raise ValueError(f"task {task.name!r}: sequences of {task.seq_len} tokens exceed "
-                         f"max_position_embeddings={config.max_position_embeddings}")
+        raise ValueError(
+            f"task {task.name!r}: sequences of {task.seq_len} tokens exceed "
+            f"max_position_embeddings={config.max_position_embeddings}"
+        )
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(recipe.seed)
     return LlamaForCausalLM(config).float()
@@ -82,7 +103,7 @@ def build_model(recipe: TrainRecipe, task: SyntheticTask):
 
 def answer_loss(model, seqs: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """Next-token cross entropy on the answer tokens and the EOS (the prompt is given)."""
-    logits = model(input_ids=seqs[:, :-1]).logits[:, prompt_len - 1:]
+    logits = model(input_ids=seqs[:, :-1]).logits[:, prompt_len - 1 :]
     targets = seqs[:, prompt_len:]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -91,7 +112,7 @@ def answer_loss(model, seqs: torch.Tensor, prompt_len: int) -> torch.Tensor:
 def greedy_exact_match(model, seqs: torch.Tensor, prompt_len: int) -> float:
     """Exact match of greedy decoding, in one teacher-forced forward: greedy decoding yields
     the answer iff the argmax at every answer position is the answer token."""
-    logits = model(input_ids=seqs[:, :-1]).logits[:, prompt_len - 1:]
+    logits = model(input_ids=seqs[:, :-1]).logits[:, prompt_len - 1 :]
     return float((logits.argmax(-1) == seqs[:, prompt_len:]).all(dim=1).float().mean())
 
 
@@ -118,15 +139,18 @@ def train(recipe: TrainRecipe, log=print) -> tuple[Any, dict[str, Any]]:
 def _train(recipe: TrainRecipe, task: SyntheticTask, log) -> tuple[Any, dict[str, Any]]:
     model = build_model(recipe, task)
     params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98),
-                            weight_decay=recipe.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=recipe.weight_decay
+    )
     data = torch.Generator().manual_seed(recipe.seed + 1)
-    val = task.sequences(task.sample_keys(recipe.val_size,
-                                          torch.Generator().manual_seed(recipe.seed + 2),
-                                          "train"))
+    val = task.sequences(
+        task.sample_keys(recipe.val_size, torch.Generator().manual_seed(recipe.seed + 2), "train")
+    )
     curve, hits, t0 = [], 0, time.perf_counter()
-    log(f"training {task.name} ({task.description}): {params:,} parameters, "
-        f"batch {recipe.batch_size}, up to {recipe.max_steps} steps")
+    log(
+        f"training {task.name} ({task.description}): {params:,} parameters, "
+        f"batch {recipe.batch_size}, up to {recipe.max_steps} steps"
+    )
     step = 0
     for step in range(1, recipe.max_steps + 1):
         model.train()
@@ -142,19 +166,27 @@ def _train(recipe: TrainRecipe, task: SyntheticTask, log) -> tuple[Any, dict[str
             model.eval()
             em = greedy_exact_match(model, val, task.prompt_len)
             curve.append({"step": step, "loss": round(loss.item(), 5), "val_exact_match": em})
-            log(f"step {step:5d}  loss {loss.item():.4f}  val exact match {em:.3f}  "
-                f"({time.perf_counter() - t0:.0f} s)")
+            log(
+                f"step {step:5d}  loss {loss.item():.4f}  val exact match {em:.3f}  "
+                f"({time.perf_counter() - t0:.0f} s)"
+            )
             hits = hits + 1 if em >= recipe.target else 0
             if hits >= 2:
                 break
     model.eval()
-    record = {"parameters": params, "steps": step, "train_seconds": time.perf_counter() - t0,
-              "curve": curve, "val_exact_match": curve[-1]["val_exact_match"]}
+    record = {
+        "parameters": params,
+        "steps": step,
+        "train_seconds": time.perf_counter() - t0,
+        "curve": curve,
+        "val_exact_match": curve[-1]["val_exact_match"],
+    }
     return model, record
 
 
-def evaluate_checkpoint(model_dir: Path, task: str, n: int = EVAL_N, seed: int = EVAL_SEED,
-                        log=print) -> dict[str, Any]:
+def evaluate_checkpoint(
+    model_dir: Path, task: str, n: int = EVAL_N, seed: int = EVAL_SEED, log=print
+) -> dict[str, Any]:
     """Exact match through ``framework.LLM`` at O0: unquantized and per int8 shorthand.
 
     Also records the exact match over the first ``SMOKE_N`` prompts (a prefix of the same
@@ -165,29 +197,40 @@ def evaluate_checkpoint(model_dir: Path, task: str, n: int = EVAL_N, seed: int =
 
     def summary(res: dict[str, Any]) -> dict[str, Any]:
         k = min(SMOKE_N, n)
-        return {"exact_match": res["exact_match"],
-                "exact_match_first_smoke_n": exact_match(res["outputs"][:k], answers[:k]),
-                "quantized_layers": res["quantized_layers"],
-                "token_agreement_vs_unquantized_O0": res["token_agreement_vs"]["unquantized_O0"],
-                "max_first_token_logit_diff_vs_unquantized_O0":
-                    res["max_logit_diff_vs"]["unquantized_O0"]}
+        return {
+            "exact_match": res["exact_match"],
+            "exact_match_first_smoke_n": exact_match(res["outputs"][:k], answers[:k]),
+            "quantized_layers": res["quantized_layers"],
+            "token_agreement_vs_unquantized_O0": res["token_agreement_vs"]["unquantized_O0"],
+            "max_first_token_logit_diff_vs_unquantized_O0": res["max_logit_diff_vs"][
+                "unquantized_O0"
+            ],
+        }
 
-    out = {"n": n, "seed": seed, "smoke_n": min(SMOKE_N, n), "dtype": "float32",
-           "optimization_level": 0,
-           "unquantized": summary(base)}
+    out = {
+        "n": n,
+        "seed": seed,
+        "smoke_n": min(SMOKE_N, n),
+        "dtype": "float32",
+        "optimization_level": 0,
+        "unquantized": summary(base),
+    }
     log(f"held-out exact match through framework.LLM (O0, n={n}): {base['exact_match']:.3f}")
     for name in QUANT_SHORTHANDS:
         res = evaluate(model_dir, name, 0, n=n, seed=seed, task=task, reference=base)
         out[name] = summary(res)
-        log(f"  {name}: exact match {res['exact_match']:.3f}, token agreement "
+        log(
+            f"  {name}: exact match {res['exact_match']:.3f}, token agreement "
             f"{res['token_agreement_vs']['unquantized_O0']:.4f}, max first-token logit diff "
             f"{res['max_logit_diff_vs']['unquantized_O0']:.3g} ({res['quantized_layers']} "
-            f"layers quantized)")
+            f"layers quantized)"
+        )
     return out
 
 
-def save(model, record: dict[str, Any], recipe: TrainRecipe, out: Path, log=print,
-         eval_n: int = EVAL_N) -> Path:
+def save(
+    model, record: dict[str, Any], recipe: TrainRecipe, out: Path, log=print, eval_n: int = EVAL_N
+) -> Path:
     """Write the checkpoint and metrics.json into ``out`` atomically (temp dir + rename)."""
     task = get_task(recipe.task)
     out = Path(out)
@@ -198,16 +241,22 @@ def save(model, record: dict[str, Any], recipe: TrainRecipe, out: Path, log=prin
         # generation_config.json carry eos_token_id, so greedy decoding stops after the answer.
         model.save_pretrained(tmp)
         metrics = {
-            "task": task.name, "description": task.description,
-            "format": {"symbols": SYMBOLS, "eos_token_id": EOS_ID, "vocab_size": VOCAB_SIZE,
-                       "prompt_len": task.prompt_len, "answer_len": task.answer_len},
+            "task": task.name,
+            "description": task.description,
+            "format": {
+                "symbols": SYMBOLS,
+                "eos_token_id": EOS_ID,
+                "vocab_size": VOCAB_SIZE,
+                "prompt_len": task.prompt_len,
+                "answer_len": task.answer_len,
+            },
             "recipe": asdict(recipe),
             "torch": torch.__version__,
             "training": record,
             "eval": evaluate_checkpoint(tmp, task.name, n=eval_n, log=log),
         }
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        tmp.chmod(0o755)                                # mkdtemp makes it private
+        tmp.chmod(0o755)  # mkdtemp makes it private
         for f in tmp.iterdir():
             f.chmod(0o644)
         if out.exists():
@@ -223,17 +272,28 @@ def save(model, record: dict[str, Any], recipe: TrainRecipe, out: Path, log=prin
 
 def main(argv: Optional[list[str]] = None) -> int:
     defaults = TrainRecipe()
-    p = argparse.ArgumentParser(prog="python -m experiments.train_synthetic",
-                                description="Train a small Llama on a synthetic task")
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.train_synthetic",
+        description="Train a small Llama on a synthetic task",
+    )
     p.add_argument("--task", default=defaults.task, choices=task_names())
     p.add_argument("--out", required=True, help="checkpoint folder, e.g. models/synthetic/addition")
-    for field in ("seed", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "batch_size", "max_steps", "warmup_steps", "eval_every", "val_size",
-                  "threads"):
+    for field in (
+        "seed",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "batch_size",
+        "max_steps",
+        "warmup_steps",
+        "eval_every",
+        "val_size",
+        "threads",
+    ):
         p.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(defaults, field))
     for field in ("lr", "weight_decay", "target"):
-        p.add_argument("--" + field.replace("_", "-"), type=float,
-                       default=getattr(defaults, field))
+        p.add_argument("--" + field.replace("_", "-"), type=float, default=getattr(defaults, field))
     args = vars(p.parse_args(argv))
     out = Path(args.pop("out"))
     recipe = TrainRecipe(**args)

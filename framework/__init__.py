@@ -1,9 +1,12 @@
-"""piecewise framework: configs, forward context, compile wrapper, artifact cache, CUDA-graph
-wrapper and dispatcher, runner and the ``LLM`` entry point.
+"""piecewise framework, in layers (see README "Layout"): ``core`` (configs, forward context,
+registry and op helpers), ``compile`` + ``cache`` + ``cudagraph`` (the compile spine) and
+``engine`` (``LLM``, runner, scheduler, KV cache, sampler).
 
-Exports are lazy so that leaf modules (``framework.core.forward_context``, ``framework.core.config``)
-can be imported by ``backends``/``models`` without pulling in the runner.
+Every layer imports ``framework.core``, which runs this ``__init__`` first; so the exports
+below are resolved on first use (PEP 562) instead of importing the engine here, which would
+make importing the base layer import the whole stack (and Dynamo).
 """
+
 from typing import Any
 
 _EXPORTS = {
@@ -28,4 +31,5 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'framework' has no attribute {name!r}")
     import importlib
+
     return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -6,6 +6,7 @@ spellings are read: transformers < 5 (``rope_theta`` + ``rope_scaling`` with ``t
 ``rope_type``) and transformers >= 5 (``rope_parameters`` holding ``rope_theta`` too).
 The config enters the compile-cache key through :meth:`compute_hash`.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,14 @@ from models.family import family_traits
 from models.rotary import check_rope_scaling
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 
@@ -71,23 +77,36 @@ class ModelConfig(StrictConfig):
     dtype: str = "float32"
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name}: must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelConfig.num_kv_heads: {self.num_kv_heads} must divide "
-                             f"num_heads={self.num_heads}")
+            raise ValueError(
+                f"ModelConfig.num_kv_heads: {self.num_kv_heads} must divide "
+                f"num_heads={self.num_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim: must be even for RoPE, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"ModelConfig.sliding_window: must be positive or null, "
-                             f"got {self.sliding_window}")
+            raise ValueError(
+                f"ModelConfig.sliding_window: must be positive or null, got {self.sliding_window}"
+            )
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
-                raise ValueError(f"ModelConfig.layer_types: has {len(self.layer_types)} entries "
-                                 f"for num_layers={self.num_layers}")
+                raise ValueError(
+                    f"ModelConfig.layer_types: has {len(self.layer_types)} entries "
+                    f"for num_layers={self.num_layers}"
+                )
             bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
             if bad:
                 raise ValueError(f"ModelConfig.layer_types: unsupported layer type(s) {bad}")
@@ -103,8 +122,9 @@ class ModelConfig(StrictConfig):
     def eos_token_ids(self) -> list[int]:
         if self.eos_token_id is None:
             return []
-        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) \
-            else [self.eos_token_id]
+        return (
+            list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        )
 
     def layer_sliding_window(self, layer_idx: int) -> int:
         """The attention window of one layer in tokens; -1 for full attention."""
@@ -117,12 +137,14 @@ class ModelConfig(StrictConfig):
     # -- Hugging Face mapping --------------------------------------------------------------
     @classmethod
     def from_hf_dir(cls, path: Union[str, Path], **overrides: Any) -> "ModelConfig":
-        return cls.from_hf_dict(read_hf_config(path), source=str(Path(path) / "config.json"),
-                                **overrides)
+        return cls.from_hf_dict(
+            read_hf_config(path), source=str(Path(path) / "config.json"), **overrides
+        )
 
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any], source: str = "config.json",
-                     **overrides: Any) -> "ModelConfig":
+    def from_hf_dict(
+        cls, d: Mapping[str, Any], source: str = "config.json", **overrides: Any
+    ) -> "ModelConfig":
         """Map a Hugging Face config dict; ``overrides`` replace mapped fields (e.g. dtype)."""
         arch = hf_architecture(d, source)
         traits = family_traits(arch, source)
@@ -180,13 +202,16 @@ def read_hf_config(path: Union[str, Path]) -> dict[str, Any]:
     """config.json of a checkpoint folder as a dict; one clear error if missing or unreadable."""
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise ValueError(f"{file}: not found; a model folder needs a Hugging Face config.json "
-                         f"next to its safetensors weights")
+        raise ValueError(
+            f"{file}: not found; a model folder needs a Hugging Face config.json "
+            f"next to its safetensors weights"
+        )
     try:
         data = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file}: cannot read config.json ({e}); re-download or re-export "
-                         f"the checkpoint") from None
+        raise ValueError(
+            f"{file}: cannot read config.json ({e}); re-download or re-export the checkpoint"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -195,8 +220,10 @@ def read_hf_config(path: Union[str, Path]) -> dict[str, Any]:
 def hf_architecture(d: Mapping[str, Any], source: str = "config.json") -> str:
     archs = d.get("architectures")
     if not archs or not isinstance(archs, list):
-        raise ValueError(f"{source}: field 'architectures' is missing or empty; expected e.g. "
-                         f"[\"LlamaForCausalLM\"]")
+        raise ValueError(
+            f"{source}: field 'architectures' is missing or empty; expected e.g. "
+            f'["LlamaForCausalLM"]'
+        )
     return str(archs[0])
 
 
@@ -216,8 +243,9 @@ def _hf_rope(d: Mapping[str, Any], source: str) -> tuple[float, Optional[dict], 
     return theta, params, field
 
 
-def _hf_sliding_window(d: Mapping[str, Any], kind: Optional[str],
-                       num_layers: int) -> tuple[Optional[int], Optional[list]]:
+def _hf_sliding_window(
+    d: Mapping[str, Any], kind: Optional[str], num_layers: int
+) -> tuple[Optional[int], Optional[list]]:
     window = d.get("sliding_window")
     if kind is None or window is None:
         return None, None
@@ -228,8 +256,9 @@ def _hf_sliding_window(d: Mapping[str, Any], kind: Optional[str],
     layer_types = d.get("layer_types")
     if layer_types is None:
         first = int(d.get("max_window_layers", num_layers))
-        layer_types = ["sliding_attention" if i >= first else "full_attention"
-                       for i in range(num_layers)]
+        layer_types = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        ]
     return int(window), list(layer_types)
 
 
@@ -238,4 +267,4 @@ def _hf_dtype(d: Mapping[str, Any]) -> str:
     try:
         return dtype_name(value)
     except ValueError:
-        return "float32"   # an exotic checkpoint dtype is reported per tensor by the loader
+        return "float32"  # an exotic checkpoint dtype is reported per tensor by the loader

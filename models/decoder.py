@@ -12,6 +12,7 @@ flow, no ``.item()``.
 Shape legend: T tokens, H hidden size, I intermediate size, Hq / Hkv query / key-value heads,
 D head dim, V vocab size.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 
 from models.attention import PagedAttention
 from models.config import ModelConfig
-from models.layers import Linear, MergedLinear, RMSNorm
 from models.family import FamilyTraits, register_model
+from models.layers import Linear, MergedLinear, RMSNorm
 from models.rotary import RotaryEmbedding
 
 
@@ -33,31 +34,40 @@ class DecoderAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                     bias=config.attention_bias, dtype=dt)
+        self.qkv_proj = MergedLinear(
+            config.hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            bias=config.attention_bias,
+            dtype=dt,
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dt)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dt)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dt)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary_emb = rotary   # one module shared by every layer (one cos/sin cache)
-        self.attn = PagedAttention(f"{prefix}.attn", self.num_heads, self.num_kv_heads,
-                                   self.head_dim, scale=self.head_dim ** -0.5,
-                                   sliding_window=config.layer_sliding_window(layer_idx))
+        self.rotary_emb = rotary  # one module shared by every layer (one cos/sin cache)
+        self.attn = PagedAttention(
+            f"{prefix}.attn",
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=config.layer_sliding_window(layer_idx),
+        )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)                                  # [T, (Hq + 2*Hkv) * D]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2*Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)                # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)             # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)             # [T, Hkv, D]
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
-            q = self.q_norm(q)                                       # [T, Hq, D]
-            k = self.k_norm(k)                                       # [T, Hkv, D]
-        q, k = self.rotary_emb(positions, q, k)                      # [T, Hq, D], [T, Hkv, D]
-        out = self.attn(q, k, v)                                     # [T, Hq, D]
-        return self.o_proj(out.view(-1, self.q_size))                # [T, H]
+            q = self.q_norm(q)  # [T, Hq, D]
+            k = self.k_norm(k)  # [T, Hkv, D]
+        q, k = self.rotary_emb(positions, q, k)  # [T, Hq, D], [T, Hkv, D]
+        out = self.attn(q, k, v)  # [T, Hq, D]
+        return self.o_proj(out.view(-1, self.q_size))  # [T, H]
 
 
 class DecoderMLP(nn.Module):
@@ -65,15 +75,16 @@ class DecoderMLP(nn.Module):
         super().__init__()
         dt = config.torch_dtype
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                         dtype=dt)
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, [config.intermediate_size] * 2, dtype=dt
+        )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)                               # [T, 2I]
-        gate = gate_up[..., :self.intermediate_size]                 # [T, I]
-        up = gate_up[..., self.intermediate_size:]                   # [T, I]
-        return self.down_proj(F.silu(gate) * up)                     # [T, H]
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate = gate_up[..., : self.intermediate_size]  # [T, I]
+        up = gate_up[..., self.intermediate_size :]  # [T, I]
+        return self.down_proj(F.silu(gate) * up)  # [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -87,14 +98,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # Same residual structure (and rounding) as transformers: add, then norm.
-        residual = hidden                                            # [T, H]
-        hidden = self.input_layernorm(hidden)                        # [T, H]
-        hidden = self.self_attn(positions, hidden)                   # [T, H]
-        hidden = residual + hidden                                   # [T, H]
+        residual = hidden  # [T, H]
+        hidden = self.input_layernorm(hidden)  # [T, H]
+        hidden = self.self_attn(positions, hidden)  # [T, H]
+        hidden = residual + hidden  # [T, H]
         residual = hidden
-        hidden = self.post_attention_layernorm(hidden)               # [T, H]
-        hidden = self.mlp(hidden)                                    # [T, H]
-        return residual + hidden                                     # [T, H]
+        hidden = self.post_attention_layernorm(hidden)  # [T, H]
+        hidden = self.mlp(hidden)  # [T, H]
+        return residual + hidden  # [T, H]
 
 
 class DecoderModel(nn.Module):
@@ -103,25 +114,33 @@ class DecoderModel(nn.Module):
         dt = config.torch_dtype
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dt)
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling, dtype=dt)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype=dt,
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.rotary_emb, f"{prefix}.layers.{i}", i)
-            for i in range(config.num_layers))
+            for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)                        # [T, H]
+        hidden = self.embed_tokens(input_ids)  # [T, H]
         for layer in self.layers:
-            hidden = layer(positions, hidden)                        # [T, H]
-        return self.norm(hidden)                                     # [T, H]
+            hidden = layer(positions, hidden)  # [T, H]
+        return self.norm(hidden)  # [T, H]
 
 
 @register_model("LlamaForCausalLM", FamilyTraits("llama"))
-@register_model("MistralForCausalLM", FamilyTraits("mistral", qkv_bias=False, o_bias=False,
-                                                   sliding="all"))
-@register_model("Qwen2ForCausalLM", FamilyTraits("qwen2", qkv_bias=True, o_bias=False,
-                                                 sliding="qwen"))
+@register_model(
+    "MistralForCausalLM", FamilyTraits("mistral", qkv_bias=False, o_bias=False, sliding="all")
+)
+@register_model(
+    "Qwen2ForCausalLM", FamilyTraits("qwen2", qkv_bias=True, o_bias=False, sliding="qwen")
+)
 @register_model("Qwen3ForCausalLM", FamilyTraits("qwen3", qk_norm=True, sliding="qwen"))
 class DecoderForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``;
@@ -152,10 +171,10 @@ class DecoderForCausalLM(nn.Module):
         self.model.rotary_emb.init_cache()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)                      # [T, H]
+        return self.model(input_ids, positions)  # [T, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)                                  # [N, V]
+        return self.lm_head(hidden)  # [N, V]
 
     def attention_layer_names(self) -> list[str]:
         return [m.layer_name for m in self.modules() if isinstance(m, PagedAttention)]

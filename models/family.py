@@ -11,6 +11,7 @@ architecture's traits::
 Installed packages add families through the ``piecewise.models`` entry-point group (the
 entry point loads the module that registers them).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,24 +64,38 @@ class ModelFamily(Protocol):
 
 
 MODELS: Registry[type[nn.Module]] = Registry(
-    "model architecture", builtin_modules=("models.decoder",),
-    entry_point_group="piecewise.models")
+    "model architecture", builtin_modules=("models.decoder",), entry_point_group="piecewise.models"
+)
 
 
-def register_model(architecture: str, traits: FamilyTraits
-                   ) -> Callable[[type[nn.Module]], type[nn.Module]]:
+def register_model(
+    architecture: str, traits: FamilyTraits
+) -> Callable[[type[nn.Module]], type[nn.Module]]:
     """Register a model class for one Hugging Face architecture name, with its traits."""
     if not isinstance(traits, FamilyTraits):
-        raise TypeError(f"register_model({architecture!r}): traits must be a FamilyTraits, "
-                        f"got {type(traits).__name__}")
+        raise TypeError(
+            f"register_model({architecture!r}): traits must be a FamilyTraits, "
+            f"got {type(traits).__name__}"
+        )
 
     def deco(cls: type[nn.Module]) -> type[nn.Module]:
-        missing = [m for m in ("forward", "compute_logits", "attention_layer_names",
-                               "init_non_persistent_state") if not callable(getattr(cls, m, None))]
+        missing = [
+            m
+            for m in (
+                "forward",
+                "compute_logits",
+                "attention_layer_names",
+                "init_non_persistent_state",
+            )
+            if not callable(getattr(cls, m, None))
+        ]
         if missing:
-            raise TypeError(f"register_model({architecture!r}): {cls.__qualname__} lacks "
-                            f"{missing} of the ModelFamily contract (models/family.py)")
+            raise TypeError(
+                f"register_model({architecture!r}): {cls.__qualname__} lacks "
+                f"{missing} of the ModelFamily contract (models/family.py)"
+            )
         return MODELS.add(architecture, cls, traits=traits)
+
     return deco
 
 
@@ -90,8 +105,10 @@ def supported_architectures() -> list[str]:
 
 def _lookup(architecture: str, source: str):
     if architecture not in MODELS:
-        raise ValueError(f"{source}: architecture {architecture!r} is not supported; "
-                         f"supported architectures are {supported_architectures()}")
+        raise ValueError(
+            f"{source}: architecture {architecture!r} is not supported; "
+            f"supported architectures are {supported_architectures()}"
+        )
     return MODELS.entry(architecture)
 
 
@@ -108,5 +125,7 @@ def architecture_for(model_type: str) -> str:
     for entry in MODELS.entries():
         if entry.meta["traits"].model_type == model_type:
             return entry.name
-    raise ValueError(f"no registered architecture has model_type {model_type!r}; known: "
-                     f"{sorted(e.meta['traits'].model_type for e in MODELS.entries())}")
+    raise ValueError(
+        f"no registered architecture has model_type {model_type!r}; known: "
+        f"{sorted(e.meta['traits'].model_type for e in MODELS.entries())}"
+    )

@@ -5,6 +5,7 @@ linear method) installs ``layer.linear_method`` -- an object with ``apply(layer,
 replaces or adds the layer's parameters/buffers once, at load time.  The model file never
 imports a quantization scheme.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Protocol
@@ -21,14 +22,24 @@ class LinearMethod(Protocol):
 class Linear(nn.Module):
     """``y = x @ W^T + b`` with ``W: [out_features, in_features]``, ``x: [T, in_features]``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: Optional[torch.dtype] = None, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
-                                               device=device), requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
-                                  requires_grad=False) if bias else None)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
         self.linear_method: Optional[LinearMethod] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,8 +49,10 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         method = type(self.linear_method).__name__ if self.linear_method else "dense"
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, " \
-               f"method={method}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+            f"method={method}"
+        )
 
 
 class MergedLinear(Linear):
@@ -48,8 +61,14 @@ class MergedLinear(Linear):
     each checkpoint tensor into its block, and quantization methods can read the block bounds
     (e.g. for per-shard scales)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 dtype: Optional[torch.dtype] = None, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+    ):
         super().__init__(in_features, sum(output_sizes), bias=bias, dtype=dtype, device=device)
         self.output_sizes = list(output_sizes)
 
@@ -63,12 +82,14 @@ class RMSNorm(nn.Module):
     before the weight multiply -- the Hugging Face formulation, written plainly so compiler
     passes can pattern-match it (and so bf16 results match transformers bit for bit)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6,
-                 dtype: Optional[torch.dtype] = None, device=None):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None, device=None
+    ):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype

@@ -10,6 +10,7 @@ on.  Every problem is one :class:`CheckpointError` naming the file and the tenso
 Order of checks: find the files, read only their headers, compare the tensor names with what
 the model expects (missing / unexpected), then per tensor check dtype and shape before copying.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,8 @@ def checkpoint_tensor_files(model_dir: Union[str, Path]) -> dict[str, Path]:
             f"{model_dir}: only pickle checkpoint(s) {pickles} found; piecewise never loads "
             f"pickles (they can run arbitrary code). Convert to safetensors, e.g. "
             f"`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)`, which writes "
-            f"{SINGLE_FILE}")
+            f"{SINGLE_FILE}"
+        )
     others = sorted(p.name for p in model_dir.glob("*.safetensors"))
     hint = f" (found {others} but no {INDEX_FILE} naming them)" if others else ""
     raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
@@ -65,14 +67,18 @@ def _read_index(index: Path) -> dict[str, Path]:
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: cannot read the shard index ({type(e).__name__}: {e}); "
-                              f"it must be JSON with a 'weight_map' object") from None
+        raise CheckpointError(
+            f"{index}: cannot read the shard index ({type(e).__name__}: {e}); "
+            f"it must be JSON with a 'weight_map' object"
+        ) from None
     files = {}
     for name, shard in weight_map.items():
         path = index.parent / shard
         if not path.is_file():
-            raise CheckpointError(f"{path}: shard missing (listed in {index.name} for tensor "
-                                  f"{name!r}); re-download the checkpoint")
+            raise CheckpointError(
+                f"{path}: shard missing (listed in {index.name} for tensor "
+                f"{name!r}); re-download the checkpoint"
+            )
         files[name] = path
     return files
 
@@ -82,8 +88,10 @@ def _read_header_names(file: Path) -> list[str]:
         with safe_open(str(file), framework="pt") as f:
             return list(f.keys())
     except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); the file is "
-                              f"corrupt or truncated, re-download it") from None
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({e}); the file is "
+            f"corrupt or truncated, re-download it"
+        ) from None
 
 
 def expected_checkpoint_tensors(model: nn.Module) -> dict[str, tuple[str, Optional[int]]]:
@@ -93,7 +101,7 @@ def expected_checkpoint_tensors(model: nn.Module) -> dict[str, tuple[str, Option
     """
     packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
     expected: dict[str, tuple[str, Optional[int]]] = {}
-    for name, _ in model.named_parameters():          # shared (tied) parameters appear once
+    for name, _ in model.named_parameters():  # shared (tied) parameters appear once
         module_path, _, attr = name.rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
         if leaf in packed:
@@ -119,13 +127,18 @@ def load_weights(model: nn.Module, model_dir: Union[str, Path]) -> None:
     if missing:
         raise CheckpointError(
             f"{_where(files, model_dir)}: missing tensor(s) {_short(missing)} that "
-            f"{type(model).__name__} needs; the checkpoint does not match its config.json")
-    unexpected = sorted(n for n in files if n not in expected and n not in optional
-                        and not n.endswith(_IGNORED_SUFFIXES))
+            f"{type(model).__name__} needs; the checkpoint does not match its config.json"
+        )
+    unexpected = sorted(
+        n
+        for n in files
+        if n not in expected and n not in optional and not n.endswith(_IGNORED_SUFFIXES)
+    )
     if unexpected:
         raise CheckpointError(
             f"{files[unexpected[0]]}: unexpected tensor(s) {_short(unexpected)}; "
-            f"{type(model).__name__} has no such parameter (wrong architecture in config.json?)")
+            f"{type(model).__name__} has no such parameter (wrong architecture in config.json?)"
+        )
 
     params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
@@ -135,19 +148,28 @@ def load_weights(model: nn.Module, model_dir: Union[str, Path]) -> None:
         _load_file(model, params, file, names, expected)
 
 
-def _load_file(model: nn.Module, params: dict[str, nn.Parameter], file: Path, names: list[str],
-               expected: dict[str, tuple[str, Optional[int]]]) -> None:
+def _load_file(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    file: Path,
+    names: list[str],
+    expected: dict[str, tuple[str, Optional[int]]],
+) -> None:
     try:
         handle = safe_open(str(file), framework="pt")
     except Exception as e:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); the file is "
-                              f"corrupt or truncated, re-download it") from None
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({e}); the file is "
+            f"corrupt or truncated, re-download it"
+        ) from None
     with handle as f, torch.no_grad():
         present = set(f.keys())
         for hf_name in names:
             if hf_name not in present:
-                raise CheckpointError(f"{file}: tensor {hf_name!r} is listed in the shard index "
-                                      f"but not stored in this shard")
+                raise CheckpointError(
+                    f"{file}: tensor {hf_name!r} is listed in the shard index "
+                    f"but not stored in this shard"
+                )
             param_name, block = expected[hf_name]
             param = params[param_name]
             target = param.data
@@ -161,16 +183,21 @@ def _load_file(model: nn.Module, params: dict[str, nn.Parameter], file: Path, na
                 raise CheckpointError(
                     f"{file}: tensor {hf_name!r} has dtype {dtype}; only float checkpoints "
                     f"({sorted(_FLOAT_DTYPES)}) are supported -- load a float checkpoint and "
-                    f"quantize at load time through the quantization config")
+                    f"quantize at load time through the quantization config"
+                )
             shape = list(sl.get_shape())
             if shape != list(target.shape):
-                raise CheckpointError(f"{file}: tensor {hf_name!r} has shape {shape}, expected "
-                                      f"{list(target.shape)} (from config.json)")
+                raise CheckpointError(
+                    f"{file}: tensor {hf_name!r} has shape {shape}, expected "
+                    f"{list(target.shape)} (from config.json)"
+                )
             try:
                 tensor = f.get_tensor(hf_name)
             except Exception as e:
-                raise CheckpointError(f"{file}: cannot read tensor {hf_name!r} ({e}); the file "
-                                      f"is corrupt or truncated, re-download it") from None
+                raise CheckpointError(
+                    f"{file}: cannot read tensor {hf_name!r} ({e}); the file "
+                    f"is corrupt or truncated, re-download it"
+                ) from None
             target.copy_(tensor)
 
 
@@ -184,8 +211,11 @@ def _short(names: list[str], limit: int = 5) -> str:
     return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)} in all)"
 
 
-def load_model(model_dir: Union[str, Path], dtype: Union[torch.dtype, str] = torch.float32,
-               device: Union[str, torch.device] = "cpu") -> tuple[nn.Module, ModelConfig]:
+def load_model(
+    model_dir: Union[str, Path],
+    dtype: Union[torch.dtype, str] = torch.float32,
+    device: Union[str, torch.device] = "cpu",
+) -> tuple[nn.Module, ModelConfig]:
     """Build the model of a Hugging Face folder on the meta device, materialize it on
     ``device`` and load its safetensors weights cast to ``dtype``.
 

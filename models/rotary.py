@@ -5,6 +5,7 @@ Scaling types are a registry filled by :func:`register_rope_type`; each entry tu
 mirrors ``transformers.modeling_rope_utils`` exactly, so logits match Hugging Face to fp32
 round-off.  Any other type is rejected when the config is read (:func:`check_rope_scaling`).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,9 @@ InvFreqFn = Callable[[int, float, Mapping[str, Any]], torch.Tensor]
 ROPE_TYPES: Registry[InvFreqFn] = Registry("RoPE type")
 
 
-def register_rope_type(name: str, required: tuple[str, ...] = ()) -> Callable[[InvFreqFn], InvFreqFn]:
+def register_rope_type(
+    name: str, required: tuple[str, ...] = ()
+) -> Callable[[InvFreqFn], InvFreqFn]:
     """Register an inverse-frequency function; ``required`` lists the keys it reads."""
     return ROPE_TYPES.register(name, required=required)
 
@@ -31,7 +34,7 @@ def supported_rope_types() -> list[str]:
 def _base_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
     # Same expression as transformers (int64 arange cast to float) so the values are bit-equal.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta ** exponents)                                    # [D/2] fp32
+    return 1.0 / (theta**exponents)  # [D/2] fp32
 
 
 @register_rope_type("default")
@@ -45,8 +48,10 @@ def _linear_inv_freq(head_dim: int, theta: float, params: Mapping[str, Any]) -> 
     return _base_inv_freq(head_dim, theta) / float(params["factor"])
 
 
-@register_rope_type("llama3", required=("factor", "low_freq_factor", "high_freq_factor",
-                                        "original_max_position_embeddings"))
+@register_rope_type(
+    "llama3",
+    required=("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+)
 def _llama3_inv_freq(head_dim: int, theta: float, params: Mapping[str, Any]) -> torch.Tensor:
     inv_freq = _base_inv_freq(head_dim, theta)
     factor = params["factor"]
@@ -71,17 +76,20 @@ def check_rope_scaling(scaling: Optional[Mapping[str, Any]], field: str = "rope_
     if rope_type not in ROPE_TYPES:
         raise ValueError(
             f"{field}: RoPE type {rope_type!r} is not supported; supported types are "
-            f"{supported_rope_types()} (set {field} to null for plain RoPE)")
+            f"{supported_rope_types()} (set {field} to null for plain RoPE)"
+        )
     missing = [k for k in ROPE_TYPES.entry(rope_type).meta["required"] if k not in scaling]
     if missing:
-        raise ValueError(f"{field}: RoPE type {rope_type!r} needs the key(s) {missing}; got "
-                         f"{sorted(scaling)}")
+        raise ValueError(
+            f"{field}: RoPE type {rope_type!r} needs the key(s) {missing}; got {sorted(scaling)}"
+        )
     if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"{field}: partial_rotary_factor != 1 is not supported")
 
 
-def rope_inv_freq(head_dim: int, theta: float,
-                  scaling: Optional[Mapping[str, Any]]) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: Optional[Mapping[str, Any]]
+) -> torch.Tensor:
     """fp32 inverse frequencies ``[head_dim // 2]`` for the given scaling (None = plain RoPE)."""
     check_rope_scaling(scaling)
     params = scaling or {"rope_type": "default"}
@@ -102,15 +110,23 @@ class RotaryEmbedding(nn.Module):
     meta device, call :meth:`init_cache` once the module has real storage.
     """
 
-    def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: Optional[Mapping[str, Any]], dtype: torch.dtype):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: Optional[Mapping[str, Any]],
+        dtype: torch.dtype,
+    ):
         super().__init__()
         self.head_dim, self.max_position, self.theta = head_dim, max_position, theta
         self.scaling = dict(scaling) if scaling else None
-        self.register_buffer("cos_cache", torch.empty(max_position, head_dim, dtype=dtype),
-                             persistent=False)                             # [max_pos, D]
-        self.register_buffer("sin_cache", torch.empty(max_position, head_dim, dtype=dtype),
-                             persistent=False)                             # [max_pos, D]
+        self.register_buffer(
+            "cos_cache", torch.empty(max_position, head_dim, dtype=dtype), persistent=False
+        )  # [max_pos, D]
+        self.register_buffer(
+            "sin_cache", torch.empty(max_position, head_dim, dtype=dtype), persistent=False
+        )  # [max_pos, D]
         if not self.cos_cache.is_meta:
             self.init_cache()
 
@@ -118,22 +134,25 @@ class RotaryEmbedding(nn.Module):
     def init_cache(self) -> None:
         device = self.cos_cache.device
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)  # [D/2]
-        pos = torch.arange(self.max_position, device=device).float()                # [max_pos]
-        freqs = pos[:, None] * inv_freq[None, :]                                    # [max_pos, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                                     # [max_pos, D]
+        pos = torch.arange(self.max_position, device=device).float()  # [max_pos]
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
         self.cos_cache.copy_(emb.cos())
         self.sin_cache.copy_(emb.sin())
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated (q, k), same shapes."""
-        cos = self.cos_cache[positions].unsqueeze(1)                        # [T, 1, D]
-        sin = self.sin_cache[positions].unsqueeze(1)                        # [T, 1, D]
-        q = (q * cos) + (rotate_half(q) * sin)                              # [T, Hq, D]
-        k = (k * cos) + (rotate_half(k) * sin)                              # [T, Hkv, D]
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin_cache[positions].unsqueeze(1)  # [T, 1, D]
+        q = (q * cos) + (rotate_half(q) * sin)  # [T, Hq, D]
+        k = (k * cos) + (rotate_half(k) * sin)  # [T, Hkv, D]
         return q, k
 
     def extra_repr(self) -> str:
         kind = self.scaling["rope_type"] if self.scaling else "default"
-        return f"head_dim={self.head_dim}, max_position={self.max_position}, " \
-               f"theta={self.theta}, type={kind}"
+        return (
+            f"head_dim={self.head_dim}, max_position={self.max_position}, "
+            f"theta={self.theta}, type={kind}"
+        )

@@ -12,6 +12,7 @@ Presets: ``default`` is the project's benchmark model (Llama-style, 8 layers, hi
 models for tests, each exercising its family's traits (sliding window, qkv bias + tied
 embeddings, q/k norm with head_dim != hidden / heads).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,16 +30,33 @@ from models.family import architecture_for
 RECIPE_VERSION = 1
 """Bump when the generation recipe changes so cached folders are regenerated."""
 
-_TEST_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                   max_position_embeddings=512, initializer_range=0.05)
+_TEST_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    initializer_range=0.05,
+)
 
 # preset -> (family, HF config kwargs, dtype the weights are saved in)
 PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
-    "default": ("llama", dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                              num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
-                              max_position_embeddings=2048, initializer_range=0.02),
-                "bfloat16"),
+    "default": (
+        "llama",
+        dict(
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+            initializer_range=0.02,
+        ),
+        "bfloat16",
+    ),
     "test-llama": ("llama", dict(_TEST_SIZES), "float32"),
     "test-mistral": ("mistral", dict(_TEST_SIZES, sliding_window=16), "float32"),
     "test-qwen2": ("qwen2", dict(_TEST_SIZES, tie_word_embeddings=True), "float32"),
@@ -51,8 +69,9 @@ def default_cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "piecewise" / "models"
 
 
-def resolve_preset(preset: str = "default", arch: Optional[str] = None,
-                   **overrides: Any) -> tuple[str, dict[str, Any], str]:
+def resolve_preset(
+    preset: str = "default", arch: Optional[str] = None, **overrides: Any
+) -> tuple[str, dict[str, Any], str]:
     """(family, HF config kwargs, save dtype) for a preset, family and overrides."""
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny-model preset {preset!r}; presets are {sorted(PRESETS)}")
@@ -66,8 +85,9 @@ def resolve_preset(preset: str = "default", arch: Optional[str] = None,
     return family, {**kwargs, **overrides}, dtype
 
 
-def build_hf_model(family: str, config_kwargs: dict[str, Any], seed: int = 0,
-                   dtype: str = "float32"):
+def build_hf_model(
+    family: str, config_kwargs: dict[str, Any], seed: int = 0, dtype: str = "float32"
+):
     """A transformers ``*ForCausalLM`` with seeded weights (norm weights around 1, biases
     non-zero, so loading errors in any tensor show up in the logits)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -89,8 +109,14 @@ def build_hf_model(family: str, config_kwargs: dict[str, Any], seed: int = 0,
     return model.to(getattr(torch, dtype)).eval()
 
 
-def write_tiny_checkpoint(out_dir: Union[str, Path], preset: str = "test-llama", *,
-                          arch: Optional[str] = None, seed: int = 0, **overrides: Any) -> Path:
+def write_tiny_checkpoint(
+    out_dir: Union[str, Path],
+    preset: str = "test-llama",
+    *,
+    arch: Optional[str] = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
     """Write a preset's HF checkpoint (config.json + model.safetensors) into ``out_dir``."""
     family, kwargs, dtype = resolve_preset(preset, arch, **overrides)
     out_dir = Path(out_dir)
@@ -98,16 +124,23 @@ def write_tiny_checkpoint(out_dir: Union[str, Path], preset: str = "test-llama",
     return out_dir
 
 
-def ensure_tiny_model(cache_root: Union[str, Path, None] = None, arch: Optional[str] = None,
-                      preset: str = "default", *, seed: int = 0, **overrides: Any) -> Path:
+def ensure_tiny_model(
+    cache_root: Union[str, Path, None] = None,
+    arch: Optional[str] = None,
+    preset: str = "default",
+    *,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
     """Path of the cached checkpoint for (preset, arch, seed, overrides), generated on first use.
 
     ``arch`` picks the family ("llama", "mistral", "qwen2", "qwen3"; default: the preset's);
     ``overrides`` are HF config kwargs (e.g. ``num_hidden_layers=4``) or ``dtype``.
     """
     family, kwargs, dtype = resolve_preset(preset, arch, **overrides)
-    recipe = json.dumps(dict(v=RECIPE_VERSION, family=family, config=kwargs, dtype=dtype,
-                             seed=seed), sort_keys=True)
+    recipe = json.dumps(
+        dict(v=RECIPE_VERSION, family=family, config=kwargs, dtype=dtype, seed=seed), sort_keys=True
+    )
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:10]
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     final = root / f"{preset}-{family}-{digest}"
@@ -118,9 +151,9 @@ def ensure_tiny_model(cache_root: Union[str, Path, None] = None, arch: Optional[
     try:
         build_hf_model(family, kwargs, seed, dtype).save_pretrained(tmp)
         (tmp / "piecewise_recipe.json").write_text(recipe)
-        tmp.chmod(0o755)                    # mkdtemp makes it private; the cache is shared
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
         try:
-            os.rename(tmp, final)           # atomic; fails if another process got there first
+            os.rename(tmp, final)  # atomic; fails if another process got there first
         except OSError:
             if not (final / "config.json").is_file():
                 raise

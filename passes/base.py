@@ -5,6 +5,7 @@ sets ``match_count``; ``uuid()`` names its behaviour for the cache key; ``is_app
 lets it skip token ranges it cannot help.  Register it with :func:`passes.registry.register_pass`
 (or name it by import path ``module.sub:ClassName`` in ``PassConfig.passes``).
 """
+
 from __future__ import annotations
 
 import hashlib

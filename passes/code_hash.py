@@ -13,6 +13,7 @@ location- or run-dependent enters (file names, line numbers, ``id()``s, set iter
 so two processes with the same code agree.  Comments and docstring-free whitespace edits do not
 change the code, hence not the key.
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,8 +28,10 @@ _SIMPLE = (str, int, float, bool, bytes, type(None), complex)
 
 
 def _code_parts(code: types.CodeType, out: list[str]) -> None:
-    out.append(f"code:{code.co_name}:{code.co_argcount}:{code.co_posonlyargcount}:"
-               f"{code.co_kwonlyargcount}:{code.co_flags}")
+    out.append(
+        f"code:{code.co_name}:{code.co_argcount}:{code.co_posonlyargcount}:"
+        f"{code.co_kwonlyargcount}:{code.co_flags}"
+    )
     out.append(code.co_code.hex())
     out.append(repr((code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars)))
     for const in code.co_consts:
@@ -47,8 +50,11 @@ def _value_repr(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return type(value).__name__ + "(" + ",".join(_value_repr(v) for v in value) + ")"
     if isinstance(value, dict):
-        return "dict(" + ",".join(sorted(f"{_value_repr(k)}:{_value_repr(v)}"
-                                         for k, v in value.items())) + ")"
+        return (
+            "dict("
+            + ",".join(sorted(f"{_value_repr(k)}:{_value_repr(v)}" for k, v in value.items()))
+            + ")"
+        )
     if isinstance(value, enum.Enum):
         return f"{type(value).__qualname__}.{value.name}"
     if isinstance(value, types.CodeType):
@@ -78,8 +84,10 @@ def _class_parts(cls: type, module: str, out: list[str], seen: set[int]) -> None
     if id(cls) in seen:
         return
     seen.add(id(cls))
-    out.append(f"class:{cls.__qualname__}:" + ",".join(
-        f"{b.__module__}.{b.__qualname__}" for b in cls.__bases__))
+    out.append(
+        f"class:{cls.__qualname__}:"
+        + ",".join(f"{b.__module__}.{b.__qualname__}" for b in cls.__bases__)
+    )
     for name, value in sorted(vars(cls).items()):
         if name in ("__dict__", "__weakref__", "__module__", "__doc__"):
             continue
@@ -101,8 +109,7 @@ def _member_parts(value: Any, module: str, out: list[str], seen: set[int]) -> No
         return
     if isinstance(value, type) and value.__module__ == module:
         _class_parts(value, module, out, seen)
-    elif isinstance(value, (types.FunctionType, types.MethodType)) or \
-            hasattr(value, "__wrapped__"):
+    elif isinstance(value, (types.FunctionType, types.MethodType)) or hasattr(value, "__wrapped__"):
         _function_parts(value, out)
     else:
         out.append(_value_repr(value))
@@ -117,14 +124,18 @@ def module_code_hash(module_name: str) -> str:
     for name, value in sorted(vars(module).items()):
         if name.startswith("__") or isinstance(value, types.ModuleType):
             continue
-        defined_here = getattr(inspect.unwrap(value) if callable(value) else value,
-                               "__module__", None) == module_name
+        defined_here = (
+            getattr(inspect.unwrap(value) if callable(value) else value, "__module__", None)
+            == module_name
+        )
         out.append(f"global:{name}")
         if defined_here or isinstance(value, (_SIMPLE, tuple, list, dict, frozenset, set)):
             _member_parts(value, module_name, out, seen)
         elif callable(value):  # imported function/class/op: by name (its module hashes itself)
-            out.append(f"{getattr(value, '__module__', '')}."
-                       f"{getattr(value, '__qualname__', None) or getattr(value, '__name__', name)}")
+            out.append(
+                f"{getattr(value, '__module__', '')}."
+                f"{getattr(value, '__qualname__', None) or getattr(value, '__name__', name)}"
+            )
         else:  # imported or constructed objects (loggers, libraries): by type only
             out.append(f"{type(value).__module__}.{type(value).__qualname__}")
     return hashlib.sha256("\n".join(out).encode()).hexdigest()
@@ -137,8 +148,11 @@ def class_modules(cls: type) -> list[str]:
     modules = []
     for klass in cls.__mro__:
         module = klass.__module__ or ""
-        if module == "builtins" or module.split(".")[0] in ("torch", "abc", "typing") or \
-                module not in sys.modules:
+        if (
+            module == "builtins"
+            or module.split(".")[0] in ("torch", "abc", "typing")
+            or module not in sys.modules
+        ):
             continue
         if module not in modules:
             modules.append(module)

@@ -27,18 +27,23 @@ After::
 
 It runs last: the graph is no longer functional afterwards, so no pattern may run after it.
 """
+
 from __future__ import annotations
 
 import operator
 from typing import Any
 
 import torch
-
 from torch._higher_order_ops.auto_functionalize import get_mutable_args
 
 from passes.base import GraphPass
-from passes.fx_utils import (AF_TARGETS, af_v1_kwargs, getitem_users, mutable_arg_offset,
-                             nodes_in_order)
+from passes.fx_utils import (
+    AF_TARGETS,
+    af_v1_kwargs,
+    getitem_users,
+    mutable_arg_offset,
+    nodes_in_order,
+)
 from passes.registry import register_pass
 
 
@@ -70,7 +75,8 @@ case in a piece, whose residual stream arrives from the previous piece."""
 
 def _safe_to_mutate(arg: Any, node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> bool:
     return _is_fresh_tensor(arg) and not any(
-        u is not node and order.get(u, -1) > order[node] for u in arg.users)
+        u is not node and order.get(u, -1) > order[node] for u in arg.users
+    )
 
 
 @register_pass("fix_functionalization")
@@ -88,23 +94,28 @@ class FixFunctionalizationPass(GraphPass):
         self.match_count = count
 
     @staticmethod
-    def _defunctionalize(graph: torch.fx.Graph, node: torch.fx.Node,
-                         order: dict[torch.fx.Node, int]) -> bool:
+    def _defunctionalize(
+        graph: torch.fx.Graph, node: torch.fx.Node, order: dict[torch.fx.Node, int]
+    ) -> bool:
         op = node.args[0]
         kwargs = af_v1_kwargs(node)
         if kwargs is None:
             return False
         offset = mutable_arg_offset(op)
         users = getitem_users(node)
-        if (len(op._schema.returns) > 0 or any(i < offset for i in users)
-                or len(node.users) != sum(map(len, users.values()))):
+        if (
+            len(op._schema.returns) > 0
+            or any(i < offset for i in users)
+            or len(node.users) != sum(map(len, users.values()))
+        ):
             return False  # op results in use, or a non-getitem user: leave it to Inductor
         names, _ = get_mutable_args(op)
         swap = SWAPPABLE_ADD_OPERANDS.get(op._schema.name)
         if swap and "x" not in names and kwargs.get("residual") is not None:
             a, b = swap
-            if (not _safe_to_mutate(kwargs[b], node, order)
-                    and _safe_to_mutate(kwargs[a], node, order)):
+            if not _safe_to_mutate(kwargs[b], node, order) and _safe_to_mutate(
+                kwargs[a], node, order
+            ):
                 kwargs[a], kwargs[b] = kwargs[b], kwargs[a]
         mutated = [kwargs[n] for n in names]
         present = [m for m in mutated if m is not None]

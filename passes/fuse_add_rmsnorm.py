@@ -18,6 +18,7 @@ After::
 The fused op rounds once (fp32 norm * weight, then cast) where the model rounds twice; the
 difference is one bf16 rounding.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -26,8 +27,7 @@ import torch
 
 import passes.ops.norm  # noqa: F401  (registers piecewise::fused_add_rms_norm)
 from passes.fusion_patterns import EPS_DUMMY, rms_norm_hf
-from passes.pattern_fusion import (FusionPattern, PatternFusionPass, call_mutating,
-                                   float_dtypes)
+from passes.pattern_fusion import FusionPattern, PatternFusionPass, call_mutating, float_dtypes
 from passes.registry import register_pass
 
 
@@ -37,8 +37,13 @@ def add_rms_pattern(x, residual, weight, eps):
 
 
 def add_rms_replacement(x, residual, weight, eps):
-    out, r = call_mutating(torch.ops.piecewise.fused_add_rms_norm.default, x=x,
-                           residual=residual, weight=weight, eps=eps)
+    out, r = call_mutating(
+        torch.ops.piecewise.fused_add_rms_norm.default,
+        x=x,
+        residual=residual,
+        weight=weight,
+        eps=eps,
+    )
     return out, r
 
 
@@ -48,8 +53,18 @@ class FuseAddRMSNormPass(PatternFusionPass):
 
     def patterns(self) -> Iterable[FusionPattern]:
         for dtype in float_dtypes(self.context):
+
             def inputs(dtype=dtype):
-                return [torch.randn(5, 16, dtype=dtype), torch.randn(5, 16, dtype=dtype),
-                        torch.randn(16, dtype=dtype)]
-            yield FusionPattern(f"add_rmsnorm_{dtype}", add_rms_pattern, add_rms_replacement,
-                                inputs, scalars={"eps": EPS_DUMMY})
+                return [
+                    torch.randn(5, 16, dtype=dtype),
+                    torch.randn(5, 16, dtype=dtype),
+                    torch.randn(16, dtype=dtype),
+                ]
+
+            yield FusionPattern(
+                f"add_rmsnorm_{dtype}",
+                add_rms_pattern,
+                add_rms_replacement,
+                inputs,
+                scalars={"eps": EPS_DUMMY},
+            )

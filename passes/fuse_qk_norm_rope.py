@@ -21,6 +21,7 @@ gathered for this step's tokens only, so the op indexes it with ``arange(T)``)::
 
 ``num_heads``/``num_kv_heads``/``eps`` are pattern wildcards; ``D`` comes from the weights.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -29,8 +30,7 @@ import torch
 
 import passes.ops.rope  # noqa: F401  (registers piecewise::qk_norm_rope)
 from passes.fusion_patterns import EPS_DUMMY, rms_norm_hf, rope_neox
-from passes.pattern_fusion import (FusionPattern, PatternFusionPass, call_mutating,
-                                   float_dtypes)
+from passes.pattern_fusion import FusionPattern, PatternFusionPass, call_mutating, float_dtypes
 from passes.registry import register_pass
 
 # Trace values of the head counts: they become wildcards, so they must not equal any other
@@ -41,12 +41,16 @@ NUM_HEADS_DUMMY, NUM_KV_HEADS_DUMMY = 5, 3
 def _split(qkv, num_heads, num_kv_heads, head_dim):
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
-            v.view(-1, num_kv_heads, head_dim))
+    return (
+        q.view(-1, num_heads, head_dim),
+        k.view(-1, num_kv_heads, head_dim),
+        v.view(-1, num_kv_heads, head_dim),
+    )
 
 
-def qk_norm_rope_pattern(qkv, positions, q_weight, k_weight, cos_cache, sin_cache, eps,
-                         num_heads, num_kv_heads):
+def qk_norm_rope_pattern(
+    qkv, positions, q_weight, k_weight, cos_cache, sin_cache, eps, num_heads, num_kv_heads
+):
     q, k, v = _split(qkv, num_heads, num_kv_heads, q_weight.shape[0])
     q = rms_norm_hf(q, q_weight, eps)
     k = rms_norm_hf(k, k_weight, eps)
@@ -54,25 +58,39 @@ def qk_norm_rope_pattern(qkv, positions, q_weight, k_weight, cos_cache, sin_cach
     return q, k, v
 
 
-def qk_norm_rope_replacement(qkv, positions, q_weight, k_weight, cos_cache, sin_cache, eps,
-                             num_heads, num_kv_heads):
+def qk_norm_rope_replacement(
+    qkv, positions, q_weight, k_weight, cos_cache, sin_cache, eps, num_heads, num_kv_heads
+):
     head_dim = q_weight.shape[0]
     half = head_dim // 2
     cos_sin = torch.cat((cos_cache[positions][:, :half], sin_cache[positions][:, :half]), dim=-1)
     token_index = torch.arange(qkv.shape[0], device=qkv.device)
-    (new_qkv,) = call_mutating(torch.ops.piecewise.qk_norm_rope.default, qkv=qkv,
-                               positions=token_index, q_weight=q_weight, k_weight=k_weight,
-                               cos_sin_cache=cos_sin, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps,
-                               is_neox=True)
+    (new_qkv,) = call_mutating(
+        torch.ops.piecewise.qk_norm_rope.default,
+        qkv=qkv,
+        positions=token_index,
+        q_weight=q_weight,
+        k_weight=k_weight,
+        cos_sin_cache=cos_sin,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        eps=eps,
+        is_neox=True,
+    )
     return _split(new_qkv, num_heads, num_kv_heads, head_dim)
 
 
 def _example_inputs(dtype: torch.dtype) -> list:
     t, d, width = 7, 16, (NUM_HEADS_DUMMY + 2 * NUM_KV_HEADS_DUMMY) * 16
-    return [torch.randn(t, width, dtype=dtype), torch.arange(t),
-            torch.randn(d, dtype=dtype), torch.randn(d, dtype=dtype),
-            torch.randn(32, d, dtype=dtype), torch.randn(32, d, dtype=dtype)]
+    return [
+        torch.randn(t, width, dtype=dtype),
+        torch.arange(t),
+        torch.randn(d, dtype=dtype),
+        torch.randn(d, dtype=dtype),
+        torch.randn(32, d, dtype=dtype),
+        torch.randn(32, d, dtype=dtype),
+    ]
 
 
 @register_pass("fuse_qk_norm_rope")
@@ -82,7 +100,13 @@ class FuseQKNormRoPEPass(PatternFusionPass):
     def patterns(self) -> Iterable[FusionPattern]:
         for dtype in float_dtypes(self.context):
             yield FusionPattern(
-                f"qk_norm_rope_neox_{dtype}", qk_norm_rope_pattern, qk_norm_rope_replacement,
+                f"qk_norm_rope_neox_{dtype}",
+                qk_norm_rope_pattern,
+                qk_norm_rope_replacement,
                 lambda dtype=dtype: _example_inputs(dtype),
-                scalars={"eps": EPS_DUMMY, "num_heads": NUM_HEADS_DUMMY,
-                         "num_kv_heads": NUM_KV_HEADS_DUMMY})
+                scalars={
+                    "eps": EPS_DUMMY,
+                    "num_heads": NUM_HEADS_DUMMY,
+                    "num_kv_heads": NUM_KV_HEADS_DUMMY,
+                },
+            )

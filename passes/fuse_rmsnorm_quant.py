@@ -21,6 +21,7 @@ After::
 
 Static scales map to ``rms_norm_static_quant`` / ``fused_add_rms_norm_static_quant``.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -31,8 +32,7 @@ import torch
 import passes.ops.activation_quant  # noqa: F401  (registers the quant ops)
 import passes.ops.norm  # noqa: F401  (registers the norm ops)
 from passes.fusion_patterns import EPS_DUMMY, quant_buffers, rms_norm_hf
-from passes.pattern_fusion import (FusionPattern, PatternFusionPass, call_mutating,
-                                   float_dtypes)
+from passes.pattern_fusion import FusionPattern, PatternFusionPass, call_mutating, float_dtypes
 from passes.registry import register_pass
 
 ops = torch.ops.piecewise
@@ -48,6 +48,7 @@ def _dynamic_quant(h, out, scales):
 
 # --- the norm forms (``*_op``: the piecewise op, ``norm_out`` its output buffer) -----------
 
+
 def _norm_op(x, weight, eps, norm_out):
     return call_mutating(ops.rms_norm.default, out=norm_out, x=x, weight=weight, eps=eps)[0]
 
@@ -58,11 +59,13 @@ def _add_norm_decomposed(x, residual, weight, eps):
 
 
 def _add_norm_op(x, residual, weight, eps):
-    return call_mutating(ops.fused_add_rms_norm.default, x=x, residual=residual, weight=weight,
-                         eps=eps)
+    return call_mutating(
+        ops.fused_add_rms_norm.default, x=x, residual=residual, weight=weight, eps=eps
+    )
 
 
 # --- patterns and replacements ---------------------------------------------------------------
+
 
 def rms_static_pattern(x, weight, out, scale, eps):
     return _static_quant(rms_norm_hf(x, weight, eps), out, scale)
@@ -81,13 +84,21 @@ def rms_op_dynamic_pattern(x, weight, out, scales, eps, norm_out):
 
 
 def static_replacement(x, weight, out, scale, eps):
-    return call_mutating(ops.rms_norm_static_quant.default, out=out, x=x, weight=weight,
-                         scale=scale, eps=eps)[0]
+    return call_mutating(
+        ops.rms_norm_static_quant.default, out=out, x=x, weight=weight, scale=scale, eps=eps
+    )[0]
 
 
 def dynamic_replacement(x, weight, out, scales, eps):
-    q, s, _ = call_mutating(ops.rms_norm_dynamic_quant.default, out=out, x=x, weight=weight,
-                            scales=scales, eps=eps, residual=None)
+    q, s, _ = call_mutating(
+        ops.rms_norm_dynamic_quant.default,
+        out=out,
+        x=x,
+        weight=weight,
+        scales=scales,
+        eps=eps,
+        residual=None,
+    )
     return q, s
 
 
@@ -113,13 +124,27 @@ def _with_add(add_norm):
 
 
 def add_static_replacement(x, residual, weight, out, scale, eps):
-    return call_mutating(ops.fused_add_rms_norm_static_quant.default, out=out, x=x,
-                         residual=residual, weight=weight, scale=scale, eps=eps)
+    return call_mutating(
+        ops.fused_add_rms_norm_static_quant.default,
+        out=out,
+        x=x,
+        residual=residual,
+        weight=weight,
+        scale=scale,
+        eps=eps,
+    )
 
 
 def add_dynamic_replacement(x, residual, weight, out, scales, eps):
-    return call_mutating(ops.rms_norm_dynamic_quant.default, out=out, x=x, weight=weight,
-                         scales=scales, eps=eps, residual=residual)
+    return call_mutating(
+        ops.rms_norm_dynamic_quant.default,
+        out=out,
+        x=x,
+        weight=weight,
+        scales=scales,
+        eps=eps,
+        residual=residual,
+    )
 
 
 def _example_inputs(dtype: torch.dtype, static: bool, add: bool, norm_op: bool) -> list:
@@ -140,21 +165,49 @@ class FuseRMSNormQuantPass(PatternFusionPass):
             # Larger patterns first: add+norm+quant must win over norm+quant on the same quant.
             for form, add_norm in (("decomposed", _add_norm_decomposed), ("op", _add_norm_op)):
                 static_p, dynamic_p = _with_add(add_norm)
-                yield FusionPattern(f"add_rmsnorm_{form}_static_quant_{dtype}", static_p,
-                                    add_static_replacement,
-                                    partial(_example_inputs, dtype, True, True, False), scalars)
-                yield FusionPattern(f"add_rmsnorm_{form}_dynamic_quant_{dtype}", dynamic_p,
-                                    add_dynamic_replacement,
-                                    partial(_example_inputs, dtype, False, True, False), scalars)
+                yield FusionPattern(
+                    f"add_rmsnorm_{form}_static_quant_{dtype}",
+                    static_p,
+                    add_static_replacement,
+                    partial(_example_inputs, dtype, True, True, False),
+                    scalars,
+                )
+                yield FusionPattern(
+                    f"add_rmsnorm_{form}_dynamic_quant_{dtype}",
+                    dynamic_p,
+                    add_dynamic_replacement,
+                    partial(_example_inputs, dtype, False, True, False),
+                    scalars,
+                )
             for form, static_p, dynamic_p, static_r, dynamic_r, norm_op in (
-                    ("decomposed", rms_static_pattern, rms_dynamic_pattern, static_replacement,
-                     dynamic_replacement, False),
-                    ("op", rms_op_static_pattern, rms_op_dynamic_pattern, op_static_replacement,
-                     op_dynamic_replacement, True)):
-                yield FusionPattern(f"rmsnorm_{form}_static_quant_{dtype}", static_p, static_r,
-                                    partial(_example_inputs, dtype, True, False, norm_op),
-                                    scalars)
-                yield FusionPattern(f"rmsnorm_{form}_dynamic_quant_{dtype}", dynamic_p,
-                                    dynamic_r,
-                                    partial(_example_inputs, dtype, False, False, norm_op),
-                                    scalars)
+                (
+                    "decomposed",
+                    rms_static_pattern,
+                    rms_dynamic_pattern,
+                    static_replacement,
+                    dynamic_replacement,
+                    False,
+                ),
+                (
+                    "op",
+                    rms_op_static_pattern,
+                    rms_op_dynamic_pattern,
+                    op_static_replacement,
+                    op_dynamic_replacement,
+                    True,
+                ),
+            ):
+                yield FusionPattern(
+                    f"rmsnorm_{form}_static_quant_{dtype}",
+                    static_p,
+                    static_r,
+                    partial(_example_inputs, dtype, True, False, norm_op),
+                    scalars,
+                )
+                yield FusionPattern(
+                    f"rmsnorm_{form}_dynamic_quant_{dtype}",
+                    dynamic_p,
+                    dynamic_r,
+                    partial(_example_inputs, dtype, False, False, norm_op),
+                    scalars,
+                )

@@ -20,6 +20,7 @@ After::
 
 Dynamic per-token scales map to ``silu_and_mul_dynamic_quant`` (outputs: q, scales).
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -30,8 +31,7 @@ import torch
 import passes.ops.activation  # noqa: F401  (registers the silu_and_mul ops)
 import passes.ops.activation_quant  # noqa: F401  (registers the quant ops)
 from passes.fusion_patterns import quant_buffers, silu_and_mul_hf, silu_and_mul_sliced
-from passes.pattern_fusion import (FusionPattern, PatternFusionPass, call_mutating,
-                                   float_dtypes)
+from passes.pattern_fusion import FusionPattern, PatternFusionPass, call_mutating, float_dtypes
 from passes.registry import register_pass
 
 ops = torch.ops.piecewise
@@ -97,13 +97,30 @@ class FuseSiluMulQuantPass(PatternFusionPass):
 
     def patterns(self) -> Iterable[FusionPattern]:
         for dtype in float_dtypes(self.context):
-            forms = [(name, *_decomposed(act), static_replacement, dynamic_replacement, False)
-                     for name, act in (("chunk", silu_and_mul_hf),
-                                       ("slice", silu_and_mul_sliced))]
-            forms.append(("op", op_static_pattern, op_dynamic_pattern, op_static_replacement,
-                          op_dynamic_replacement, True))
+            forms = [
+                (name, *_decomposed(act), static_replacement, dynamic_replacement, False)
+                for name, act in (("chunk", silu_and_mul_hf), ("slice", silu_and_mul_sliced))
+            ]
+            forms.append(
+                (
+                    "op",
+                    op_static_pattern,
+                    op_dynamic_pattern,
+                    op_static_replacement,
+                    op_dynamic_replacement,
+                    True,
+                )
+            )
             for form, sp, dp, sr, dr, op_form in forms:
-                yield FusionPattern(f"silu_mul_{form}_static_quant_{dtype}", sp, sr,
-                                    partial(_example_inputs, dtype, True, op_form))
-                yield FusionPattern(f"silu_mul_{form}_dynamic_quant_{dtype}", dp, dr,
-                                    partial(_example_inputs, dtype, False, op_form))
+                yield FusionPattern(
+                    f"silu_mul_{form}_static_quant_{dtype}",
+                    sp,
+                    sr,
+                    partial(_example_inputs, dtype, True, op_form),
+                )
+                yield FusionPattern(
+                    f"silu_mul_{form}_dynamic_quant_{dtype}",
+                    dp,
+                    dr,
+                    partial(_example_inputs, dtype, False, op_form),
+                )

@@ -5,6 +5,7 @@ traces them with Inductor's decompositions, so a model that computes the same th
 way produces the same aten subgraph and matches.  Keep them literally in the model's form:
 an algebraically equal rewrite (``x.to(dt) * w`` for ``w * x.to(dt)``) is a different graph.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,10 @@ def silu_and_mul_sliced(x: torch.Tensor) -> torch.Tensor:
 
 def quant_buffers(x: torch.Tensor, qdtype: torch.dtype = Q_INT8):
     """Example quantized output and per-token scales for ``x`` (trace inputs)."""
-    return (torch.empty(x.shape, dtype=qdtype),
-            torch.empty((*x.shape[:-1], 1), dtype=torch.float32))
+    return (
+        torch.empty(x.shape, dtype=qdtype),
+        torch.empty((*x.shape[:-1], 1), dtype=torch.float32),
+    )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -49,8 +52,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-              cos_cache: torch.Tensor, sin_cache: torch.Tensor):
+def rope_neox(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+):
     """``models.rotary.RotaryEmbedding.forward``: q [T, Hq, D], k [T, Hkv, D]; caches
     ``[max_pos, D]`` with duplicated halves, indexed by ``positions [T]``."""
     cos = cos_cache[positions].unsqueeze(1)

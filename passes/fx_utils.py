@@ -6,19 +6,29 @@ _all_bases=[...])`` (v2, Inductor's default).  Both return ``(op result, *new va
 pattern-matching passes are written against v1, so :func:`canonicalize_auto_functionalized`
 rewrites every v2 node whose mutated arguments are whole tensors (no view metadata) into v1.
 """
+
 from __future__ import annotations
 
 import operator
 from typing import Any, Optional
 
 import torch
-from torch._higher_order_ops.auto_functionalize import (auto_functionalized,
-                                                        auto_functionalized_v2,
-                                                        get_mutable_args)
+from torch._higher_order_ops.auto_functionalize import (
+    auto_functionalized,
+    auto_functionalized_v2,
+    get_mutable_args,
+)
 
 AF_TARGETS = (auto_functionalized, auto_functionalized_v2)
-_VIEW_INFO_SUFFIXES = ("_size", "_stride", "_storage_offset", "_slice_dim", "_slice_start",
-                       "_slice_end", "_alias")
+_VIEW_INFO_SUFFIXES = (
+    "_size",
+    "_stride",
+    "_storage_offset",
+    "_slice_dim",
+    "_slice_start",
+    "_slice_end",
+    "_alias",
+)
 
 
 def node_op(node: torch.fx.Node) -> Any:
@@ -105,8 +115,11 @@ def canonicalize_auto_functionalized(graph: torch.fx.Graph) -> int:
         op = node.args[0]
         names, _ = get_mutable_args(op)
         offset = mutable_arg_offset(op)
-        base_to_v1 = {node.kwargs[f"_{n}_base_index"]: offset + i for i, n in enumerate(names)
-                      if node.kwargs[f"_{n}_base_index"] is not None}
+        base_to_v1 = {
+            node.kwargs[f"_{n}_base_index"]: offset + i
+            for i, n in enumerate(names)
+            if node.kwargs[f"_{n}_base_index"] is not None
+        }
         with graph.inserting_before(node):
             new = graph.call_function(auto_functionalized, (op,), kwargs)
         new.meta.update(node.meta)

@@ -6,13 +6,14 @@ eager adaptor.  Per pass and per piece it records wall time and match count; wit
 ``debug_dump_path`` it writes each piece's graph before the first pass and after every pass;
 with ``verify_passes`` it runs the differential check of :mod:`passes.verify` after each pass.
 """
+
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
-import itertools
 import re
 import time
 import uuid as uuid_module
@@ -85,12 +86,19 @@ class PassManager(CustomGraphPass):
     and ``is_applicable`` see the piece's name and token range.
     """
 
-    def __init__(self, pass_config: PassConfig, *, dtype: Optional[torch.dtype] = None,
-                 quant_config_hash: Optional[str] = None,
-                 debug_dump_path: Optional[str] = None):
+    def __init__(
+        self,
+        pass_config: PassConfig,
+        *,
+        dtype: Optional[torch.dtype] = None,
+        quant_config_hash: Optional[str] = None,
+        debug_dump_path: Optional[str] = None,
+    ):
         if pass_config.passes is None:
-            raise ValueError("PassManager: PassConfig.passes is None; resolve the compilation "
-                             "config first (CompilationConfig.resolve) so the level fills it")
+            raise ValueError(
+                "PassManager: PassConfig.passes is None; resolve the compilation "
+                "config first (CompilationConfig.resolve) so the level fills it"
+            )
         self.pass_config = pass_config
         self.context = PassContext(dtype=dtype, quant_config_hash=quant_config_hash)
         self.debug_dump_path = debug_dump_path
@@ -107,13 +115,17 @@ class PassManager(CustomGraphPass):
         self._verifier = None
         if pass_config.verify_passes:
             from passes.verify import PassVerifier
+
             self._verifier = PassVerifier(tolerance=pass_config.verify_tolerance, dtype=dtype)
 
     # --- the backend's hooks -----------------------------------------------------------------
 
-    def set_current_piece(self, piece_name: str,
-                          compile_range: Optional[CompileRange] = None,
-                          static_inputs: Optional[dict[int, torch.Tensor]] = None) -> None:
+    def set_current_piece(
+        self,
+        piece_name: str,
+        compile_range: Optional[CompileRange] = None,
+        static_inputs: Optional[dict[int, torch.Tensor]] = None,
+    ) -> None:
         """``static_inputs``: real values of piece inputs by position (weights, buffers); the
         verifier feeds them instead of random values."""
         self._piece = piece_name
@@ -141,11 +153,21 @@ class PassManager(CustomGraphPass):
             graph.lint()
             record = PieceRecord(piece, _range_tuple(rng), elapsed, int(p.match_count))
             self.records[p.name].pieces.append(record)
-            logger.debug("pass %s on %s %s: %d match(es) in %.1f ms", p.name, piece,
-                         record.compile_range, record.matches, elapsed * 1e3)
+            logger.debug(
+                "pass %s on %s %s: %d match(es) in %.1f ms",
+                p.name,
+                piece,
+                record.compile_range,
+                record.matches,
+                elapsed * 1e3,
+            )
             if dump_dir:
-                _write_graph(dump_dir, f"{i:02d}_after_{_safe(p.name)}.txt", graph,
-                             f"after pass {p.name} ({record.matches} matches)")
+                _write_graph(
+                    dump_dir,
+                    f"{i:02d}_after_{_safe(p.name)}.txt",
+                    graph,
+                    f"after pass {p.name} ({record.matches} matches)",
+                )
             if self._verifier:
                 err = self._verifier.check_pass(p.name, graph)
                 record.max_abs_error, record.max_rel_error = err.max_abs, err.max_rel
@@ -158,8 +180,13 @@ class PassManager(CustomGraphPass):
 
     # --- results -----------------------------------------------------------------------------
 
-    def piece_done(self, piece_name: str, compile_range: Optional[CompileRange], source: str,
-                   shared_with: Optional[str] = None) -> None:
+    def piece_done(
+        self,
+        piece_name: str,
+        compile_range: Optional[CompileRange],
+        source: str,
+        shared_with: Optional[str] = None,
+    ) -> None:
         """The backend's report after each (piece, range): ``source`` is ``compiled``,
         ``shared`` (same compiled code as piece ``shared_with``) or ``loaded`` (artifact
         cache).  A compile during which the passes never ran was an Inductor cache hit."""
@@ -167,18 +194,26 @@ class PassManager(CustomGraphPass):
         if source == "loaded":
             status = NOT_RUN_LOADED
         elif source == "shared":
-            original = next((i for i in reversed(self.instances)
-                             if i.piece == shared_with and i.compile_range == rng), None)
+            original = next(
+                (
+                    i
+                    for i in reversed(self.instances)
+                    if i.piece == shared_with and i.compile_range == rng
+                ),
+                None,
+            )
             status = original.status if original is not None else RAN
         else:
             ran = self._calls.get((piece_name, rng), 0) > self._calls_before
             status = RAN if ran else NOT_RUN_INDUCTOR_HIT
-        self.instances.append(PieceInstance(piece_name, rng, status,
-                                            shared_with if source == "shared" else None))
+        self.instances.append(
+            PieceInstance(piece_name, rng, status, shared_with if source == "shared" else None)
+        )
         if source == "shared" and self.debug_dump_path:
             # Identical pieces compile once; say where this one's graphs are.
-            with open(os.path.join(self._dump_dir(piece_name, compile_range, 1),
-                                   "same_graph_as.txt"), "w") as f:
+            with open(
+                os.path.join(self._dump_dir(piece_name, compile_range, 1), "same_graph_as.txt"), "w"
+            ) as f:
                 f.write(f"{shared_with}\n")
 
     def stats(self) -> dict[str, Any]:
@@ -203,24 +238,35 @@ class PassManager(CustomGraphPass):
         statuses = {i.status for i in self.instances} | ({RAN} if r.pieces else set())
         if RAN in statuses and not r.pieces:  # ran on pieces, but no range applied
             statuses = (statuses - {RAN}) | {"not run: not applicable"}
-        status = (", ".join(sorted(statuses)) if statuses else "not run: no piece")
-        return {"status": status, "total_time_s": r.total_time_s, "total_matches": total,
-                "unique_graph_matches": r.total_matches,
-                "pieces": [vars(p).copy() for p in r.pieces], "instances": instances}
+        status = ", ".join(sorted(statuses)) if statuses else "not run: no piece"
+        return {
+            "status": status,
+            "total_time_s": r.total_time_s,
+            "total_matches": total,
+            "unique_graph_matches": r.total_matches,
+            "pieces": [vars(p).copy() for p in r.pieces],
+            "instances": instances,
+        }
 
     def warn_unmatched(self) -> list[str]:
         """Log a warning naming each enabled fusion that ran on at least one piece and matched
         nothing in all of them (unless ``PassConfig.warn_on_no_match`` is off); returns those
         names.  (Pieces loaded from a cache never run
         passes, so a fusion that never ran is not reported.)"""
-        unmatched = [r.name for r in self.records.values()
-                     if r.is_fusion and r.pieces and r.total_matches == 0]
+        unmatched = [
+            r.name
+            for r in self.records.values()
+            if r.is_fusion and r.pieces and r.total_matches == 0
+        ]
         if not self.pass_config.warn_on_no_match:
             return unmatched
         for name in unmatched:
-            logger.warning("pass %s is enabled but matched nothing in the whole model (%d "
-                           "pieces); check the model's graph or disable it", name,
-                           len(self.records[name].pieces))
+            logger.warning(
+                "pass %s is enabled but matched nothing in the whole model (%d "
+                "pieces); check the model's graph or disable it",
+                name,
+                len(self.records[name].pieces),
+            )
         return unmatched
 
     # --- cache key ---------------------------------------------------------------------------
@@ -228,14 +274,16 @@ class PassManager(CustomGraphPass):
     def cache_factors(self) -> dict[str, Any]:
         """The artifact-cache key's ``passes`` factor: the run order and each pass's uuid by
         name, so ``python -m framework.cache explain`` can name the pass that differs."""
-        return {"order": list(self.names), "uuid": {p.name: p.uuid() for p in self.passes},
-                "dtype": str(self.context.dtype),
-                "quant_config_hash": self.context.quant_config_hash}
+        return {
+            "order": list(self.names),
+            "uuid": {p.name: p.uuid() for p in self.passes},
+            "dtype": str(self.context.dtype),
+            "quant_config_hash": self.context.quant_config_hash,
+        }
 
     def cache_uuid(self) -> str:
         """Changes when the pass list, a pass's code, or a pass's config changes."""
-        return hashlib.sha256(json.dumps(self.cache_factors(), sort_keys=True).encode()
-                              ).hexdigest()
+        return hashlib.sha256(json.dumps(self.cache_factors(), sort_keys=True).encode()).hexdigest()
 
     @property
     def must_run(self) -> bool:

@@ -21,6 +21,7 @@ After::
 
 Every removed node aliased its input already, so no aliasing is added.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,7 +35,7 @@ from passes.registry import register_pass
 aten = torch.ops.aten
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 SAME_SHAPE_NOOPS = RESHAPES + (aten.expand.default, aten.alias.default)
-TO_THE_END = 2 ** 62
+TO_THE_END = 2**62
 """Slice ends at or above this mean "to the end" (Python's ``x[a:]`` traces as INT64_MAX)."""
 
 
@@ -81,8 +82,11 @@ class NoOpEliminationPass(GraphPass):
                 src = node.args[0]
                 # reshape(reshape(x, a), b) == reshape(x, b).  A view may only skip an inner
                 # view (x is then viewable); an inner reshape may have copied.
-                if (isinstance(src, torch.fx.Node) and src.target in RESHAPES
-                        and (node.target != aten.view.default or src.target == aten.view.default)):
+                if (
+                    isinstance(src, torch.fx.Node)
+                    and src.target in RESHAPES
+                    and (node.target != aten.view.default or src.target == aten.view.default)
+                ):
                     node.replace_input_with(src, src.args[0])
                     count += 1
             if node.target in SAME_SHAPE_NOOPS and same_shape(_val(node), _val(node.args[0])):

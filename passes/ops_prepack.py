@@ -10,6 +10,7 @@ Registration: :func:`framework.core.ops.define_op` with a CPU kernel only (the o
 for oneDNN); the op is functional (no mutation, output never aliases an input) and passes
 ``opcheck``.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -28,8 +29,9 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def mkldnn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                            "_reorder_linear_weight")
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
 
 def packed_weight(w: torch.Tensor) -> torch.Tensor:
@@ -49,11 +51,14 @@ def clear_packed_weights() -> None:
     _PACKED.clear()
 
 
-def prepacked_linear_cpu(x: torch.Tensor, w: torch.Tensor,
-                         bias: Optional[torch.Tensor]) -> torch.Tensor:
+def prepacked_linear_cpu(
+    x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     if x.dtype != w.dtype or w.dtype not in PACKABLE_DTYPES:
-        raise TypeError(f"piecewise::prepacked_linear: x ({x.dtype}) and w ({w.dtype}) must "
-                        f"share a dtype in {PACKABLE_DTYPES}")
+        raise TypeError(
+            f"piecewise::prepacked_linear: x ({x.dtype}) and w ({w.dtype}) must "
+            f"share a dtype in {PACKABLE_DTYPES}"
+        )
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.mkldnn._linear_pointwise(x2, packed_weight(w), bias, "none", [], "")
@@ -62,13 +67,16 @@ def prepacked_linear_cpu(x: torch.Tensor, w: torch.Tensor,
 
 def _fake(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     if x.shape[-1] != w.shape[1]:
-        raise ValueError(f"piecewise::prepacked_linear: x has {x.shape[-1]} features, w is "
-                         f"{tuple(w.shape)} ([out_features, in_features])")
+        raise ValueError(
+            f"piecewise::prepacked_linear: x has {x.shape[-1]} features, w is "
+            f"{tuple(w.shape)} ([out_features, in_features])"
+        )
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 prepacked_linear = define_op("piecewise::prepacked_linear", fake=_fake, default_key="cpu")(
-    prepacked_linear_cpu)
+    prepacked_linear_cpu
+)
 
 
 class PrepackedLinearMethod:
@@ -78,9 +86,14 @@ class PrepackedLinearMethod:
     @staticmethod
     def applies_to(layer: torch.nn.Module) -> bool:
         w = getattr(layer, "weight", None)
-        return (mkldnn_available() and isinstance(w, torch.Tensor) and w.dim() == 2
-                and w.device.type == "cpu" and w.dtype in PACKABLE_DTYPES
-                and getattr(layer, "linear_method", None) is None)
+        return (
+            mkldnn_available()
+            and isinstance(w, torch.Tensor)
+            and w.dim() == 2
+            and w.device.type == "cpu"
+            and w.dtype in PACKABLE_DTYPES
+            and getattr(layer, "linear_method", None) is None
+        )
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return prepacked_linear(x, layer.weight, layer.bias)

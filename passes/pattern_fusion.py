@@ -12,6 +12,7 @@ Scalars that vary between models (``eps``) are pattern arguments listed in
 passed to the replacement as matched.  Integer sizes (split sizes, head counts derived from
 shapes) are re-derived by the matcher from each match's real shapes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,12 +20,16 @@ from typing import Any, Callable, ClassVar, Iterable, Optional
 
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
-from torch._inductor.pattern_matcher import (Match, PatternMatcherPass, fwd_only,
-                                             register_replacement, stable_topological_sort)
+from torch._inductor.pattern_matcher import (
+    Match,
+    PatternMatcherPass,
+    fwd_only,
+    register_replacement,
+    stable_topological_sort,
+)
 
 from passes.base import GraphPass, PassContext
-from passes.fx_utils import (canonicalize_auto_functionalized, mutable_arg_offset,
-                             schema_ordered)
+from passes.fx_utils import canonicalize_auto_functionalized, mutable_arg_offset, schema_ordered
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -51,8 +56,9 @@ def call_mutating(op: torch._ops.OpOverload, **kwargs: Any) -> tuple[Any, ...]:
     values of its mutated arguments in schema order (``auto_functionalized`` v1)."""
     result = auto_functionalized(op, **schema_ordered(op, kwargs))
     offset = mutable_arg_offset(op)
-    names = [a.name for a in op._schema.arguments if a.alias_info is not None
-             and a.alias_info.is_write]
+    names = [
+        a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write
+    ]
     return tuple(result[offset + i] for i in range(len(names)))
 
 
@@ -125,8 +131,16 @@ class PatternFusionPass(GraphPass):
         kwargs["extra_check"] = _scalars_are_constants(p)
         # The example inputs are real tensors: trace without autograd, on CPU, once.
         with torch.no_grad():
-            register_replacement(p.pattern, p.replacement, p.example_inputs(), trace_pattern,
-                                 matcher, pattern_name=p.name, skip_duplicates=True, **kwargs)
+            register_replacement(
+                p.pattern,
+                p.replacement,
+                p.example_inputs(),
+                trace_pattern,
+                matcher,
+                pattern_name=p.name,
+                skip_duplicates=True,
+                **kwargs,
+            )
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         views_to_reshapes(graph)

@@ -19,6 +19,7 @@ An ``addmm`` whose input is a full ``[T, N]`` tensor (Inductor folds a residual 
 matmul) becomes ``aten.add(prepacked_linear(x, w, None), r)``; Inductor fuses that add into
 the next pointwise kernel.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -43,8 +44,12 @@ def _transposed_weight(node) -> Optional[torch.fx.Node]:
     else:
         return None
     val = w.meta.get("val") if isinstance(w, torch.fx.Node) else None
-    if (w.op != "placeholder" or not isinstance(val, torch.Tensor) or val.dim() != 2
-            or val.dtype not in PACKABLE_DTYPES):
+    if (
+        w.op != "placeholder"
+        or not isinstance(val, torch.Tensor)
+        or val.dim() != 2
+        or val.dtype not in PACKABLE_DTYPES
+    ):
         return None
     return w
 
@@ -75,8 +80,7 @@ class PrepackLinearPass(GraphPass):
                 continue
             w = _transposed_weight(wt)
             xval = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-            if w is None or not isinstance(xval, torch.Tensor) or \
-                    xval.dtype != w.meta["val"].dtype:
+            if w is None or not isinstance(xval, torch.Tensor) or xval.dtype != w.meta["val"].dtype:
                 continue
             residual = None
             if bias is not None and bias.meta["val"].dim() == 2:

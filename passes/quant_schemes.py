@@ -17,10 +17,11 @@ Static activation scales (``fp8_per_tensor`` and other ``scale: static`` activat
 from :func:`calibrate_activation_scales`; running such a layer uncalibrated is an error naming
 the layer.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.nn as nn
@@ -84,16 +85,20 @@ SCHEMES: Registry[type["LinearScheme"]] = Registry("linear quantization scheme")
 def register_scheme(name: str, *, weight: dict, activation: dict | str):
     """Class decorator: the scheme handles specs matching ``weight`` and ``activation``
     (KeyPattern fields, or :data:`WEIGHT_ONLY`)."""
+
     def deco(cls: type[LinearScheme]) -> type[LinearScheme]:
         act = activation if activation == WEIGHT_ONLY else KeyPattern(**activation)
         cls.name = name
         return SCHEMES.add(name, cls, weight=KeyPattern(**weight), activation=act)
+
     return deco
 
 
 def registered_schemes() -> dict[str, str]:
-    return {e.name: f"weight={e.meta['weight']}, activation={e.meta['activation']}"
-            for e in SCHEMES.entries()}
+    return {
+        e.name: f"weight={e.meta['weight']}, activation={e.meta['activation']}"
+        for e in SCHEMES.entries()
+    }
 
 
 def scheme_for(spec: QuantSpec, layer_name: str = "?") -> type["LinearScheme"]:
@@ -101,11 +106,14 @@ def scheme_for(spec: QuantSpec, layer_name: str = "?") -> type["LinearScheme"]:
     for entry in SCHEMES.entries():
         if _matches(entry.meta["weight"], entry.meta["activation"], spec):
             return entry.obj
-    raise ValueError(f"quantization of layer {layer_name!r}: no linear scheme implements "
-                     f"{spec}; registered schemes: {registered_schemes()}")
+    raise ValueError(
+        f"quantization of layer {layer_name!r}: no linear scheme implements "
+        f"{spec}; registered schemes: {registered_schemes()}"
+    )
 
 
 # --- weight quantization (once, at load) --------------------------------------------------
+
 
 def quantize_weight(weight: torch.Tensor, key: QuantKey) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric ``[N, K]`` weight -> (quantized ``[N, K]``, fp32 scale ``[1, N]`` or ``[1]``)."""
@@ -116,8 +124,10 @@ def quantize_weight(weight: torch.Tensor, key: QuantKey) -> tuple[torch.Tensor, 
     elif key.group == "per_tensor":
         absmax = w.abs().amax().reshape(1)
     else:
-        raise ValueError(f"quantize_weight: group {key.group!r} is not supported for weights "
-                         f"(per_channel or per_tensor)")
+        raise ValueError(
+            f"quantize_weight: group {key.group!r} is not supported for weights "
+            f"(per_channel or per_tensor)"
+        )
     scale = (absmax / quant_max(qdtype)).clamp_(min=MIN_DYNAMIC_SCALE)
     y = w / (scale[:, None] if scale.numel() > 1 else scale)
     if qdtype == torch.int8:
@@ -134,6 +144,7 @@ def _replace_weight(layer: nn.Module, q: torch.Tensor) -> None:
 
 
 # --- schemes --------------------------------------------------------------------------------
+
 
 class LinearScheme:
     """A linear method: quantize the layer once (``process``), compute it (``apply``)."""
@@ -177,17 +188,18 @@ class ActivationQuantScheme(LinearScheme):
             ops.dynamic_per_token_quant(x_q, x, scales)
             return x_q, scales
         if not self.calibrated:
-            raise RuntimeError(f"layer {self.layer_name!r} quantizes activations with a static "
-                               f"scale that was never calibrated; call passes.quant_schemes."
-                               f"calibrate_activation_scales(model, run) first")
+            raise RuntimeError(
+                f"layer {self.layer_name!r} quantizes activations with a static "
+                f"scale that was never calibrated; call passes.quant_schemes."
+                f"calibrate_activation_scales(model, run) first"
+            )
         ops.static_scaled_quant(x_q, x, layer.input_scale)
         return x_q, layer.input_scale
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         x_q, x_scale = self.quantize_input(layer, x2)
-        y = self.mm_op(x_q, x_scale, layer.weight.t(), layer.weight_scale, layer.bias,
-                       x.dtype)
+        y = self.mm_op(x_q, x_scale, layer.weight.t(), layer.weight_scale, layer.bias, x.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -196,8 +208,11 @@ _DYNAMIC = dict(scale="dynamic", group="per_token")
 _STATIC = dict(scale="static", group="per_tensor")
 
 
-@register_scheme("int8_dynamic_per_token", weight=dict(dtype="int8", **_WEIGHT),
-                 activation=dict(dtype="int8", **_DYNAMIC))
+@register_scheme(
+    "int8_dynamic_per_token",
+    weight=dict(dtype="int8", **_WEIGHT),
+    activation=dict(dtype="int8", **_DYNAMIC),
+)
 class Int8DynamicPerToken(ActivationQuantScheme):
     """int8 weights (per channel/tensor) x int8 activations quantized per token at run time;
     ``torch._int_mm`` on CPU, Triton on CUDA."""
@@ -205,16 +220,22 @@ class Int8DynamicPerToken(ActivationQuantScheme):
     mm_op = ops.int8_scaled_mm
 
 
-@register_scheme("int8_static_per_tensor", weight=dict(dtype="int8", **_WEIGHT),
-                 activation=dict(dtype="int8", **_STATIC))
+@register_scheme(
+    "int8_static_per_tensor",
+    weight=dict(dtype="int8", **_WEIGHT),
+    activation=dict(dtype="int8", **_STATIC),
+)
 class Int8StaticPerTensor(ActivationQuantScheme):
     """int8 weights x int8 activations with one calibrated scale per layer."""
 
     mm_op = ops.int8_scaled_mm
 
 
-@register_scheme("fp8_dynamic_per_token", weight=dict(dtype="fp8_e4m3", **_WEIGHT),
-                 activation=dict(dtype="fp8_e4m3", **_DYNAMIC))
+@register_scheme(
+    "fp8_dynamic_per_token",
+    weight=dict(dtype="fp8_e4m3", **_WEIGHT),
+    activation=dict(dtype="fp8_e4m3", **_DYNAMIC),
+)
 class Fp8DynamicPerToken(ActivationQuantScheme):
     """fp8 e4m3 weights x fp8 activations quantized per token; a GPU path (the CPU reference
     upcasts to fp32 and is slow)."""
@@ -222,17 +243,22 @@ class Fp8DynamicPerToken(ActivationQuantScheme):
     mm_op = ops.fp8_scaled_mm
 
 
-@register_scheme("fp8_static_per_tensor", weight=dict(dtype="fp8_e4m3", **_WEIGHT),
-                 activation=dict(dtype="fp8_e4m3", **_STATIC))
+@register_scheme(
+    "fp8_static_per_tensor",
+    weight=dict(dtype="fp8_e4m3", **_WEIGHT),
+    activation=dict(dtype="fp8_e4m3", **_STATIC),
+)
 class Fp8StaticPerTensor(ActivationQuantScheme):
     """fp8 e4m3 weights x fp8 activations with one calibrated scale per layer (GPU path)."""
 
     mm_op = ops.fp8_scaled_mm
 
 
-@register_scheme("int8_weight_only", weight=dict(dtype="int8", scale="static",
-                                                 group="per_channel"),
-                 activation=WEIGHT_ONLY)
+@register_scheme(
+    "int8_weight_only",
+    weight=dict(dtype="int8", scale="static", group="per_channel"),
+    activation=WEIGHT_ONLY,
+)
 class Int8WeightOnly(LinearScheme):
     """int8 per-channel weights, activations in the model dtype (``int8_weight_only_mm``)."""
 
@@ -249,12 +275,16 @@ class Int8WeightOnly(LinearScheme):
 
 # --- the pass --------------------------------------------------------------------------------
 
+
 def linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``(name, module)`` of every module following the ``models.layers.Linear`` protocol."""
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "linear_method") and isinstance(weight, torch.Tensor) \
-                and weight.dim() == 2:
+        if (
+            hasattr(module, "linear_method")
+            and isinstance(weight, torch.Tensor)
+            and weight.dim() == 2
+        ):
             yield name, module
 
 
@@ -272,8 +302,10 @@ def quantize_model(model: nn.Module, quant_config: Any) -> dict[str, str]:
         if spec is None:
             continue
         if layer.linear_method is not None:
-            raise ValueError(f"quantize_model: layer {name!r} already has linear method "
-                             f"{layer.linear_method!r}; quantize a model only once")
+            raise ValueError(
+                f"quantize_model: layer {name!r} already has linear method "
+                f"{layer.linear_method!r}; quantize a model only once"
+            )
         plan.append((name, layer, scheme_for(spec, name)(spec, name)))
     for name, layer, scheme in plan:
         scheme.process(layer)
@@ -310,4 +342,3 @@ def calibrate_activation_scales(model: nn.Module, run: Callable[[], Any]) -> dic
     for layer in statics.values():
         layer.input_scale.clamp_(min=MIN_DYNAMIC_SCALE)
     return {name: float(layer.input_scale) for name, layer in statics.items()}
-

@@ -4,6 +4,7 @@ or by import path ``module.sub:ClassName`` (an out-of-tree pass, no framework ed
 Built-in passes live one per file in ``passes/``; :func:`resolve_pass` imports the file of a
 built-in name on first use, so importing the registry stays cheap and cycle-free.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -12,12 +13,12 @@ from typing import Callable, TypeVar
 from passes.base import GraphPass
 
 CANONICAL_ORDER: list[str] = [
-    "noop_elimination",       # first: strips view/reshape/slice noise so patterns match
-    "fuse_add_rmsnorm",       # add + RMSNorm -> fused_add_rms_norm
-    "fuse_rmsnorm_quant",     # (fused-add-)RMSNorm + quant -> one op (sees the op above)
+    "noop_elimination",  # first: strips view/reshape/slice noise so patterns match
+    "fuse_add_rmsnorm",  # add + RMSNorm -> fused_add_rms_norm
+    "fuse_rmsnorm_quant",  # (fused-add-)RMSNorm + quant -> one op (sees the op above)
     "fuse_silu_mul_quant",
     "fuse_qk_norm_rope",
-    "prepack_linear",         # after fusions: they never look at mm nodes
+    "prepack_linear",  # after fusions: they never look at mm nodes
     "fix_functionalization",  # last: re-inplaces auto_functionalized ops (breaks functional IR)
 ]
 """Order of the built-in passes; ``order_passes`` sorts a config's list by it."""
@@ -37,10 +38,14 @@ def register_pass(name: str) -> Callable[[P], P]:
         if not (isinstance(cls, type) and issubclass(cls, GraphPass)):
             raise TypeError(f"@register_pass({name!r}): {cls!r} is not a GraphPass subclass")
         old = _REGISTRY.get(name)
-        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__,
-                                                                     cls.__qualname__):
-            raise ValueError(f"@register_pass({name!r}): name already used by "
-                             f"{old.__module__}.{old.__qualname__}")
+        if old is not None and (old.__module__, old.__qualname__) != (
+            cls.__module__,
+            cls.__qualname__,
+        ):
+            raise ValueError(
+                f"@register_pass({name!r}): name already used by "
+                f"{old.__module__}.{old.__qualname__}"
+            )
         cls.name = name
         _REGISTRY[name] = cls
         return cls
@@ -67,8 +72,10 @@ def resolve_pass(name: str) -> type[GraphPass]:
     _import_builtin(name)
     if name not in _REGISTRY:
         known = sorted(registered_passes())
-        raise ValueError(f"unknown pass {name!r}; registered passes: {known}; an out-of-tree "
-                         f"pass is named by import path 'module.sub:ClassName'")
+        raise ValueError(
+            f"unknown pass {name!r}; registered passes: {known}; an out-of-tree "
+            f"pass is named by import path 'module.sub:ClassName'"
+        )
     return _REGISTRY[name]
 
 
@@ -79,15 +86,19 @@ def _import_pass(path: str) -> type[GraphPass]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"pass import path {path!r}: cannot import module {module_name!r} "
-                         f"({e}); is it on PYTHONPATH?") from e
+        raise ValueError(
+            f"pass import path {path!r}: cannot import module {module_name!r} "
+            f"({e}); is it on PYTHONPATH?"
+        ) from e
     cls = getattr(module, attr, None)
     if cls is None:
-        raise ValueError(f"pass import path {path!r}: module {module_name!r} has no "
-                         f"attribute {attr!r}")
+        raise ValueError(
+            f"pass import path {path!r}: module {module_name!r} has no attribute {attr!r}"
+        )
     if not (isinstance(cls, type) and issubclass(cls, GraphPass)):
-        raise ValueError(f"pass import path {path!r}: {cls!r} is not a subclass of "
-                         f"passes.base.GraphPass")
+        raise ValueError(
+            f"pass import path {path!r}: {cls!r} is not a subclass of passes.base.GraphPass"
+        )
     if not cls.__dict__.get("name"):
         cls.name = path  # out-of-tree passes need not register: they are known by their path
     return cls

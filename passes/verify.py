@@ -19,6 +19,7 @@ magnitude, is within ``tol`` (``verify_tolerance``, or per compute dtype: fp32 1
 5e-2); quantized outputs may differ by one quantization step (int8: 1; fp8 e4m3: 12.5%),
 because fusing a norm into its quant removes an intermediate rounding.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,13 +31,27 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from passes.base import CompileRange
-from passes.verify_inputs import (_FP8, DEFAULT_TOKENS, UNINITIALIZED_OPS,  # noqa: F401
-                                  PassVerificationError, _written_args, attention_calls,
-                                  attention_context, concrete_size, random_inputs,
-                                  symbol_bindings, undefined_nodes)
+from passes.verify_inputs import (  # noqa: F401
+    _FP8,
+    DEFAULT_TOKENS,
+    UNINITIALIZED_OPS,
+    PassVerificationError,
+    _written_args,
+    attention_calls,
+    attention_context,
+    concrete_size,
+    random_inputs,
+    symbol_bindings,
+    undefined_nodes,
+)
 
-DTYPE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 5e-2,
-                   torch.float16: 5e-2}
+DTYPE_TOLERANCE = {
+    torch.float32: 1e-3,
+    torch.float64: 1e-6,
+    torch.bfloat16: 5e-2,
+    torch.float16: 5e-2,
+}
+
 
 @dataclass
 class PassError:
@@ -132,8 +147,9 @@ class _Divergence:
 class PassVerifier:
     """Holds a piece's random inputs and the outputs of its graph before the current pass."""
 
-    def __init__(self, tolerance: Optional[float] = None, dtype: Optional[torch.dtype] = None,
-                 seed: int = 0):
+    def __init__(
+        self, tolerance: Optional[float] = None, dtype: Optional[torch.dtype] = None, seed: int = 0
+    ):
         self.tolerance = tolerance
         self.dtype = dtype
         self.seed = seed
@@ -149,9 +165,15 @@ class PassVerifier:
     def _tolerance_for(self, graph: torch.fx.Graph) -> float:
         if self.tolerance is not None:
             return self.tolerance
-        dtypes = {self.dtype} if self.dtype is not None else {
-            n.meta["val"].dtype for n in graph.find_nodes(op="placeholder")
-            if isinstance(n.meta.get("val"), torch.Tensor)}
+        dtypes = (
+            {self.dtype}
+            if self.dtype is not None
+            else {
+                n.meta["val"].dtype
+                for n in graph.find_nodes(op="placeholder")
+                if isinstance(n.meta.get("val"), torch.Tensor)
+            }
+        )
         # The loosest compute dtype decides: one bf16 input makes the whole piece bf16-precise.
         return max((DTYPE_TOLERANCE.get(d, 1e-4) for d in dtypes if d is not None), default=1e-4)
 
@@ -162,12 +184,15 @@ class PassVerifier:
             outs = rec.run(*[_clone(x) for x in self._inputs])
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         # Inputs swapped by a pass are compared as their readers saw them: after any write.
-        rec.values.update({f"{_SEEN}{k}": v for k, v in
-                           {**rec.values, **rec.written}.items()})
+        rec.values.update({f"{_SEEN}{k}": v for k, v in {**rec.values, **rec.written}.items()})
         return rec.values, outs
 
-    def start_piece(self, graph: torch.fx.Graph, compile_range: Optional[CompileRange],
-                    known_inputs: Optional[dict[int, torch.Tensor]] = None) -> None:
+    def start_piece(
+        self,
+        graph: torch.fx.Graph,
+        compile_range: Optional[CompileRange],
+        known_inputs: Optional[dict[int, torch.Tensor]] = None,
+    ) -> None:
         """Run the piece's graph before any pass; the reference for the first pass.
         ``known_inputs``: real values of some inputs by position (weights, buffers)."""
         # Compilers may call passes with a fake mode active; verification needs real tensors.
@@ -181,8 +206,7 @@ class PassVerifier:
         with unset_fake_temporarily():
             return self._check_pass(pass_name, graph)
 
-    def _start_piece(self, graph: torch.fx.Graph,
-                     compile_range: Optional[CompileRange]) -> None:
+    def _start_piece(self, graph: torch.fx.Graph, compile_range: Optional[CompileRange]) -> None:
         self.tol = self._tolerance_for(graph)
         self._inputs = random_inputs(graph, concrete_size(compile_range), self.seed, self._known)
         self._remember(graph)
@@ -192,7 +216,8 @@ class PassVerifier:
         except Exception as e:
             raise PassVerificationError(
                 f"verify_passes: the piece does not run on random inputs before any pass "
-                f"({type(e).__name__}: {e})") from e
+                f"({type(e).__name__}: {e})"
+            ) from e
 
     def _check_pass(self, pass_name: str, graph: torch.fx.Graph) -> PassError:
         try:
@@ -201,18 +226,24 @@ class PassVerifier:
         except Exception as e:
             raise PassVerificationError(
                 f"verify_passes: pass {pass_name!r} produced a graph that fails to run "
-                f"({type(e).__name__}: {e})") from e
+                f"({type(e).__name__}: {e})"
+            ) from e
         if len(outputs) != len(self._outputs):
-            raise PassVerificationError(f"verify_passes: pass {pass_name!r} changed the number "
-                                        f"of outputs from {len(self._outputs)} to {len(outputs)}")
+            raise PassVerificationError(
+                f"verify_passes: pass {pass_name!r} changed the number "
+                f"of outputs from {len(self._outputs)} to {len(outputs)}"
+            )
         undefined = undefined_nodes(graph)
         walk = self._walk(graph, values, undefined)
         producers = _output_producers(graph)
         max_abs = max_rel = 0.0
         failures = []
         for i, (b, a) in enumerate(zip(self._outputs, outputs)):
-            if not isinstance(b, torch.Tensor) or self._output_names[i] in self._undefined or \
-                    _name(producers[i]) in undefined:
+            if (
+                not isinstance(b, torch.Tensor)
+                or self._output_names[i] in self._undefined
+                or _name(producers[i]) in undefined
+            ):
                 continue  # garbage before or after: nothing the piece defines
             ea, er, ok = compare(b, a, self.tol)
             max_abs, max_rel = max(max_abs, ea), max(max_rel, er)
@@ -225,7 +256,8 @@ class PassVerifier:
             raise PassVerificationError(
                 f"verify_passes: pass {pass_name!r} changed the piece beyond tolerance "
                 f"{self.tol:g} (outputs: max abs error {max_abs:.4g}, max rel error "
-                f"{max_rel:.4g}); first diverging node: {where}")
+                f"{max_rel:.4g}); first diverging node: {where}"
+            )
         self._values, self._outputs = values, outputs
         self._remember(graph)
         return PassError(max_abs, max_rel)
@@ -236,8 +268,9 @@ class PassVerifier:
         self._undefined = undefined_nodes(graph)
         self._output_names = [_name(p) for p in _output_producers(graph)]
 
-    def _walk(self, graph: torch.fx.Graph, values: dict[str, Any],
-              undefined: set[str]) -> _Divergence:
+    def _walk(
+        self, graph: torch.fx.Graph, values: dict[str, Any], undefined: set[str]
+    ) -> _Divergence:
         """Graph order walk comparing every node the pass kept (same name) and every input the
         pass swapped under a kept node (old input's value vs. new input's value)."""
         tainted: set[str] = set()

@@ -5,6 +5,7 @@ bound consistently), the real weights and buffers where the backend knows them, 
 graph that contains attention a private batch in the forward context.  Comparable values: every
 node except uninitialised allocations (``empty``...) that the graph never writes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,11 @@ from framework.core.attention_metadata import AttentionMetadata
 from framework.core.forward_context import ForwardContext, set_forward_context
 from passes.base import CompileRange
 
-_FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),
-                         getattr(torch, "float8_e5m2", None)) if d is not None)
+_FP8 = tuple(
+    d
+    for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+    if d is not None
+)
 DEFAULT_TOKENS = 8
 """Token count used when the graph has a symbolic size and no compile range is known."""
 
@@ -39,13 +43,21 @@ def _symbols(values: list[Any]) -> dict[sympy.Symbol, Optional[int]]:
     """Free shape symbols of the placeholders' fake values -> their example hints."""
     out: dict[sympy.Symbol, Optional[int]] = {}
     for val in values:
-        sizes = [val] if isinstance(val, torch.SymInt) else \
-            list(val.shape) if isinstance(val, torch.Tensor) else []
+        sizes = (
+            [val]
+            if isinstance(val, torch.SymInt)
+            else list(val.shape)
+            if isinstance(val, torch.Tensor)
+            else []
+        )
         for s in sizes:
             if isinstance(s, torch.SymInt):
                 env = s.node.shape_env
-                hint = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {}) \
-                    if env is not None else {}
+                hint = (
+                    getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
+                    if env is not None
+                    else {}
+                )
                 for sym in s.node.expr.free_symbols:
                     out.setdefault(sym, int(hint[sym]) if sym in hint else None)
     return out
@@ -60,13 +72,17 @@ def symbol_bindings(values: list[Any], size: int) -> dict[sympy.Symbol, int]:
     symbols = _symbols(values)
     if len(symbols) == 1:
         return {sym: size for sym in symbols}
-    leading = [v.shape[0].node.expr for v in values
-               if isinstance(v, torch.Tensor) and v.dim() > 0
-               and isinstance(v.shape[0], torch.SymInt) and v.shape[0].node.expr in symbols]
+    leading = [
+        v.shape[0].node.expr
+        for v in values
+        if isinstance(v, torch.Tensor)
+        and v.dim() > 0
+        and isinstance(v.shape[0], torch.SymInt)
+        and v.shape[0].node.expr in symbols
+    ]
     token_hint = symbols[leading[0]] if leading else None
     tokens = {e for e in leading if symbols[e] == token_hint}
-    return {sym: size if (sym in tokens or hint is None) else hint
-            for sym, hint in symbols.items()}
+    return {sym: size if (sym in tokens or hint is None) else hint for sym, hint in symbols.items()}
 
 
 def _concretize(value: Any, bindings: dict[sympy.Symbol, int]) -> int:
@@ -75,8 +91,9 @@ def _concretize(value: Any, bindings: dict[sympy.Symbol, int]) -> int:
     return int(value)
 
 
-def random_inputs(graph: torch.fx.Graph, size: int, seed: int = 0,
-                  known: Optional[dict[int, torch.Tensor]] = None) -> list[Any]:
+def random_inputs(
+    graph: torch.fx.Graph, size: int, seed: int = 0, known: Optional[dict[int, torch.Tensor]] = None
+) -> list[Any]:
     """Random tensors matching the placeholders' fake values, the token count set to ``size``
     (see :func:`symbol_bindings`); placeholder ``i`` takes ``known[i]`` instead (a real weight
     or buffer) when its shape and dtype match."""
@@ -92,8 +109,11 @@ def random_inputs(graph: torch.fx.Graph, size: int, seed: int = 0,
         elif isinstance(val, torch.Tensor):
             shape = [_concretize(s, bindings) for s in val.shape]
             real = known.get(len(inputs))
-            if isinstance(real, torch.Tensor) and list(real.shape) == shape and \
-                    real.dtype == val.dtype:
+            if (
+                isinstance(real, torch.Tensor)
+                and list(real.shape) == shape
+                and real.dtype == val.dtype
+            ):
                 inputs.append(real.detach())
             else:
                 inputs.append(_random_tensor(shape, val.dtype, gen).to(val.device))
@@ -102,7 +122,8 @@ def random_inputs(graph: torch.fx.Graph, size: int, seed: int = 0,
         else:
             raise PassVerificationError(
                 f"verify_passes: placeholder {node.name} has no fake value (meta['val']) to "
-                f"build a random input from (got {type(val).__name__})")
+                f"build a random input from (got {type(val).__name__})"
+            )
     return inputs
 
 
@@ -119,13 +140,19 @@ def _random_tensor(shape: list[int], dtype: torch.dtype, gen: torch.Generator) -
     return torch.randint(0, 4, shape, generator=gen).to(dtype)
 
 
-
-UNINITIALIZED_OPS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
-                     torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default}
+UNINITIALIZED_OPS = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.new_empty.default,
+}
 """Allocations whose values are garbage until an op writes them: never compared."""
 
-_VIEW_OPS = {torch.ops.aten.reshape.default, torch.ops.aten.view.default,
-             torch.ops.aten._unsafe_view.default}
+_VIEW_OPS = {
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+}
 """Ops whose result may alias their first argument besides those whose schema says so."""
 
 
@@ -136,8 +163,9 @@ def _aliases_first_arg(node: torch.fx.Node) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return False
     returns = target._schema.returns
-    return bool(returns) and returns[0].alias_info is not None and \
-        not returns[0].alias_info.is_write
+    return (
+        bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+    )
 
 
 def undefined_nodes(graph: torch.fx.Graph) -> set[str]:
@@ -152,8 +180,12 @@ def undefined_nodes(graph: torch.fx.Graph) -> set[str]:
             continue
         if node.target in UNINITIALIZED_OPS:
             root[node.name] = node.name
-        elif _aliases_first_arg(node) and node.args and isinstance(node.args[0], torch.fx.Node) \
-                and node.args[0].name in root:
+        elif (
+            _aliases_first_arg(node)
+            and node.args
+            and isinstance(node.args[0], torch.fx.Node)
+            and node.args[0].name in root
+        ):
             root[node.name] = root[node.args[0].name]
         for arg in _written_args(node):
             if arg.name in root:
@@ -169,8 +201,13 @@ def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
         args = target._schema.arguments
         bound = dict(zip((a.name for a in args), node.args), **node.kwargs)
-        return [v for a in args if a.alias_info is not None and a.alias_info.is_write
-                for v in [bound.get(a.name)] if isinstance(v, torch.fx.Node)]
+        return [
+            v
+            for a in args
+            if a.alias_info is not None and a.alias_info.is_write
+            for v in [bound.get(a.name)]
+            if isinstance(v, torch.fx.Node)
+        ]
     return []
 
 
@@ -187,8 +224,11 @@ def attention_calls(graph: torch.fx.Graph) -> list[dict[str, Any]]:
         if node.target is op.default:
             names = [a.name for a in op.default._schema.arguments]
             calls.append(dict(zip(names, node.args), **node.kwargs))
-        elif node.args and node.args[0] is op.default and \
-                isinstance(node.target, torch._ops.HigherOrderOperator):
+        elif (
+            node.args
+            and node.args[0] is op.default
+            and isinstance(node.target, torch._ops.HigherOrderOperator)
+        ):
             calls.append(dict(node.kwargs))
     return calls
 
@@ -211,19 +251,27 @@ def attention_context(graph: torch.fx.Graph, size: int) -> Iterator[None]:
     block_size = 16
     num_blocks = -(-size // block_size)
     md = AttentionMetadata(
-        backend="torch", num_actual_tokens=size, num_reqs=1, max_query_len=size,
-        max_seq_len=size, query_start_loc=torch.tensor([0, size], dtype=torch.int32),
+        backend="torch",
+        num_actual_tokens=size,
+        num_reqs=1,
+        max_query_len=size,
+        max_seq_len=size,
+        query_start_loc=torch.tensor([0, size], dtype=torch.int32),
         seq_lens=torch.tensor([size], dtype=torch.int32),
         block_table=torch.arange(num_blocks, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(size, dtype=torch.int64), query_start_loc_cpu=[0, size],
-        seq_lens_cpu=[size])
+        slot_mapping=torch.arange(size, dtype=torch.int64),
+        query_start_loc_cpu=[0, size],
+        seq_lens_cpu=[size],
+    )
     caches = {}
     for call in calls:
         k = call["k"].meta["val"]
         hkv, d = (int(s) for s in k.shape[1:3])
-        caches[call["layer_name"]] = torch.zeros(2, num_blocks, block_size, hkv, d,
-                                                 dtype=k.dtype, device=k.device)
-    ctx = ForwardContext(attn_metadata={name: md for name in caches}, kv_caches=caches,
-                         slot_mapping=md.slot_mapping)
+        caches[call["layer_name"]] = torch.zeros(
+            2, num_blocks, block_size, hkv, d, dtype=k.dtype, device=k.device
+        )
+    ctx = ForwardContext(
+        attn_metadata={name: md for name in caches}, kv_caches=caches, slot_mapping=md.slot_mapping
+    )
     with set_forward_context(ctx):
         yield

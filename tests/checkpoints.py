@@ -1,6 +1,7 @@
 """Builders of tiny Hugging Face checkpoints for tests (fp32, seeded), and helpers that derive
 broken checkpoints from a good one.  The generation recipe itself lives in ``models.tiny`` so
 library code (the default model of ``make run``) never imports tests."""
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,12 @@ def build_sharded_checkpoint(out_dir: Path, family: str, max_shard_size: str = "
     return Path(out_dir)
 
 
-def derive_checkpoint(src: Path, dst: Path,
-                      edit_tensors: Optional[Callable[[dict[str, torch.Tensor]], None]] = None,
-                      edit_config: Optional[Callable[[dict], None]] = None) -> Path:
+def derive_checkpoint(
+    src: Path,
+    dst: Path,
+    edit_tensors: Optional[Callable[[dict[str, torch.Tensor]], None]] = None,
+    edit_config: Optional[Callable[[dict], None]] = None,
+) -> Path:
     """Copy a single-file checkpoint, editing its tensors dict and/or config dict in place."""
     dst = Path(dst)
     shutil.copytree(src, dst)

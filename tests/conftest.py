@@ -1,4 +1,5 @@
 """Session-wide fixtures: one tiny random HF checkpoint per model family, built once."""
+
 from __future__ import annotations
 
 import os
@@ -22,11 +23,15 @@ _INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", f"{KERNEL_MARK}: launches Triton kernels in the test process (compiled on "
-                   "CUDA; on CPU rerun under the interpreter in a child process)")
+        "markers",
+        f"{KERNEL_MARK}: launches Triton kernels in the test process (compiled on "
+        "CUDA; on CPU rerun under the interpreter in a child process)",
+    )
     config.addinivalue_line(
-        "markers", "triton_interpreted: CPU test that needs the Triton interpreter (rerun in "
-                   "a child process with TRITON_INTERPRET=1)")
+        "markers",
+        "triton_interpreted: CPU test that needs the Triton interpreter (rerun in "
+        "a child process with TRITON_INTERPRET=1)",
+    )
 
 
 def pytest_collection_finish(session):
@@ -41,11 +46,13 @@ def pytest_collection_finish(session):
         raise pytest.UsageError(
             f"TRITON_INTERPRET={interpret!r} after collection (triton.language interpreted: "
             f"{language_is_interpreted()}): GPU tests must run compiled Triton; unset "
-            f"TRITON_INTERPRET and find the test module that sets it")
+            f"TRITON_INTERPRET and find the test module that sets it"
+        )
     if gpu_check:
         session.config.pluginmanager.get_plugin("terminalreporter").write_line(
             f"gpu-check collection: {len(session.items)} tests selected, TRITON_INTERPRET "
-            f"unset, triton compiled: ok")
+            f"unset, triton compiled: ok"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ Blocks are handed out from a seeded permutation (not in order), so a wrong block
 shows up as wrong logits.  Steps can mix requests in prefill and in decode, and can pad the
 flat batch (padding tokens get slot -1, as the runner does for CUDA graphs).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,8 +26,14 @@ class _Seq:
 
 
 class PagedHarness:
-    def __init__(self, model, block_size: int = 4, num_blocks: int = 256, seed: int = 0,
-                 backend: str = "torch"):
+    def __init__(
+        self,
+        model,
+        block_size: int = 4,
+        num_blocks: int = 256,
+        seed: int = 0,
+        backend: str = "torch",
+    ):
         self.model, self.config = model, model.config
         self.block_size, self.backend = block_size, backend
         self.layer_names = model.attention_layer_names()
@@ -37,8 +44,9 @@ class PagedHarness:
         self.free_blocks = order.tolist()
 
     # -- one forward over a flat batch ---------------------------------------------------------
-    def _step(self, seqs: list[_Seq], chunks: list[list[int]],
-              pad_to: Optional[int] = None) -> torch.Tensor:
+    def _step(
+        self, seqs: list[_Seq], chunks: list[list[int]], pad_to: Optional[int] = None
+    ) -> torch.Tensor:
         """Run the new tokens ``chunks[i]`` of each sequence; returns hidden [T_padded, H]."""
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
         for seq, chunk in zip(seqs, chunks):
@@ -47,8 +55,10 @@ class PagedHarness:
                 seq.blocks.append(self.free_blocks.pop())
             ids += chunk
             pos += list(range(start, end))
-            slots += [seq.blocks[p // self.block_size] * self.block_size + p % self.block_size
-                      for p in range(start, end)]
+            slots += [
+                seq.blocks[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(start, end)
+            ]
             qsl.append(qsl[-1] + len(chunk))
             seq_lens.append(end)
             seq.num_computed = end
@@ -58,23 +68,34 @@ class PagedHarness:
         max_blocks = max(len(s.blocks) for s in seqs)
         table = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
         for i, s in enumerate(seqs):
-            table[i, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
+            table[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
         md = AttentionMetadata(
-            backend=self.backend, num_actual_tokens=num_tokens, num_reqs=len(seqs),
-            max_query_len=max(len(c) for c in chunks), max_seq_len=max(seq_lens),
+            backend=self.backend,
+            num_actual_tokens=num_tokens,
+            num_reqs=len(seqs),
+            max_query_len=max(len(c) for c in chunks),
+            max_seq_len=max(seq_lens),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=table,
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-        ctx = ForwardContext(attn_metadata={n: md for n in self.layer_names},
-                             kv_caches=self.kv_caches, slot_mapping=md.slot_mapping)
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+        ctx = ForwardContext(
+            attn_metadata={n: md for n in self.layer_names},
+            kv_caches=self.kv_caches,
+            slot_mapping=md.slot_mapping,
+        )
         with torch.no_grad(), set_forward_context(ctx):
-            return self.model(torch.tensor(ids, dtype=torch.int64),
-                              torch.tensor(pos, dtype=torch.int64))
+            return self.model(
+                torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
+            )
 
     # -- public helpers ------------------------------------------------------------------------
-    def prefill_logits(self, prompts: Sequence[Sequence[int]],
-                       pad_to: Optional[int] = None) -> list[torch.Tensor]:
+    def prefill_logits(
+        self, prompts: Sequence[Sequence[int]], pad_to: Optional[int] = None
+    ) -> list[torch.Tensor]:
         """All prompts in ONE flat batch; logits of every prompt token, ``[L_i, V]`` each."""
         seqs = [_Seq(list(p), len(p)) for p in prompts]
         hidden = self._step(seqs, [list(p) for p in prompts], pad_to)
@@ -82,13 +103,18 @@ class PagedHarness:
             logits = self.model.compute_logits(hidden)
         out, start = [], 0
         for p in prompts:
-            out.append(logits[start:start + len(p)])
+            out.append(logits[start : start + len(p)])
             start += len(p)
         return out
 
-    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-               arrival_steps: Optional[Sequence[int]] = None,
-               pad_multiple: Optional[int] = None, return_logits: bool = False):
+    def greedy(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        arrival_steps: Optional[Sequence[int]] = None,
+        pad_multiple: Optional[int] = None,
+        return_logits: bool = False,
+    ):
         """Greedy generation; request i joins at step ``arrival_steps[i]`` (default 0), so
         later arrivals prefill in the same step as earlier ones decode.
 
@@ -99,24 +125,28 @@ class PagedHarness:
         sampled_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
         step = 0
         while any(len(s.tokens) - s.num_prompt < max_new_tokens for s in seqs):
-            active = [i for i, s in enumerate(seqs)
-                      if arrival[i] <= step and len(s.tokens) - s.num_prompt < max_new_tokens]
+            active = [
+                i
+                for i, s in enumerate(seqs)
+                if arrival[i] <= step and len(s.tokens) - s.num_prompt < max_new_tokens
+            ]
             step += 1
             if not active:
                 continue
             batch = [seqs[i] for i in active]
-            chunks = [s.tokens[s.num_computed:] for s in batch]
+            chunks = [s.tokens[s.num_computed :] for s in batch]
             total = sum(len(c) for c in chunks)
             pad_to = -(-total // pad_multiple) * pad_multiple if pad_multiple else None
             hidden = self._step(batch, chunks, pad_to)
             last_rows = torch.tensor(
-                [sum(len(c) for c in chunks[:j + 1]) - 1 for j in range(len(chunks))])
+                [sum(len(c) for c in chunks[: j + 1]) - 1 for j in range(len(chunks))]
+            )
             with torch.no_grad():
-                logits = self.model.compute_logits(hidden[last_rows])     # [num_reqs, V]
+                logits = self.model.compute_logits(hidden[last_rows])  # [num_reqs, V]
             for j, (i, t) in enumerate(zip(active, logits.argmax(-1).tolist())):
                 seqs[i].tokens.append(t)
                 sampled_logits[i].append(logits[j])
-        tokens = [s.tokens[s.num_prompt:] for s in seqs]
+        tokens = [s.tokens[s.num_prompt :] for s in seqs]
         if return_logits:
             return tokens, [torch.stack(rows) for rows in sampled_logits]
         return tokens
@@ -129,6 +159,11 @@ def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int) -> list[int]
     hf_model.generation_config.pad_token_id = 0
     ids = torch.tensor([list(prompt)])
     with torch.no_grad():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_new_tokens, min_new_tokens=0)
-    return out[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+        )
+    return out[0, len(prompt) :].tolist()

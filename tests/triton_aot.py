@@ -8,6 +8,7 @@ a cubin -- on any machine.  A compile error fails the test; the only skips are a
 without the NVIDIA backend or without ``ptxas`` (the backend hashes its ptxas version before
 any stage runs, so nothing can be compiled without it), each with that reason.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -27,13 +28,19 @@ def require_cuda_backend() -> None:
     """Skip (with the reason) when this Triton build cannot target CUDA at all."""
     triton = pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 in this process: kernels are interpreted functions, "
-                    "there is nothing to compile (run pytest without it)")
+        pytest.skip(
+            "TRITON_INTERPRET=1 in this process: kernels are interpreted functions, "
+            "there is nothing to compile (run pytest without it)"
+        )
     from triton.backends import backends
+
     if "nvidia" not in backends:
-        pytest.skip(f"this triton {triton.__version__} build has no NVIDIA backend "
-                    f"(backends: {sorted(backends)})")
+        pytest.skip(
+            f"this triton {triton.__version__} build has no NVIDIA backend "
+            f"(backends: {sorted(backends)})"
+        )
     from triton import knobs
+
     try:
         ptxas = knobs.nvidia.ptxas.path
     except RuntimeError as e:  # raised when the tool is found nowhere
@@ -42,8 +49,7 @@ def require_cuda_backend() -> None:
         pytest.skip(f"this triton build ships no ptxas ({ptxas!r})")
 
 
-def compile_for_sm90(kernel: Any, types: Mapping[str, str],
-                     constexprs: Mapping[str, Any]) -> Any:
+def compile_for_sm90(kernel: Any, types: Mapping[str, str], constexprs: Mapping[str, Any]) -> Any:
     """Compile ``kernel`` (a JITFunction) for sm_90 and check every stage came out.
 
     ``types`` gives the Triton type of each runtime argument ("*bf16", "i32", "fp32", ...);
@@ -56,15 +62,18 @@ def compile_for_sm90(kernel: Any, types: Mapping[str, str],
     from triton.runtime.jit import JITFunction
 
     assert isinstance(kernel, JITFunction), (
-        f"{kernel!r} is not a JITFunction: was triton imported with TRITON_INTERPRET=1?")
+        f"{kernel!r} is not a JITFunction: was triton imported with TRITON_INTERPRET=1?"
+    )
     params = list(inspect.signature(kernel.fn).parameters)
     unknown = (set(types) | set(constexprs)) - set(params)
     missing = [p for p in params if p not in types and p not in constexprs]
     assert not unknown and not missing, (
-        f"{kernel.fn.__name__}: unknown arguments {sorted(unknown)}, untyped {missing}")
+        f"{kernel.fn.__name__}: unknown arguments {sorted(unknown)}, untyped {missing}"
+    )
     signature = {p: ("constexpr" if p in constexprs else types[p]) for p in params}
-    compiled = triton.compile(ASTSource(kernel, signature, dict(constexprs)),
-                              target=GPUTarget("cuda", ARCH, 32))
+    compiled = triton.compile(
+        ASTSource(kernel, signature, dict(constexprs)), target=GPUTarget("cuda", ARCH, 32)
+    )
     for stage in ("ttir", "ttgir", "llir", "ptx", "cubin"):
         assert compiled.asm.get(stage), f"{kernel.fn.__name__}: no {stage} produced"
     assert f".target sm_{ARCH}" in compiled.asm["ptx"]

@@ -8,6 +8,7 @@ module runs its kernel tests in place only when the process *already* runs the i
 whose environment has ``TRITON_INTERPRET=1`` from the start.  GPU tests collected in the same
 session therefore never see interpreted Triton (``scripts/gpu_check.sh`` checks this).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,6 +33,7 @@ def language_is_interpreted() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
+
     return isinstance(tl.sum, InterpretedFunction)
 
 
@@ -42,23 +44,36 @@ KERNELS_RUN_HERE = ON_GPU or language_is_interpreted()
 kernel_test = pytest.mark.skipif(
     not KERNELS_RUN_HERE,
     reason="CPU process without the Triton interpreter: test_in_interpreter reruns these "
-           "tests in a child process with TRITON_INTERPRET=1")
+    "tests in a child process with TRITON_INTERPRET=1",
+)
 """Decorator for a kernel test (skipped here when it runs in the child process instead)."""
 
 
-def run_module_in_interpreter(module_file: str, request: pytest.FixtureRequest,
-                              timeout: float = 600, marker: str = KERNEL_MARK) -> str:
+def run_module_in_interpreter(
+    module_file: str,
+    request: pytest.FixtureRequest,
+    timeout: float = 600,
+    marker: str = KERNEL_MARK,
+) -> str:
     """Run the tests marked ``marker`` of ``module_file`` in a fresh pytest process under the
     Triton interpreter; fail with its output unless every one of them passed."""
     module = Path(module_file).resolve()
-    expected = sum(1 for item in request.session.items
-                   if Path(str(item.fspath)).resolve() == module
-                   and item.get_closest_marker(marker) is not None)
+    expected = sum(
+        1
+        for item in request.session.items
+        if Path(str(item.fspath)).resolve() == module
+        and item.get_closest_marker(marker) is not None
+    )
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
-         str(module)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, str(module)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     out = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, out
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

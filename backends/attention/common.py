@@ -5,10 +5,10 @@ That op is what the compile backend splits around: it is opaque to Dynamo and In
 runs eagerly, reads its per-layer metadata and KV cache from the forward context, and
 dispatches to the attention backend named in the metadata (a registry, not an if-chain).
 """
+
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional
 
 import torch
@@ -38,9 +38,16 @@ class AttentionBackend:
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
-                sliding_window: int) -> None:
+    def forward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        sliding_window: int,
+    ) -> None:
         """Write k/v into ``kv_cache`` at ``md.slot_mapping`` and attention into ``out``.
 
         Shapes: q/out ``[T, Hq, D]``, k/v ``[T, Hkv, D]``,
@@ -50,13 +57,15 @@ class AttentionBackend:
 
 
 BACKENDS: Registry[type[AttentionBackend]] = Registry(
-    "attention backend", entry_point_group="piecewise.attention_backends")
+    "attention backend", entry_point_group="piecewise.attention_backends"
+)
 
 
 def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
     def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
         cls.name = name
         return BACKENDS.add(name, cls)
+
     return deco
 
 
@@ -68,17 +77,27 @@ def available_backends() -> list[str]:
     return BACKENDS.names()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              layer_name: str, scale: float, sliding_window: int) -> None:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    layer_name: str,
+    scale: float,
+    sliding_window: int,
+) -> None:
     """Paged causal attention of one layer; the KV cache and metadata come from the forward
     context.  ``sliding_window`` <= 0 means no window."""
     ctx = get_forward_context()
     md: Optional[AttentionMetadata] = ctx.attn_metadata.get(layer_name)
     if md is None:
-        raise RuntimeError(f"no attention metadata for layer {layer_name!r} in the forward "
-                           f"context (layers with metadata: {sorted(ctx.attn_metadata)[:4]}...)")
-    BACKENDS.get(md.backend).forward(q, k, v, out, ctx.kv_caches[layer_name], md, scale,
-                                  sliding_window)
+        raise RuntimeError(
+            f"no attention metadata for layer {layer_name!r} in the forward "
+            f"context (layers with metadata: {sorted(ctx.attn_metadata)[:4]}...)"
+        )
+    BACKENDS.get(md.backend).forward(
+        q, k, v, out, ctx.kv_caches[layer_name], md, scale, sliding_window
+    )
 
 
 def _attention_fake(q, k, v, out, layer_name, scale, sliding_window) -> None:
@@ -86,6 +105,8 @@ def _attention_fake(q, k, v, out, layer_name, scale, sliding_window) -> None:
 
 
 attention_op = define_op(
-    "piecewise::attention", fake=_attention_fake,
+    "piecewise::attention",
+    fake=_attention_fake,
     schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) out, str layer_name, float scale, "
-           "int sliding_window) -> ()")(attention)
+    "int sliding_window) -> ()",
+)(attention)

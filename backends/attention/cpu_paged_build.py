@@ -15,6 +15,7 @@ compiler without ``-march=native``), the portable ``-O3`` build is used;
 ``$PIECEWISE_CACHE_DIR/kernels`` (default ``~/.cache/piecewise/kernels``), written to a
 temporary name and renamed, so concurrent builders never load a half-written file.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -54,7 +55,8 @@ def cpu_flags() -> str:
 
 def kernel_dir() -> Path:
     root = os.environ.get("PIECEWISE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "piecewise")
+        os.path.expanduser("~"), ".cache", "piecewise"
+    )
     return Path(root) / "kernels"
 
 
@@ -68,9 +70,13 @@ def _compiler_identity(cxx: str) -> str:
 
 def build_key(cxx: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _compiler_identity(cxx).encode(), " ".join(flags).encode(),
-                 cpu_flags().encode() if "-march=native" in flags else b"",
-                 platform.machine().encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        _compiler_identity(cxx).encode(),
+        " ".join(flags).encode(),
+        cpu_flags().encode() if "-march=native" in flags else b"",
+        platform.machine().encode(),
+    ):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -81,11 +87,14 @@ def _compile(cxx: str, flags: tuple[str, ...], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True,
-                              text=True, check=False)
+        proc = subprocess.run(
+            [cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False
+        )
         if proc.returncode != 0:
-            raise KernelBuildError(f"{cxx} failed to build {SOURCE.name} with "
-                                   f"{' '.join(flags)}:\n{proc.stderr[-2000:]}")
+            raise KernelBuildError(
+                f"{cxx} failed to build {SOURCE.name} with "
+                f"{' '.join(flags)}:\n{proc.stderr[-2000:]}"
+            )
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -96,8 +105,10 @@ def library_path(portable: bool | None = None) -> Path:
     """The cached library for this machine, building it on first use."""
     cxx = compiler()
     if cxx is None:
-        raise KernelBuildError(f"no C++ compiler found (${{CXX}} or g++ on PATH) to build "
-                               f"{SOURCE.name}; use attention_backend='torch'")
+        raise KernelBuildError(
+            f"no C++ compiler found (${{CXX}} or g++ on PATH) to build "
+            f"{SOURCE.name}; use attention_backend='torch'"
+        )
     if portable is None:
         portable = os.environ.get("PIECEWISE_CPU_PAGED_PORTABLE", "") not in ("", "0")
     candidates = [PORTABLE_FLAGS] if portable else [NATIVE_FLAGS, PORTABLE_FLAGS]
@@ -124,8 +135,11 @@ def load_library(portable: bool | None = None) -> ctypes.CDLL:
         raise KernelBuildError(f"cannot load {path}: {e}") from e
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn = lib.piecewise_cpu_paged_attention
-    fn.argtypes = ([p, i64, p, i64, p, i64, p, i64, p, i64, i64, p, p, i64, p, p]
-                   + [i64] * 6 + [ctypes.c_float, i64, i64])
+    fn.argtypes = (
+        [p, i64, p, i64, p, i64, p, i64, p, i64, i64, p, p, i64, p, p]
+        + [i64] * 6
+        + [ctypes.c_float, i64, i64]
+    )
     fn.restype = ctypes.c_int
     lib.piecewise_cpu_paged_isa.restype = ctypes.c_char_p
     return lib

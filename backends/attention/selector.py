@@ -23,6 +23,7 @@ PIECEWISE, NONE         unchanged              unchanged                 unchang
 
 ALWAYS keeps every mode.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,10 +61,13 @@ def min_support(backend_names: Iterable[str]) -> AttentionCGSupport:
     return min(levels, default=_S.ALWAYS)
 
 
-def resolve_cudagraph_mode(requested: CUDAGraphMode, support: AttentionCGSupport, *,
-                           uniform_decode_query_len: int = 1,
-                           piecewise_available: bool = True,
-                           ) -> tuple[CUDAGraphMode, Optional[str]]:
+def resolve_cudagraph_mode(
+    requested: CUDAGraphMode,
+    support: AttentionCGSupport,
+    *,
+    uniform_decode_query_len: int = 1,
+    piecewise_available: bool = True,
+) -> tuple[CUDAGraphMode, Optional[str]]:
     """The mode to use given the backends' ``support``, and why it changed (None if not).
 
     ``piecewise_available``: False when the model is not piecewise-compiled, so a downgrade
@@ -80,10 +84,15 @@ def resolve_cudagraph_mode(requested: CUDAGraphMode, support: AttentionCGSupport
     piecewise_or_none = _M.PIECEWISE if piecewise_available else _M.NONE
     level = support.name
     if effective is _S.NEVER:
-        why = (f"attention backend support is {level}"
-               + (f" and uniform_decode_query_len={uniform_decode_query_len} > 1"
-                  if effective is not support else "")
-               + ": attention cannot be captured in a CUDA graph")
+        why = (
+            f"attention backend support is {level}"
+            + (
+                f" and uniform_decode_query_len={uniform_decode_query_len} > 1"
+                if effective is not support
+                else ""
+            )
+            + ": attention cannot be captured in a CUDA graph"
+        )
         if requested is _M.FULL_DECODE_ONLY:
             return _M.NONE, why + "; running without graphs"
         if piecewise_or_none is _M.PIECEWISE:
@@ -96,23 +105,33 @@ def resolve_cudagraph_mode(requested: CUDAGraphMode, support: AttentionCGSupport
         if piecewise_available:
             return _M.FULL_AND_PIECEWISE, (
                 f"attention backend support is {level}: full graphs only for {what}; "
-                f"mixed batches use piecewise graphs")
+                f"mixed batches use piecewise graphs"
+            )
         return _M.FULL_DECODE_ONLY, (
             f"attention backend support is {level}: full graphs only for {what}; the model "
-            f"is not piecewise-compiled, so mixed batches run without graphs")
+            f"is not piecewise-compiled, so mixed batches run without graphs"
+        )
     return requested, None
 
 
-def select_cudagraph_mode(requested: CUDAGraphMode, backend_names: Iterable[str], *,
-                          uniform_decode_query_len: int = 1,
-                          piecewise_available: bool = True) -> CUDAGraphMode:
+def select_cudagraph_mode(
+    requested: CUDAGraphMode,
+    backend_names: Iterable[str],
+    *,
+    uniform_decode_query_len: int = 1,
+    piecewise_available: bool = True,
+) -> CUDAGraphMode:
     """:func:`min_support` + :func:`resolve_cudagraph_mode`, logging the one line when the
     mode changes."""
     support = min_support(backend_names)
-    mode, reason = resolve_cudagraph_mode(requested, support,
-                                          uniform_decode_query_len=uniform_decode_query_len,
-                                          piecewise_available=piecewise_available)
+    mode, reason = resolve_cudagraph_mode(
+        requested,
+        support,
+        uniform_decode_query_len=uniform_decode_query_len,
+        piecewise_available=piecewise_available,
+    )
     if reason is not None:
-        logger.warning("cudagraph_mode %s -> %s: %s", CUDAGraphMode.parse(requested).name,
-                       mode.name, reason)
+        logger.warning(
+            "cudagraph_mode %s -> %s: %s", CUDAGraphMode.parse(requested).name, mode.name, reason
+        )
     return mode

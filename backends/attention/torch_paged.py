@@ -8,17 +8,23 @@ context).  Both paths size their work with host-side numbers (``max_seq_len``, t
 count, the per-request lists), which a CUDA graph would freeze at capture: NEVER.  FULL graphs
 come from the Triton backend.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from backends.attention.common import AttentionBackend, AttentionCGSupport, register_backend
 from framework.core.attention_metadata import AttentionMetadata
-from backends.attention.common import (AttentionBackend, AttentionCGSupport, register_backend)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, num_tokens: int) -> None:
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+) -> None:
     """Scatter the new keys/values of the first ``num_tokens`` tokens into their slots."""
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     slots = slot_mapping[:num_tokens]
@@ -26,8 +32,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     kv_cache[1].view(num_blocks * block_size, hkv, d).index_copy_(0, slots, v[:num_tokens])
 
 
-def causal_mask(q_len: int, kv_len: int, sliding_window: int,
-                device: torch.device) -> torch.Tensor | None:
+def causal_mask(
+    q_len: int, kv_len: int, sliding_window: int, device: torch.device
+) -> torch.Tensor | None:
     """Bool mask [q_len, kv_len] (True = attend); None when no masking is needed."""
     if q_len == 1 and (sliding_window <= 0 or kv_len <= sliding_window):
         return None
@@ -39,8 +46,9 @@ def causal_mask(q_len: int, kv_len: int, sliding_window: int,
     return mask
 
 
-def _decode_mask(md: AttentionMetadata, b: int, length: int, sliding_window: int,
-                 device: torch.device) -> torch.Tensor:
+def _decode_mask(
+    md: AttentionMetadata, b: int, length: int, sliding_window: int, device: torch.device
+) -> torch.Tensor:
     """Key positions each request must not see; built once per step, shared by all layers
     (the metadata object is shared)."""
     cache = md.__dict__.setdefault("_decode_masks", {})
@@ -49,15 +57,21 @@ def _decode_mask(md: AttentionMetadata, b: int, length: int, sliding_window: int
     if mask is None:
         pos = torch.arange(length, device=device)[None, :]
         seq_lens = md.seq_lens[:b].to(torch.int64)[:, None]
-        mask = pos >= seq_lens                                          # [B, L]
+        mask = pos >= seq_lens  # [B, L]
         if sliding_window > 0:
             mask |= pos < seq_lens - sliding_window
         cache[key] = mask
     return mask
 
 
-def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     md: AttentionMetadata, scale: float, sliding_window: int) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
     """Batched single-token decode over all requests at once (no per-request loop).
 
     q ``[B, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``; returns ``[B, Hq, D]``.
@@ -70,17 +84,18 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     values = value_cache.index_select(0, table).view(b, nblk * block_size, hkv, d)
     # fp32 math: oneDNN's tiny bf16 matmuls cost ~2x the fp32 ones here (measured side by
     # side at batch 1), and softmax wants fp32 anyway.
-    qg = q.view(b, hkv, hq // hkv, d).float()                          # [B, Hkv, G, D]
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1).float())       # [B, Hkv, G, L]
+    qg = q.view(b, hkv, hq // hkv, d).float()  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1).float())  # [B, Hkv, G, L]
     invalid = _decode_mask(md, b, nblk * block_size, sliding_window, q.device)  # [B, L]
     scores.mul_(scale).masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3).float())      # [B, Hkv, G, D]
+    out = torch.matmul(probs, values.permute(0, 2, 1, 3).float())  # [B, Hkv, G, D]
     return out.to(q.dtype).view(b, hq, d)
 
 
-def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                      sliding_window: int) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sliding_window: int
+) -> torch.Tensor:
     """One request: q ``[q_len, Hq, D]`` attends to keys/values ``[L, Hkv, D]``."""
     q_len, kv_len = q.shape[0], keys.shape[0]
     hq, hkv = q.shape[1], keys.shape[1]
@@ -90,8 +105,13 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     plain_causal = q_len == kv_len and (sliding_window <= 0 or kv_len <= sliding_window)
     mask = None if plain_causal else causal_mask(q_len, kv_len, sliding_window, q.device)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
-        is_causal=plain_causal and q_len > 1, scale=scale)             # [Hq, q_len, D]
+        q.transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=plain_causal and q_len > 1,
+        scale=scale,
+    )  # [Hq, q_len, D]
     return out.transpose(0, 1)
 
 
@@ -100,8 +120,9 @@ class TorchPagedAttention(AttentionBackend):
     cudagraph_support = AttentionCGSupport.NEVER
 
     @staticmethod
-    def forward(q, k, v, out, kv_cache, md: AttentionMetadata, scale: float,
-                sliding_window: int) -> None:
+    def forward(
+        q, k, v, out, kv_cache, md: AttentionMetadata, scale: float, sliding_window: int
+    ) -> None:
         n = md.num_actual_tokens
         write_kv(k, v, kv_cache, md.slot_mapping, n)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -112,7 +133,7 @@ class TorchPagedAttention(AttentionBackend):
             qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
             for i in range(md.num_reqs):
                 qs, qe, kv_len = qsl[i], qsl[i + 1], seq_lens[i]
-                blocks = md.block_table[i, :-(-kv_len // block_size)]
+                blocks = md.block_table[i, : -(-kv_len // block_size)]
                 keys = key_cache.index_select(0, blocks).flatten(0, 1)[:kv_len]
                 values = value_cache.index_select(0, blocks).flatten(0, 1)[:kv_len]
                 out[qs:qe] = prefill_attention(q[qs:qe], keys, values, scale, sliding_window)

@@ -23,6 +23,7 @@ Triton is imported at the first kernel call, not at import, so importing this mo
 fails (nor imports triton) and ``TRITON_INTERPRET=1`` set before triton's first import in the
 process selects the interpreter; on CPU tensors the interpreter is required.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,8 @@ import os
 
 import torch
 
+from backends.attention.common import AttentionBackend, AttentionCGSupport, register_backend
 from framework.core.attention_metadata import AttentionMetadata
-from backends.attention.common import (AttentionBackend, AttentionCGSupport, register_backend)
 
 triton = None
 tl = None
@@ -44,9 +45,18 @@ _REQ_CHUNK = 64
 """Requests scanned per vector step while a program finds its request."""
 
 
-def _write_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-                     stride_kt, stride_vt, stride_cache_slot,
-                     ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_vt,
+    stride_cache_slot,
+    ROW: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
+):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -59,12 +69,32 @@ def _write_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_
 
 
 def _paged_attention_kernel(
-        q_ptr, out_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, query_start_loc_ptr,
-        seq_lens_ptr, scale, num_reqs, sliding_window, block_size,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, REQ_CHUNK: tl.constexpr):
+    q_ptr,
+    out_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale,
+    num_reqs,
+    sliding_window,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    REQ_CHUNK: tl.constexpr,
+):
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -85,16 +115,22 @@ def _paged_attention_kernel(
 
     if req >= num_reqs:
         # Padding token: deterministic zeros, like the torch backend.
-        tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                 .to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptrs,
+            tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32).to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
     else:
         q_start = tl.load(query_start_loc_ptr + req)
         q_end = tl.load(query_start_loc_ptr + req + 1)
         seq_len = tl.load(seq_lens_ptr + req)
-        pos = seq_len - (q_end - q_start) + (t - q_start)     # this query's context position
+        pos = seq_len - (q_end - q_start) + (t - q_start)  # this query's context position
 
-        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=out_mask, other=0.0).to(tl.float32)
+        q = tl.load(
+            q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=out_mask,
+            other=0.0,
+        ).to(tl.float32)
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -107,8 +143,12 @@ def _paged_attention_kernel(
             block_id = tl.load(block_table_ptr + req * stride_bt + blk).to(tl.int64)
             key_pos = blk * block_size + n
             valid = (n < block_size) & (key_pos <= pos) & (key_pos >= first_key)
-            kv_offs = (block_id * stride_cache_block + n[:, None] * stride_cache_slot
-                       + kv_head * stride_cache_head + d[None, :])
+            kv_offs = (
+                block_id * stride_cache_block
+                + n[:, None] * stride_cache_slot
+                + kv_head * stride_cache_head
+                + d[None, :]
+            )
             kv_mask = valid[:, None] & d_mask[None, :]
             k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
@@ -134,33 +174,42 @@ def _kernels(interpret: bool):
     global triton, tl
     import triton
     import triton.language as tl
+
     return triton.jit(_write_kv_kernel), triton.jit(_paged_attention_kernel)
 
 
 def _get_kernels(device: torch.device):
     if importlib.util.find_spec("triton") is None:
-        raise RuntimeError("the 'triton' attention backend needs the triton package; install "
-                           "it or use attention backend 'torch'")
+        raise RuntimeError(
+            "the 'triton' attention backend needs the triton package; install "
+            "it or use attention backend 'torch'"
+        )
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if device.type == "cpu" and not interpret:
-        raise RuntimeError("the 'triton' attention backend got CPU tensors: set "
-                           "TRITON_INTERPRET=1 to run its kernels in the interpreter, or use "
-                           "attention backend 'torch' on CPU")
+        raise RuntimeError(
+            "the 'triton' attention backend got CPU tensors: set "
+            "TRITON_INTERPRET=1 to run its kernels in the interpreter, or use "
+            "attention backend 'torch' on CPU"
+        )
     kernels = _kernels(interpret)
     if device.type == "cpu" and not _language_is_interpreted():
-        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported in this "
-                           "process (triton.language is built for the compiler); set it in "
-                           "the environment before Python starts")
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after triton was imported in this "
+            "process (triton.language is built for the compiler); set it in "
+            "the environment before Python starts"
+        )
     return kernels
 
 
 def _language_is_interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
+
     return isinstance(tl.sum, InterpretedFunction)
 
 
-def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+def write_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter every token's K/V into ``kv_cache`` at ``slot_mapping`` (-1 = skip)."""
     write_kv, _ = _get_kernels(k.device)
     num_tokens, hkv, d = k.shape
@@ -169,16 +218,33 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     _check_row_contiguous("k", k)
     _check_row_contiguous("v", v)
     if not kv_cache[0].is_contiguous():
-        raise ValueError("triton attention: kv_cache[0] and kv_cache[1] must be contiguous "
-                         "[num_blocks, block_size, Hkv, D] halves")
+        raise ValueError(
+            "triton attention: kv_cache[0] and kv_cache[1] must be contiguous "
+            "[num_blocks, block_size, Hkv, D] halves"
+        )
     row = hkv * d
-    write_kv[(num_tokens,)](k, v, kv_cache[0], kv_cache[1], slot_mapping,
-                            k.stride(0), v.stride(0), row, ROW=row,
-                            BLOCK_ROW=triton.next_power_of_2(row))
+    write_kv[(num_tokens,)](
+        k,
+        v,
+        kv_cache[0],
+        kv_cache[1],
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        row,
+        ROW=row,
+        BLOCK_ROW=triton.next_power_of_2(row),
+    )
 
 
-def paged_attention_triton(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                           md: AttentionMetadata, scale: float, sliding_window: int) -> None:
+def paged_attention_triton(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int,
+) -> None:
     """Causal paged attention of every query row into ``out`` (padding rows get zeros)."""
     _, attention = _get_kernels(q.device)
     num_tokens, hq, d = q.shape
@@ -187,27 +253,49 @@ def paged_attention_triton(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.T
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _, block_size, hkv, _ = key_cache.shape
     if hq % hkv:
-        raise ValueError(f"triton attention: query heads ({hq}) must be a multiple of KV "
-                         f"heads ({hkv})")
+        raise ValueError(
+            f"triton attention: query heads ({hq}) must be a multiple of KV heads ({hkv})"
+        )
     for name, t in (("q", q), ("out", out), ("kv_cache", key_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"triton attention: {name} must have a contiguous last dim")
     group = hq // hkv
     attention[(num_tokens, hkv)](
-        q, out, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens,
-        float(scale), md.num_reqs, int(sliding_window), block_size,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), md.block_table.stride(0),
-        GROUP=group, HEAD_DIM=d, BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_N=triton.next_power_of_2(block_size),
-        REQ_CHUNK=_REQ_CHUNK)
+        q,
+        out,
+        key_cache,
+        value_cache,
+        md.block_table,
+        md.query_start_loc,
+        md.seq_lens,
+        float(scale),
+        md.num_reqs,
+        int(sliding_window),
+        block_size,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        md.block_table.stride(0),
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_N=triton.next_power_of_2(block_size),
+        REQ_CHUNK=_REQ_CHUNK,
+    )
 
 
 def _check_row_contiguous(name: str, t: torch.Tensor) -> None:
     # Rows are copied as flat [Hkv * D] vectors.
     if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
-        raise ValueError(f"triton attention: {name} must be contiguous per token "
-                         f"([T, Hkv, D] with strides (*, D, 1)), got strides {t.stride()}")
+        raise ValueError(
+            f"triton attention: {name} must be contiguous per token "
+            f"([T, Hkv, D] with strides (*, D, 1)), got strides {t.stride()}"
+        )
 
 
 @register_backend("triton")
@@ -215,7 +303,8 @@ class TritonPagedAttention(AttentionBackend):
     cudagraph_support = AttentionCGSupport.ALWAYS
 
     @staticmethod
-    def forward(q, k, v, out, kv_cache, md: AttentionMetadata, scale: float,
-                sliding_window: int) -> None:
+    def forward(
+        q, k, v, out, kv_cache, md: AttentionMetadata, scale: float, sliding_window: int
+    ) -> None:
         write_kv_triton(k, v, kv_cache, md.slot_mapping)
         paged_attention_triton(q, out, kv_cache, md, scale, sliding_window)

@@ -11,6 +11,7 @@
 ``DIR`` defaults to ``$PIECEWISE_CACHE_DIR`` or ``~/.cache/piecewise``.  Exit code 2 for usage
 errors (missing directory, unknown key).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,16 @@ from typing import Any, Sequence
 
 from filelock import FileLock, Timeout
 
-from framework.cache.store import (FACTORS_FILE, INDEX_FILE, LOCK_FILE, CacheIndexError,
-                             default_cache_dir, read_index, record_problem)
 from framework.cache.key import compute_cache_key, flatten_factors
+from framework.cache.store import (
+    FACTORS_FILE,
+    INDEX_FILE,
+    LOCK_FILE,
+    CacheIndexError,
+    default_cache_dir,
+    read_index,
+    record_problem,
+)
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _TIME_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -53,8 +61,7 @@ def parse_duration(text: str) -> float:
     """``7d``, ``12h``, ``30m``, ``45s``, ``2w`` -> seconds."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
     if not m:
-        raise UsageError(f"--older-than {text!r}: expected a number with a unit s/m/h/d/w, "
-                         f"e.g. 7d")
+        raise UsageError(f"--older-than {text!r}: expected a number with a unit s/m/h/d/w, e.g. 7d")
     return float(m.group(1)) * _TIME_UNITS[m.group(2)]
 
 
@@ -81,7 +88,7 @@ class ModelDir:
     path: Path
     rank: str
     model_tag: str
-    entries: int | None          # None when the index does not parse
+    entries: int | None  # None when the index does not parse
     artifacts: int
     blobs: int
     size: int
@@ -113,8 +120,9 @@ def _tree_stats(path: Path) -> tuple[int, float]:
 
 
 def _model_dirs(key_path: Path) -> list[Path]:
-    return sorted(p for rank in key_path.glob("rank_*") if rank.is_dir()
-                  for p in rank.iterdir() if p.is_dir())
+    return sorted(
+        p for rank in key_path.glob("rank_*") if rank.is_dir() for p in rank.iterdir() if p.is_dir()
+    )
 
 
 def scan_key(key_path: Path) -> KeyDir:
@@ -125,12 +133,31 @@ def scan_key(key_path: Path) -> KeyDir:
             index = read_index(model_path / INDEX_FILE)
             entries = index["entries"]
             artifacts = {r.get("artifact") for r in entries.values() if isinstance(r, dict)}
-            models.append(ModelDir(model_path, model_path.parent.name.removeprefix("rank_"),
-                                   model_path.name, len(entries), len(artifacts),
-                                   len(index["blobs"]), size, None))
+            models.append(
+                ModelDir(
+                    model_path,
+                    model_path.parent.name.removeprefix("rank_"),
+                    model_path.name,
+                    len(entries),
+                    len(artifacts),
+                    len(index["blobs"]),
+                    size,
+                    None,
+                )
+            )
         except CacheIndexError as e:
-            models.append(ModelDir(model_path, model_path.parent.name.removeprefix("rank_"),
-                                   model_path.name, None, 0, 0, size, str(e)))
+            models.append(
+                ModelDir(
+                    model_path,
+                    model_path.parent.name.removeprefix("rank_"),
+                    model_path.name,
+                    None,
+                    0,
+                    0,
+                    size,
+                    str(e),
+                )
+            )
     size, newest = _tree_stats(key_path)
     return KeyDir(key_path, key_path.name, newest, size, models)
 
@@ -148,8 +175,10 @@ def scan_cache(root: Path) -> list[KeyDir]:
 
 def _require_dir(root: Path) -> Path:
     if not root.exists():
-        raise UsageError(f"cache directory {root} does not exist (nothing cached yet?); pass "
-                         f"DIR or set $PIECEWISE_CACHE_DIR")
+        raise UsageError(
+            f"cache directory {root} does not exist (nothing cached yet?); pass "
+            f"DIR or set $PIECEWISE_CACHE_DIR"
+        )
     if not root.is_dir():
         raise UsageError(f"{root} is not a directory")
     return root
@@ -184,8 +213,18 @@ def cmd_ls(root: Path, out=None) -> int:
             rows.append((k.key, "-", "-", "0", "0", "0", format_size(k.size), age))
         for m in k.models:
             entries = "?" if m.entries is None else str(m.entries)
-            rows.append((k.key, m.rank, m.model_tag, entries, str(m.artifacts), str(m.blobs),
-                         format_size(m.size), age))
+            rows.append(
+                (
+                    k.key,
+                    m.rank,
+                    m.model_tag,
+                    entries,
+                    str(m.artifacts),
+                    str(m.blobs),
+                    format_size(m.size),
+                    age,
+                )
+            )
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     for row in (header, *rows):
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip(), file=out)
@@ -218,8 +257,10 @@ def verify_key(key_path: Path) -> tuple[list[str], int]:
             problems.append(str(e))
             continue
         seen: dict[str, str | None] = {}
-        for kind, records, field in (("artifact", index["entries"], "artifact"),
-                                     ("blob", index["blobs"], "path")):
+        for kind, records, field in (
+            ("artifact", index["entries"], "artifact"),
+            ("blob", index["blobs"], "path"),
+        ):
             for name, record in records.items():
                 rel = record.get(field) if isinstance(record, dict) else None
                 if rel not in seen or rel is None:
@@ -242,8 +283,9 @@ def cmd_verify(root: Path, out=None) -> int:
     for line in problems:
         print(f"BAD {line}", file=out)
     status = "FAILED" if problems else "OK"
-    print(f"{status}: {checked} file(s) checked in {len(keys)} key(s), {len(problems)} bad",
-          file=out)
+    print(
+        f"{status}: {checked} file(s) checked in {len(keys)} key(s), {len(problems)} bad", file=out
+    )
     return 1 if problems else 0
 
 
@@ -278,8 +320,9 @@ def _remove_key_dir(root: Path, key: KeyDir) -> bool:
     return True
 
 
-def cmd_prune(root: Path, older_than: str | None, max_size: str | None, dry_run: bool = False,
-              out=None) -> int:
+def cmd_prune(
+    root: Path, older_than: str | None, max_size: str | None, dry_run: bool = False, out=None
+) -> int:
     out = out or sys.stdout
     if older_than is None and max_size is None:
         raise UsageError("prune: give --older-than (e.g. 7d) and/or --max-size (e.g. 2G)")
@@ -303,8 +346,7 @@ def cmd_prune(root: Path, older_than: str | None, max_size: str | None, dry_run:
     for k, why in doomed:
         age = format_age(now - k.last_used)
         if dry_run:
-            print(f"would remove {k.key} ({format_size(k.size)}, used {age} ago; {why})",
-                  file=out)
+            print(f"would remove {k.key} ({format_size(k.size)}, used {age} ago; {why})", file=out)
             continue
         if _remove_key_dir(root, k):
             removed += 1
@@ -315,8 +357,10 @@ def cmd_prune(root: Path, older_than: str | None, max_size: str | None, dry_run:
     verb = "would remove" if dry_run else "removed"
     count = len(doomed) if dry_run else removed
     size = sum(k.size for k, _ in doomed) if dry_run else removed_bytes
-    print(f"{verb} {count} key(s), {format_size(size)}; "
-          f"{len(keys) - count} key(s) kept in {root}", file=out)
+    print(
+        f"{verb} {count} key(s), {format_size(size)}; {len(keys) - count} key(s) kept in {root}",
+        file=out,
+    )
     return 0
 
 
@@ -336,9 +380,11 @@ _ABSENT = object()
 def explain_factors(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(dotted name, value in a, value in b) for every differing leaf factor."""
     flat_a, flat_b = flatten_factors(a), flatten_factors(b)
-    return [(name, flat_a.get(name, _ABSENT), flat_b.get(name, _ABSENT))
-            for name in sorted(set(flat_a) | set(flat_b))
-            if flat_a.get(name, _ABSENT) != flat_b.get(name, _ABSENT)]
+    return [
+        (name, flat_a.get(name, _ABSENT), flat_b.get(name, _ABSENT))
+        for name in sorted(set(flat_a) | set(flat_b))
+        if flat_a.get(name, _ABSENT) != flat_b.get(name, _ABSENT)
+    ]
 
 
 def cmd_explain(root: Path, key_a: str, key_b: str, out=None) -> int:
@@ -353,11 +399,14 @@ def cmd_explain(root: Path, key_a: str, key_b: str, out=None) -> int:
     def show(v: Any) -> str:
         return "(absent)" if v is _ABSENT else json.dumps(v)
 
-    print(f"{len(diffs)} factor(s) differ between {path_a.name} (A) and {path_b.name} (B):",
-          file=out)
+    print(
+        f"{len(diffs)} factor(s) differ between {path_a.name} (A) and {path_b.name} (B):", file=out
+    )
     for name, va, vb in diffs:
-        print(f"  {name}{_explain_note(name, va, vb)}:\n    A: {show(va)}\n    B: {show(vb)}",
-              file=out)
+        print(
+            f"  {name}{_explain_note(name, va, vb)}:\n    A: {show(va)}\n    B: {show(vb)}",
+            file=out,
+        )
     return 0
 
 
@@ -369,7 +418,7 @@ def _explain_note(name: str, va: Any, vb: Any) -> str:
     """What a differing factor means, where the name alone does not say it."""
     if not name.startswith(PASS_UUID_PREFIX):
         return ""
-    pass_name = name[len(PASS_UUID_PREFIX):]
+    pass_name = name[len(PASS_UUID_PREFIX) :]
     if va is _ABSENT or vb is _ABSENT:
         return f" (pass {pass_name!r} runs only in {'B' if va is _ABSENT else 'A'})"
     return f" (pass {pass_name!r}: its code or its config differs)"
@@ -380,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m framework.cache",
         description="Inspect and maintain the piecewise on-disk artifact cache. DIR defaults to "
-                    "$PIECEWISE_CACHE_DIR or ~/.cache/piecewise.")
+        "$PIECEWISE_CACHE_DIR or ~/.cache/piecewise.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ls", help="list keys with entries, artifacts, sizes and ages")
     p.add_argument("dir", nargs="?")
@@ -392,8 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-size", help="then remove oldest keys until the total fits (e.g. 2G)")
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     p = sub.add_parser("explain", help="which cache-key factors differ between two keys")
-    p.add_argument("args", nargs="+", metavar="[DIR] KEY_A KEY_B",
-                   help="two keys (or unique prefixes), optionally preceded by DIR")
+    p.add_argument(
+        "args",
+        nargs="+",
+        metavar="[DIR] KEY_A KEY_B",
+        help="two keys (or unique prefixes), optionally preceded by DIR",
+    )
     return parser
 
 

@@ -19,6 +19,7 @@ Standard factor groups (the backend adds its own entries next to them)::
 Nothing here depends on *where* things live on disk: config paths are dropped, and traced files
 are named relative to their ``sys.path`` root, so a moved checkout or venv keeps its key.
 """
+
 from __future__ import annotations
 
 import functools
@@ -68,8 +69,10 @@ def compute_cache_key(factors: Mapping[str, Any]) -> tuple[str, dict]:
     JSON data) and is what :class:`framework.cache.store.ArtifactStore` writes to ``factors.json``.
     """
     if not isinstance(factors, Mapping):
-        raise TypeError(f"compute_cache_key: factors must be a mapping of name -> value, "
-                        f"got {type(factors).__name__}")
+        raise TypeError(
+            f"compute_cache_key: factors must be a mapping of name -> value, "
+            f"got {type(factors).__name__}"
+        )
     normalized = json.loads(canonical_json(dict(factors)))
     key = _sha256(canonical_json(normalized))[:KEY_LENGTH]
     return key, normalized
@@ -104,7 +107,8 @@ def _portable(value: Any) -> Any:
     if re.search(r" at 0x[0-9a-fA-F]+", text):
         raise ValueError(
             f"cache key factor value {text} has no stable representation (its repr contains a "
-            f"memory address); give it a uuid() method or pass a hash string instead")
+            f"memory address); give it a uuid() method or pass a hash string instead"
+        )
     return text
 
 
@@ -123,14 +127,18 @@ def _cpp_compiler_identity() -> dict[str, str]:
     """Inductor's C++ compiler and its version line (CPU codegen builds with it)."""
     try:
         from torch._inductor import cpp_builder
+
         compiler = cpp_builder.get_cpp_compiler()
         info = cpp_builder.get_compiler_version_info(compiler)
     except Exception as e:  # no compiler installed: Inductor CPU would fail anyway
         return {"compiler": "unavailable", "error": type(e).__name__}
     match = re.search(r"(?:gcc|clang|icx|icpx)[^_]*? version [^_]+", info)
     version = match.group(0).strip() if match else info[-120:].strip("_ ")
-    return {"compiler": os.path.basename(str(compiler)), "version": version,
-            "version_info_sha256": _sha256(info)[:KEY_LENGTH]}
+    return {
+        "compiler": os.path.basename(str(compiler)),
+        "version": version,
+        "version_info_sha256": _sha256(info)[:KEY_LENGTH],
+    }
 
 
 def _package_version(name: str) -> str | None:
@@ -172,8 +180,9 @@ def env_factors() -> dict[str, Any]:
         devices = []
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
-            devices.append({"name": torch.cuda.get_device_name(i),
-                            "capability": f"{major}.{minor}"})
+            devices.append(
+                {"name": torch.cuda.get_device_name(i), "capability": f"{major}.{minor}"}
+            )
         # One entry per distinct device kind: the number of GPUs does not change the code.
         factors["gpus"] = sorted({json.dumps(d, sort_keys=True) for d in devices})
     return factors
@@ -184,8 +193,11 @@ def _config_module_factors(module: Any) -> dict[str, Any]:
     try:
         config = module.save_config_portable()
     except AttributeError:  # older torch: fall back to the public attributes
-        config = {k: v for k, v in vars(module).items()
-                  if not k.startswith("_") and not inspect.ismodule(v)}
+        config = {
+            k: v
+            for k, v in vars(module).items()
+            if not k.startswith("_") and not inspect.ismodule(v)
+        }
     out = {}
     for name, value in config.items():
         if _PATH_NAME.search(name.rsplit(".", 1)[-1]):
@@ -217,10 +229,15 @@ def inductor_factors() -> dict[str, Any]:
         values = _config_module_factors(module)
         defaults = _defaults_of(module)
         changed = {k: v for k, v in values.items() if k in defaults and defaults[k] != v}
-        out[group] = {"hash": _sha256(canonical_json(values))[:KEY_LENGTH],
-                      "changed_from_default": changed}
-    out["custom_passes"] = {name: custom_pass_identity(getattr(inductor_config, name, None))
-                            for name in _CUSTOM_PASS_HOOKS if hasattr(inductor_config, name)}
+        out[group] = {
+            "hash": _sha256(canonical_json(values))[:KEY_LENGTH],
+            "changed_from_default": changed,
+        }
+    out["custom_passes"] = {
+        name: custom_pass_identity(getattr(inductor_config, name, None))
+        for name in _CUSTOM_PASS_HOOKS
+        if hasattr(inductor_config, name)
+    }
     return out
 
 

@@ -33,6 +33,7 @@ Guarantees:
   once and the directory ends with one complete set of artifacts.  The lock is re-entrant
   within a process (and shared by every store on the same directory in it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -228,17 +229,27 @@ class ArtifactStore:
     explain it can never disagree); :meth:`open` computes it for you.
     """
 
-    def __init__(self, root: str | Path, key: str, factors: Mapping[str, Any], rank: int = 0,
-                 model_tag: str = "model") -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        key: str,
+        factors: Mapping[str, Any],
+        rank: int = 0,
+        model_tag: str = "model",
+    ) -> None:
         expected, normalized = compute_cache_key(factors)
         if key != expected:
-            raise ValueError(f"ArtifactStore: key {key!r} is not the hash of the given factors "
-                             f"({expected!r}); build it with compute_cache_key(factors)")
+            raise ValueError(
+                f"ArtifactStore: key {key!r} is not the hash of the given factors "
+                f"({expected!r}); build it with compute_cache_key(factors)"
+            )
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"ArtifactStore: rank must be a non-negative int, got {rank!r}")
         if not _SAFE_NAME.match(model_tag):
-            raise ValueError(f"ArtifactStore: model_tag {model_tag!r} must be a plain file name "
-                             f"(letters, digits, '_', '-', '.')")
+            raise ValueError(
+                f"ArtifactStore: model_tag {model_tag!r} must be a plain file name "
+                f"(letters, digits, '_', '-', '.')"
+            )
         self.root = Path(root).expanduser()
         self.key = key
         self.factors = normalized
@@ -253,8 +264,9 @@ class ArtifactStore:
         os.utime(self.key_dir)  # "last used" for `prune`
 
     @classmethod
-    def open(cls, root: str | Path, factors: Mapping[str, Any], rank: int = 0,
-             model_tag: str = "model") -> "ArtifactStore":
+    def open(
+        cls, root: str | Path, factors: Mapping[str, Any], rank: int = 0, model_tag: str = "model"
+    ) -> "ArtifactStore":
         return cls(root, compute_cache_key(factors)[0], factors, rank, model_tag)
 
     def __repr__(self) -> str:
@@ -318,8 +330,7 @@ class ArtifactStore:
             return False
         return graph_hash is None or record.get("graph_hash") == graph_hash
 
-    def store(self, entry_key: str, graph_hash: str,
-              write: Callable[[Path], None]) -> Path:
+    def store(self, entry_key: str, graph_hash: str, write: Callable[[Path], None]) -> Path:
         """Record ``entry_key`` -> the artifact for ``graph_hash``, writing it if needed.
 
         ``graph_hash`` must identify everything the artifact depends on beyond the cache key
@@ -328,11 +339,14 @@ class ArtifactStore:
         artifact for ``graph_hash`` exists.  If it raises, nothing is recorded or left behind.
         """
         if not isinstance(entry_key, str) or not entry_key:
-            raise ValueError(f"ArtifactStore.store: entry_key must be a non-empty string, "
-                             f"got {entry_key!r}")
+            raise ValueError(
+                f"ArtifactStore.store: entry_key must be a non-empty string, got {entry_key!r}"
+            )
         if not _SAFE_NAME.match(graph_hash):
-            raise ValueError(f"ArtifactStore.store: graph_hash {graph_hash!r} must be a plain "
-                             f"file name (letters, digits, '_', '-', '.')")
+            raise ValueError(
+                f"ArtifactStore.store: graph_hash {graph_hash!r} must be a plain "
+                f"file name (letters, digits, '_', '-', '.')"
+            )
         rel = f"{ARTIFACT_DIR}/{graph_hash}.bin"
         with self.lock():
             index = self._load_index()
@@ -342,13 +356,19 @@ class ArtifactStore:
                 self.stats.dedup_reuses += 1
             else:
                 if shared is not None:
-                    self._drop_artifact(index, shared[0], shared[1],
-                                        self._problem(shared[1], "artifact"))
+                    self._drop_artifact(
+                        index, shared[0], shared[1], self._problem(shared[1], "artifact")
+                    )
                 self._sweep_stale_temps()
                 self._write_factors()  # (again, in case `prune` removed the key meanwhile)
                 sha, size = self._write_file(self.dir / rel, write)
-                record = {"artifact": rel, "sha256": sha, "size": size,
-                          "created": time.time(), "graph_hash": graph_hash}
+                record = {
+                    "artifact": rel,
+                    "sha256": sha,
+                    "size": size,
+                    "created": time.time(),
+                    "graph_hash": graph_hash,
+                }
                 self.stats.writes += 1
             previous = index["entries"].get(entry_key)
             index["entries"][entry_key] = record
@@ -377,16 +397,21 @@ class ArtifactStore:
         if not _SAFE_NAME.match(name):
             raise ValueError(f"ArtifactStore.store_blob: name {name!r} must be a plain file name")
         if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"ArtifactStore.store_blob({name!r}): data must be bytes, "
-                            f"got {type(data).__name__}")
+            raise TypeError(
+                f"ArtifactStore.store_blob({name!r}): data must be bytes, got {type(data).__name__}"
+            )
         data = bytes(data)
         rel = f"{BLOB_DIR}/{name}"
         with self.lock():
             index = self._load_index()
             self._sweep_stale_temps()
             atomic_write_bytes(self.dir / rel, data)
-            index["blobs"][name] = {"path": rel, "sha256": hashlib.sha256(data).hexdigest(),
-                                    "size": len(data), "created": time.time()}
+            index["blobs"][name] = {
+                "path": rel,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+                "created": time.time(),
+            }
             self._save_index(index)
             self.stats.blob_writes += 1
         return self.dir / rel
@@ -403,8 +428,10 @@ class ArtifactStore:
                 problem = "file is missing"
             else:
                 if len(data) != record["size"]:
-                    problem = (f"size {len(data)} bytes, index records {record['size']} "
-                               f"(truncated or overwritten)")
+                    problem = (
+                        f"size {len(data)} bytes, index records {record['size']} "
+                        f"(truncated or overwritten)"
+                    )
                 elif hashlib.sha256(data).hexdigest() != record["sha256"]:
                     problem = "sha256 mismatch (corrupted)"
         if record is not None and problem is None:
@@ -426,8 +453,11 @@ class ArtifactStore:
 
     # ------------------------------------------------------------------ internals
     def _warn(self, path: Path, problem: str | None, stacklevel: int = 3) -> None:
-        warnings.warn(f"piecewise cache: {path}: {problem}; dropping it (will recompile)",
-                      CacheCorruptionWarning, stacklevel=stacklevel)
+        warnings.warn(
+            f"piecewise cache: {path}: {problem}; dropping it (will recompile)",
+            CacheCorruptionWarning,
+            stacklevel=stacklevel,
+        )
 
     def _write_factors(self) -> None:
         path = self.key_dir / FACTORS_FILE
@@ -448,8 +478,12 @@ class ArtifactStore:
                     return read_index(self.index_path)
                 except CacheIndexError:
                     pass
-                warnings.warn(f"piecewise cache: {e}; discarding the index and its artifacts "
-                              f"(will recompile)", CacheCorruptionWarning, stacklevel=3)
+                warnings.warn(
+                    f"piecewise cache: {e}; discarding the index and its artifacts "
+                    f"(will recompile)",
+                    CacheCorruptionWarning,
+                    stacklevel=3,
+                )
                 self.stats.corrupt += 1
                 # Nothing vouches for the files the index described any more.
                 for sub in (ARTIFACT_DIR, BLOB_DIR):
@@ -459,8 +493,7 @@ class ArtifactStore:
             return empty_index()
 
     def _save_index(self, index: dict[str, Any]) -> None:
-        atomic_write_bytes(self.index_path,
-                           json.dumps(index, sort_keys=True, indent=1).encode())
+        atomic_write_bytes(self.index_path, json.dumps(index, sort_keys=True, indent=1).encode())
 
     def _problem(self, record: Any, kind: str) -> str | None:
         """record_problem, memoized per (file identity, checksum) within this process."""
@@ -486,8 +519,7 @@ class ArtifactStore:
                 return entry_key, record
         return None
 
-    def _drop_artifact(self, index: dict, entry_key: str, record: Any,
-                       problem: str | None) -> None:
+    def _drop_artifact(self, index: dict, entry_key: str, record: Any, problem: str | None) -> None:
         """Remove a bad artifact and every entry that shares it (they are all bad)."""
         rel = record.get("artifact") if isinstance(record, dict) else None
         self._warn(self.dir / str(rel or INDEX_FILE), f"entry {entry_key!r}: {problem}", 4)
@@ -495,8 +527,11 @@ class ArtifactStore:
         index["entries"].pop(entry_key, None)
         if rel is None or not _ARTIFACT_REL.match(rel):
             return
-        for other in [k for k, r in index["entries"].items()
-                      if isinstance(r, dict) and r.get("artifact") == rel]:
+        for other in [
+            k
+            for k, r in index["entries"].items()
+            if isinstance(r, dict) and r.get("artifact") == rel
+        ]:
             del index["entries"][other]
         _remove(self.dir / rel)
 
@@ -524,7 +559,8 @@ class ArtifactStore:
                 raise RuntimeError(
                     f"ArtifactStore: the write callback did not create a file at {tmp} "
                     f"(directory-style artifacts are not supported; save in a single-file "
-                    f"format such as standalone_compile's format='binary')")
+                    f"format such as standalone_compile's format='binary')"
+                )
             h = hashlib.sha256()
             with open(tmp, "rb+") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -4,6 +4,7 @@
 compilation mode: eager (O0), stock ``torch.compile`` (baseline), or piecewise (trace once,
 split, passes, per-range compile, artifact cache, warm start without Dynamo).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -51,51 +52,85 @@ class CompiledForward:
     """Run after the first (tracing) forward: saves the program for warm starts."""
 
 
-def build_pass_manager(config: CompilationConfig, dtype: torch.dtype,
-                       quant_hash: Optional[str]):
+def build_pass_manager(config: CompilationConfig, dtype: torch.dtype, quant_hash: Optional[str]):
     if not config.pass_config.passes:
         return None
     from passes.manager import PassManager
 
-    manager = PassManager(config.pass_config, dtype=dtype, quant_config_hash=quant_hash,
-                          debug_dump_path=config.debug_dump_path)
+    manager = PassManager(
+        config.pass_config,
+        dtype=dtype,
+        quant_config_hash=quant_hash,
+        debug_dump_path=config.debug_dump_path,
+    )
     # The resolved config records the order the passes run in (the manager sorts the list
     # into the canonical order; config.py, a leaf module, cannot import the registry).
     config.pass_config.passes = list(manager.names)
     return manager
 
 
-def build_forward(model: torch.nn.Module, config: CompilationConfig, *, model_hash: str,
-                  dtype: torch.dtype, quant_hash: Optional[str], model_tag: str = "model",
-                  wrap_piece: Optional[Callable] = None) -> CompiledForward:
+def build_forward(
+    model: torch.nn.Module,
+    config: CompilationConfig,
+    *,
+    model_hash: str,
+    dtype: torch.dtype,
+    quant_hash: Optional[str],
+    model_tag: str = "model",
+    wrap_piece: Optional[Callable] = None,
+) -> CompiledForward:
     if config.mode == CompilationMode.NONE:
         return CompiledForward(model, config.mode)
     if config.mode == CompilationMode.STOCK_TORCH_COMPILE:
         from framework.compile.trace_once import stock_compile
+
         return CompiledForward(stock_compile(model), config.mode)
-    return _build_piecewise(model, config, model_hash=model_hash, dtype=dtype,
-                            quant_hash=quant_hash, model_tag=model_tag, wrap_piece=wrap_piece)
+    return _build_piecewise(
+        model,
+        config,
+        model_hash=model_hash,
+        dtype=dtype,
+        quant_hash=quant_hash,
+        model_tag=model_tag,
+        wrap_piece=wrap_piece,
+    )
 
 
-def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, quant_hash,
-                     model_tag, wrap_piece) -> CompiledForward:
+def _build_piecewise(
+    model, config: CompilationConfig, *, model_hash, dtype, quant_hash, model_tag, wrap_piece
+) -> CompiledForward:
     from backends.compiler import make_compiler
     from backends.piecewise_backend import PiecewiseBackend
     from framework.compile.trace_once import ArgBinding, TraceOnce
 
     passes = build_pass_manager(config, dtype, quant_hash)
-    compiler = make_compiler(config.backend, graph_pass=passes,
-                             inductor_config=config.inductor_config)
+    compiler = make_compiler(
+        config.backend, graph_pass=passes, inductor_config=config.inductor_config
+    )
     store = None
     if config.use_cache and config.backend != "eager":
-        store = _open_store(model, config, compiler, passes, model_hash=model_hash, dtype=dtype,
-                            quant_hash=quant_hash, model_tag=model_tag)
+        store = _open_store(
+            model,
+            config,
+            compiler,
+            passes,
+            model_hash=model_hash,
+            dtype=dtype,
+            quant_hash=quant_hash,
+            model_tag=model_tag,
+        )
     backend = PiecewiseBackend(
-        compiler=compiler, splitting_ops=config.splitting_ops,
+        compiler=compiler,
+        splitting_ops=config.splitting_ops,
         compile_ranges_endpoints=config.compile_ranges_endpoints,
-        compile_sizes=config.compile_sizes, max_num_tokens=config.max_num_tokens, store=store,
-        graph_pass=passes, progress=config.progress_bar, dump_path=config.debug_dump_path,
-        wrap_piece=wrap_piece)
+        compile_sizes=config.compile_sizes,
+        max_num_tokens=config.max_num_tokens,
+        store=store,
+        graph_pass=passes,
+        progress=config.progress_bar,
+        dump_path=config.debug_dump_path,
+        wrap_piece=wrap_piece,
+    )
     out = CompiledForward(None, config.mode, backend=backend, pass_manager=passes, store=store)
     traced = TraceOnce(model, backend, dump_path=config.debug_dump_path)
     out.trace_once = traced
@@ -118,12 +153,18 @@ def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, qua
         # The key covers the model's class files; the files Dynamo actually traced through
         # (helpers in other modules) are checked again when the program is restored.
         files = backend.traced_files
-        backend.save_program({"binding": traced.binding.to_json(), "source_files": files,
-                              "source_hashes": source_factors(files)})
+        backend.save_program(
+            {
+                "binding": traced.binding.to_json(),
+                "source_files": files,
+                "source_hashes": source_factors(files),
+            }
+        )
         if config.debug_dump_path:
             Path(config.debug_dump_path).mkdir(parents=True, exist_ok=True)
             (Path(config.debug_dump_path) / "binding.json").write_text(
-                json.dumps(traced.binding.to_json(), indent=1))
+                json.dumps(traced.binding.to_json(), indent=1)
+            )
 
     out.finalize = finalize
     out.forward = traced
@@ -131,8 +172,8 @@ def _build_piecewise(model, config: CompilationConfig, *, model_hash, dtype, qua
 
 
 def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_hash, model_tag):
-    from framework.cache.store import ArtifactStore, default_cache_dir
     from framework.cache.key import env_factors, inductor_factors
+    from framework.cache.store import ArtifactStore, default_cache_dir
 
     factors = {
         "env": env_factors(),

@@ -8,6 +8,7 @@ recompile limit (8) turns the next trace into a hard error.  There is no public 
 one code object's entries; ``torch._dynamo.reset()`` would drop every compiled function of
 the process.
 """
+
 from __future__ import annotations
 
 import types

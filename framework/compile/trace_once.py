@@ -12,6 +12,7 @@ warm start skip Dynamo entirely.
 Any attempt to recompile (only possible when falling back to the Dynamo path) runs under
 ``torch.compiler.set_stance("fail_on_recompile")`` and is reported with its cause.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,13 +48,19 @@ class ArgBinding:
     """``(index, dtype name, ndim)`` of each tensor argument at trace time."""
 
     def to_json(self) -> dict:
-        return {"specs": [list(s) for s in self.specs], "single_output": self.single_output,
-                "arg_meta": [list(m) for m in self.arg_meta]}
+        return {
+            "specs": [list(s) for s in self.specs],
+            "single_output": self.single_output,
+            "arg_meta": [list(m) for m in self.arg_meta],
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> "ArgBinding":
-        return cls(tuple(tuple(s) for s in data["specs"]), bool(data["single_output"]),
-                   tuple(tuple(m) for m in data.get("arg_meta", ())))
+        return cls(
+            tuple(tuple(s) for s in data["specs"]),
+            bool(data["single_output"]),
+            tuple(tuple(m) for m in data.get("arg_meta", ())),
+        )
 
     def check_args(self, args: tuple, arg_names: list[str]) -> None:
         """Raise :class:`RecompileError` when an argument differs in a way the compiled code
@@ -61,13 +68,13 @@ class ArgBinding:
         for idx, dtype, ndim in self.arg_meta:
             a = args[idx] if idx < len(args) else None
             if not isinstance(a, torch.Tensor) or str(a.dtype) != dtype or a.dim() != ndim:
-                got = (f"{a.dtype}, {a.dim()}-d" if isinstance(a, torch.Tensor)
-                       else type(a).__name__)
+                got = f"{a.dtype}, {a.dim()}-d" if isinstance(a, torch.Tensor) else type(a).__name__
                 raise RecompileError(
                     f"argument {arg_names[idx]!r} was traced as a {ndim}-d {dtype} tensor but "
                     f"got {got}: this would need a recompile, and piecewise compiles exactly "
                     f"once. Keep argument dtypes and ranks fixed (only the token dimension "
-                    f"is dynamic).")
+                    f"is dynamic)."
+                )
 
     def bind(self, module: torch.nn.Module) -> Callable[[tuple], list]:
         """A fast per-call binder for ``module``'s state."""
@@ -79,9 +86,11 @@ class ArgBinding:
         for i, spec in enumerate(self.specs):
             if spec[0] == "state":
                 if spec[1] not in state:
-                    raise KeyError(f"compiled program expects module state {spec[1]!r}, which "
-                                   f"the model does not have; the cached program is stale — "
-                                   f"clear the cache entry")
+                    raise KeyError(
+                        f"compiled program expects module state {spec[1]!r}, which "
+                        f"the model does not have; the cached program is stale — "
+                        f"clear the cache entry"
+                    )
                 template.append(state[spec[1]])
             else:
                 template.append(None)
@@ -107,8 +116,9 @@ def tensor_arg_dims(fn: Callable) -> dict[str, int]:
     return {name: 0 for name, tp in hints.items() if name != "return" and tp is torch.Tensor}
 
 
-def _binding_from_graph(gm: torch.fx.GraphModule, module: torch.nn.Module,
-                        arg_names: list[str], example_inputs: list) -> Optional[ArgBinding]:
+def _binding_from_graph(
+    gm: torch.fx.GraphModule, module: torch.nn.Module, arg_names: list[str], example_inputs: list
+) -> Optional[ArgBinding]:
     """Derive the binding from Dynamo's placeholder sources; None if one is not understood."""
     from torch._dynamo.source import LocalSource, TensorPropertySource
 
@@ -123,12 +133,19 @@ def _binding_from_graph(gm: torch.fx.GraphModule, module: torch.nn.Module,
             specs.append(("state", by_id[id(example)]))
         elif isinstance(source, LocalSource) and source.local_name in arg_names:
             specs.append(("arg", arg_names.index(source.local_name)))
-        elif (isinstance(source, TensorPropertySource) and isinstance(source.base, LocalSource)
-              and source.prop.name == "SIZE" and source.base.local_name in arg_names):
+        elif (
+            isinstance(source, TensorPropertySource)
+            and isinstance(source.base, LocalSource)
+            and source.prop.name == "SIZE"
+            and source.base.local_name in arg_names
+        ):
             specs.append(("size", arg_names.index(source.base.local_name), source.idx))
         else:
-            logger.info("graph input %s (source %s) is not bindable; keeping the Dynamo path",
-                        node.name, source)
+            logger.info(
+                "graph input %s (source %s) is not bindable; keeping the Dynamo path",
+                node.name,
+                source,
+            )
             return None
     outputs = gm.graph.output_node().args[0]
     single = isinstance(outputs, (tuple, list)) and len(outputs) == 1
@@ -152,8 +169,9 @@ class TraceOnce:
     ``(callable, ArgBinding)`` from a cache, skipping Dynamo altogether.
     """
 
-    def __init__(self, module: torch.nn.Module, backend: Backend, *,
-                 dump_path: Optional[str] = None):
+    def __init__(
+        self, module: torch.nn.Module, backend: Backend, *, dump_path: Optional[str] = None
+    ):
         self.module = module
         self.backend = backend
         forward = module.forward
@@ -188,7 +206,8 @@ class TraceOnce:
             raise RecompileError(
                 "Dynamo tried to trace the model a second time; piecewise compiles exactly "
                 "once. Cause: a guard-relevant change in the inputs (dtype, rank, or a "
-                "non-token dimension changed). Keep input dtypes/ranks fixed.")
+                "non-token dimension changed). Keep input dtypes/ranks fixed."
+            )
         self.num_traces += 1
         t0 = time.perf_counter()
         compiled = self.backend(gm, example_inputs)
@@ -203,9 +222,13 @@ class TraceOnce:
             idx = self.arg_names.index(name)
             if idx < len(args) and isinstance(args[idx], torch.Tensor):
                 torch._dynamo.mark_dynamic(args[idx], dim)
-        fn = torch.compile(self.module.forward, fullgraph=True, dynamic=False,
-                           backend=self._capturing_backend,
-                           options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+        fn = torch.compile(
+            self.module.forward,
+            fullgraph=True,
+            dynamic=False,
+            backend=self._capturing_backend,
+            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+        )
         t0 = time.perf_counter()
         with _decompiled_bytecode_dump(self.dump_path):
             out = fn(*args)

@@ -1,6 +1,7 @@
 """The attention metadata of one step: how the flat token batch splits into requests and
 where each request's KV lives. The engine's runner builds it, attention backends read it
 (through the forward context), and the pass verifier builds a one-request batch of it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

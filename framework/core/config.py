@@ -5,6 +5,7 @@ optimization level, so an explicit user setting always beats the level default.
 
 Leaf module: imports nothing from ``backends``/``passes``/``models``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -58,8 +59,9 @@ class PassConfig(StrictConfig):
                 continue
             bad = [v for v in values if not isinstance(v, str) or not v]
             if bad:
-                raise ValueError(f"PassConfig.{name}: pass names must be non-empty strings, "
-                                 f"got {bad}")
+                raise ValueError(
+                    f"PassConfig.{name}: pass names must be non-empty strings, got {bad}"
+                )
             dup = sorted({v for v in values if values.count(v) > 1})
             if dup:
                 raise ValueError(f"PassConfig.{name}: duplicate pass name(s) {dup}")
@@ -113,31 +115,49 @@ class CompilationConfig(StrictConfig):
 
     def validate(self) -> None:
         if self.level is not None and self.level not in LEVEL_DEFAULTS:
-            raise ValueError(f"CompilationConfig.level: must be one of 0, 1, 2, 3, got "
-                             f"{self.level!r}")
+            raise ValueError(
+                f"CompilationConfig.level: must be one of 0, 1, 2, 3, got {self.level!r}"
+            )
         if self.backend is not None and self.backend not in ("inductor", "eager"):
-            raise ValueError(f"CompilationConfig.backend: unknown compiler {self.backend!r}; "
-                             f"expected 'inductor' or 'eager'")
+            raise ValueError(
+                f"CompilationConfig.backend: unknown compiler {self.backend!r}; "
+                f"expected 'inductor' or 'eager'"
+            )
         if self.max_num_tokens is not None and (
-                isinstance(self.max_num_tokens, bool) or not isinstance(self.max_num_tokens, int)
-                or self.max_num_tokens <= 0):
-            raise ValueError(f"CompilationConfig.max_num_tokens: must be a positive int, got "
-                             f"{self.max_num_tokens!r}")
+            isinstance(self.max_num_tokens, bool)
+            or not isinstance(self.max_num_tokens, int)
+            or self.max_num_tokens <= 0
+        ):
+            raise ValueError(
+                f"CompilationConfig.max_num_tokens: must be a positive int, got "
+                f"{self.max_num_tokens!r}"
+            )
         upper = self.max_num_tokens
         check_sizes("CompilationConfig", "compile_sizes", self.compile_sizes, upper=upper)
-        check_sizes("CompilationConfig", "cudagraph_capture_sizes", self.cudagraph_capture_sizes,
-                    upper=upper)
-        check_sizes("CompilationConfig", "compile_ranges_endpoints",
-                    self.compile_ranges_endpoints, upper=upper)
+        check_sizes(
+            "CompilationConfig",
+            "cudagraph_capture_sizes",
+            self.cudagraph_capture_sizes,
+            upper=upper,
+        )
+        check_sizes(
+            "CompilationConfig",
+            "compile_ranges_endpoints",
+            self.compile_ranges_endpoints,
+            upper=upper,
+        )
         eps = self.compile_ranges_endpoints
         if eps is not None and eps != sorted(eps):
-            raise ValueError("CompilationConfig.compile_ranges_endpoints: must be increasing, "
-                             f"got {eps}")
+            raise ValueError(
+                f"CompilationConfig.compile_ranges_endpoints: must be increasing, got {eps}"
+            )
         if self.splitting_ops is not None:
             bad = [op for op in self.splitting_ops if "::" not in str(op)]
             if bad:
-                raise ValueError(f"CompilationConfig.splitting_ops: expected qualified op "
-                                 f"names like 'piecewise::attention', got {bad}")
+                raise ValueError(
+                    f"CompilationConfig.splitting_ops: expected qualified op "
+                    f"names like 'piecewise::attention', got {bad}"
+                )
 
     def resolve(self, *, max_num_tokens: int, has_cuda: bool | None = None) -> "CompilationConfig":
         """A copy with every unset field filled from the level and ``max_num_tokens``."""
@@ -165,16 +185,18 @@ class CompilationConfig(StrictConfig):
         has_cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
         if mode != CUDAGraphMode.NONE and not has_cuda:
             if self.cudagraph_mode is not None or level > 0:
-                logger.info("cudagraph_mode %s resolves to NONE: CUDA is not available",
-                            mode.name)
+                logger.info("cudagraph_mode %s resolves to NONE: CUDA is not available", mode.name)
             values["cudagraph_mode"] = CUDAGraphMode.NONE
         if values["mode"] != CompilationMode.PIECEWISE and values["cudagraph_mode"].has_piecewise():
-            logger.info("cudagraph_mode %s needs piecewise compilation; using FULL instead",
-                        values["cudagraph_mode"].name)
+            logger.info(
+                "cudagraph_mode %s needs piecewise compilation; using FULL instead",
+                values["cudagraph_mode"].name,
+            )
             values["cudagraph_mode"] = CUDAGraphMode.FULL
         pass_defaults = level_passes(level, "cuda" if has_cuda else "cpu")
         values["pass_config"] = self.pass_config.replace(
-            passes=self.pass_config.resolved_passes(pass_defaults), enable=[], disable=[])
+            passes=self.pass_config.resolved_passes(pass_defaults), enable=[], disable=[]
+        )
         return self.replace(**values)
 
 
@@ -188,16 +210,28 @@ def default_capture_sizes(max_num_tokens: int) -> list[int]:
 # Inductor's own fusion on CPU; O2 adds the remaining fusions; O3 adds experimental options.
 LEVEL_DEFAULTS: dict[int, dict[str, Any]] = {
     0: dict(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE, backend="eager"),
-    1: dict(mode=CompilationMode.PIECEWISE, cudagraph_mode=CUDAGraphMode.PIECEWISE,
-            backend="inductor"),
-    2: dict(mode=CompilationMode.PIECEWISE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-            backend="inductor"),
-    3: dict(mode=CompilationMode.PIECEWISE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-            backend="inductor"),
+    1: dict(
+        mode=CompilationMode.PIECEWISE, cudagraph_mode=CUDAGraphMode.PIECEWISE, backend="inductor"
+    ),
+    2: dict(
+        mode=CompilationMode.PIECEWISE,
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        backend="inductor",
+    ),
+    3: dict(
+        mode=CompilationMode.PIECEWISE,
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        backend="inductor",
+    ),
 }
 for _d in LEVEL_DEFAULTS.values():
-    for _name in ("splitting_ops", "compile_ranges_endpoints", "compile_sizes",
-                  "cudagraph_capture_sizes", "backend"):
+    for _name in (
+        "splitting_ops",
+        "compile_ranges_endpoints",
+        "compile_sizes",
+        "cudagraph_capture_sizes",
+        "backend",
+    ):
         _d.setdefault(_name, None)
 
 _BASE = ["noop_elimination", "prepack_linear", "fix_functionalization"]
@@ -214,9 +248,11 @@ LEVEL_PASSES: dict[tuple[int, str], list[str]] = {
     # GPU: Triton kernels back every fused op, so norm/activation-quant fusions start at O1.
     (0, "cuda"): [],
     (1, "cuda"): ["noop_elimination"] + _QUANT_FUSIONS + ["fix_functionalization"],
-    (2, "cuda"): ["noop_elimination", "fuse_add_rmsnorm"] + _QUANT_FUSIONS
+    (2, "cuda"): ["noop_elimination", "fuse_add_rmsnorm"]
+    + _QUANT_FUSIONS
     + ["fix_functionalization"],
-    (3, "cuda"): ["noop_elimination", "fuse_add_rmsnorm"] + _QUANT_FUSIONS
+    (3, "cuda"): ["noop_elimination", "fuse_add_rmsnorm"]
+    + _QUANT_FUSIONS
     + ["fuse_qk_norm_rope", "fix_functionalization"],
 }
 """Default pass lists per (level, device type); the manager keeps the canonical order."""

@@ -5,6 +5,7 @@ A config class is a ``@dataclass`` subclass of :class:`StrictConfig`.  Mark a fi
 not enter the cache key with ``field(..., metadata=NO_HASH)`` (paths, logging, progress bars).
 Fields whose value is ``None`` mean "not set by the user": optimization levels fill them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,8 @@ def _coerce(owner: str, name: str, tp: Any, value: Any) -> Any:
             return tp[str(value).upper()]
         except KeyError:
             raise ValueError(
-                f"{owner}.{name}: unknown value {value!r}; expected one of "
-                f"{[m.name for m in tp]}") from None
+                f"{owner}.{name}: unknown value {value!r}; expected one of {[m.name for m in tp]}"
+            ) from None
     if isinstance(tp, type) and issubclass(tp, StrictConfig):
         if isinstance(value, tp):
             return value
@@ -72,8 +73,9 @@ class StrictConfig:
         return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None = None, _prefix: str | None = None,
-                  **kwargs: Any):
+    def from_dict(
+        cls, data: Mapping[str, Any] | None = None, _prefix: str | None = None, **kwargs: Any
+    ):
         """Build from plain data; unknown keys are a ``ValueError`` naming them."""
         owner = _prefix or cls.__name__
         data = dict(data or {}, **kwargs)
@@ -81,7 +83,8 @@ class StrictConfig:
         unknown = sorted(k for k in data if k not in names)
         if unknown:
             raise ValueError(
-                f"{owner}: unknown field(s) {unknown}; valid fields are {sorted(names)}")
+                f"{owner}: unknown field(s) {unknown}; valid fields are {sorted(names)}"
+            )
         hints = typing.get_type_hints(cls)
         values = {k: _coerce(owner, k, hints[k], v) for k, v in data.items()}
         return cls(**values)
@@ -103,8 +106,7 @@ class StrictConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (enums by name), suitable for JSON and YAML."""
-        return {f.name: _plain(getattr(self, f.name))
-                for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     def hash_factors(self) -> dict[str, Any]:
         """The fields that enter the hash: every field except those marked ``NO_HASH``."""
@@ -133,8 +135,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def check_sizes(owner: str, name: str, sizes: list[int] | None, *, upper: int | None = None,
-                allow_zero: bool = False) -> None:
+def check_sizes(
+    owner: str,
+    name: str,
+    sizes: list[int] | None,
+    *,
+    upper: int | None = None,
+    allow_zero: bool = False,
+) -> None:
     """Sizes must be positive ints without duplicates and at most ``upper``."""
     if sizes is None:
         return
@@ -149,5 +157,6 @@ def check_sizes(owner: str, name: str, sizes: list[int] | None, *, upper: int | 
         if upper is not None and s > upper:
             raise ValueError(
                 f"{owner}.{name}: size {s} is above max_num_tokens={upper}; "
-                f"lower it or raise max_num_tokens")
+                f"lower it or raise max_num_tokens"
+            )
         seen.add(s)

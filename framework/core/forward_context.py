@@ -8,11 +8,12 @@ model's arguments is what lets Dynamo trace the model once with only ``input_ids
 This module is a leaf: it imports nothing from the project, so ``backends`` (attention ops,
 CUDA-graph wrappers) and ``models`` can read it without importing the rest of ``framework``.
 """
+
 from __future__ import annotations
 
 import enum
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
@@ -41,8 +42,11 @@ class CUDAGraphMode(enum.Enum):
             ) from None
 
     def has_full(self) -> bool:
-        return self in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
-                        CUDAGraphMode.FULL_AND_PIECEWISE)
+        return self in (
+            CUDAGraphMode.FULL,
+            CUDAGraphMode.FULL_DECODE_ONLY,
+            CUDAGraphMode.FULL_AND_PIECEWISE,
+        )
 
     def has_piecewise(self) -> bool:
         return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)

@@ -22,6 +22,7 @@ alias inputs (write into a mutated ``out`` argument instead).
 ``override_kernel(qualname, device, fn)`` re-registers one device's kernel through the same
 library (``allow_override``), so every caller, compiled graphs included, uses the new kernel.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -71,6 +72,7 @@ def _lazy(ref: KernelRef) -> Callable:
         if not resolved:
             resolved.append(resolve_kernel(ref))
         return resolved[0](*args, **kwargs)
+
     kernel.__name__ = ref.rpartition(":")[2]
     return kernel
 
@@ -84,10 +86,16 @@ def _register(qualname: str, device: str, ref: KernelRef) -> None:
     _KERNELS.setdefault(qualname, {})[device] = ref
 
 
-def define_op(qualname: str, *, mutates_args: Sequence[str] = (), fake: Callable,
-              schema: Optional[str] = None, default_key: str = "default",
-              cpu: Optional[KernelRef] = None, cuda: Optional[KernelRef] = None
-              ) -> Callable[[Callable], torch._ops.OpOverload]:
+def define_op(
+    qualname: str,
+    *,
+    mutates_args: Sequence[str] = (),
+    fake: Callable,
+    schema: Optional[str] = None,
+    default_key: str = "default",
+    cpu: Optional[KernelRef] = None,
+    cuda: Optional[KernelRef] = None,
+) -> Callable[[Callable], torch._ops.OpOverload]:
     """Decorator: define ``qualname`` with the decorated function as its ``default_key``
     kernel; returns the op's default overload (``torch.ops.piecewise.<name>.default``)."""
     name = _split(qualname)
@@ -101,22 +109,23 @@ def define_op(qualname: str, *, mutates_args: Sequence[str] = (), fake: Callable
             if ref is not None:
                 _register(qualname, device, ref)
         return getattr(getattr(torch.ops, NAMESPACE), name).default
+
     return deco
 
 
-def override_kernel(qualname: str, device: str, kernel: Optional[KernelRef]
-                    ) -> Optional[KernelRef]:
+def override_kernel(qualname: str, device: str, kernel: Optional[KernelRef]) -> Optional[KernelRef]:
     """Replace one device's kernel (``None``: fall back to the default kernel); returns what
     was registered before so callers can restore it."""
     if qualname not in _KERNELS:
-        raise KeyError(f"override_kernel: unknown op {qualname!r}; defined ops: "
-                       f"{sorted(_KERNELS)}")
+        raise KeyError(f"override_kernel: unknown op {qualname!r}; defined ops: {sorted(_KERNELS)}")
     table = _KERNELS[qualname]
     previous = table.get(device)
     if kernel is None:
         if device == "default":
-            raise ValueError(f"override_kernel({qualname!r}): the default kernel cannot be "
-                             f"removed, only replaced")
+            raise ValueError(
+                f"override_kernel({qualname!r}): the default kernel cannot be "
+                f"removed, only replaced"
+            )
         # A device kernel cannot be unregistered; the default kernel takes its place.
         _register(qualname, device, table["default"])
         table.pop(device, None)
@@ -127,6 +136,10 @@ def override_kernel(qualname: str, device: str, kernel: Optional[KernelRef]
 
 def registered_kernels() -> dict[str, dict[str, str]]:
     """``{op: {device: description}}`` for logging, reports and tests."""
-    return {op: {dev: (ref if isinstance(ref, str) else f"{ref.__module__}.{ref.__qualname__}")
-                 for dev, ref in table.items()}
-            for op, table in sorted(_KERNELS.items())}
+    return {
+        op: {
+            dev: (ref if isinstance(ref, str) else f"{ref.__module__}.{ref.__qualname__}")
+            for dev, ref in table.items()
+        }
+        for op, table in sorted(_KERNELS.items())
+    }

@@ -29,6 +29,7 @@ layer names -- exact, ``re:<regex>`` (``re.fullmatch``) or fnmatch patterns -- t
 ``None``: unquantized); it is exclusive with ``linear``/``moe``.  Lookup order: ignore, exact
 target, regex targets, fnmatch targets (each in insertion order).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,19 +52,23 @@ def _check_key_fields(values: Mapping[str, Any], where: str) -> None:
     checks = (("dtype", DTYPES), ("scale", SCALES), ("group", GROUPS))
     for name, allowed in checks:
         if values.get(name) not in allowed:
-            raise ValueError(f"{where}.{name}: must be one of {list(allowed)}, got "
-                             f"{values.get(name)!r}")
+            raise ValueError(
+                f"{where}.{name}: must be one of {list(allowed)}, got {values.get(name)!r}"
+            )
     size = values.get("group_size")
     if values["group"] == "per_group":
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"{where}.group_size: per_group needs a positive int group_size, "
-                             f"got {size!r}")
+            raise ValueError(
+                f"{where}.group_size: per_group needs a positive int group_size, got {size!r}"
+            )
     elif size is not None:
-        raise ValueError(f"{where}.group_size: only valid with group=per_group (group is "
-                         f"{values['group']!r})")
+        raise ValueError(
+            f"{where}.group_size: only valid with group=per_group (group is {values['group']!r})"
+        )
     if not isinstance(values.get("symmetric", True), bool):
-        raise ValueError(f"{where}.symmetric: must be true or false, got "
-                         f"{values.get('symmetric')!r}")
+        raise ValueError(
+            f"{where}.symmetric: must be true or false, got {values.get('symmetric')!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -121,26 +126,34 @@ class QuantSpec(StrictConfig):
         return f"weight={self.weight or 'default'}, activation={act}"
 
 
-def check_spec(weight: QuantKey | None, activation: QuantKey | None, weight_only: bool,
-               where: str) -> None:
+def check_spec(
+    weight: QuantKey | None, activation: QuantKey | None, weight_only: bool, where: str
+) -> None:
     """Cross-field rules of a spec; messages name ``<where>.<field>``."""
     if weight is None and activation is None:
-        raise ValueError(f"{where}: a spec needs a weight or an activation key (write the "
-                         f"layer into `ignore`, or map it to null in `targets`, to leave it "
-                         f"unquantized)")
+        raise ValueError(
+            f"{where}: a spec needs a weight or an activation key (write the "
+            f"layer into `ignore`, or map it to null in `targets`, to leave it "
+            f"unquantized)"
+        )
     if weight_only and activation is not None:
         raise ValueError(f"{where}.activation: must be null when weight_only is true")
     if weight_only and weight is None:
         raise ValueError(f"{where}.weight: a weight-only spec needs a weight key")
     if weight is not None and weight.group == "per_token":
-        raise ValueError(f"{where}.weight.group: weights have no tokens; use per_channel, "
-                         f"per_tensor or per_group")
+        raise ValueError(
+            f"{where}.weight.group: weights have no tokens; use per_channel, "
+            f"per_tensor or per_group"
+        )
     if weight is not None and weight.scale == "dynamic":
-        raise ValueError(f"{where}.weight.scale: weights are quantized once, so their scale "
-                         f"is static")
+        raise ValueError(
+            f"{where}.weight.scale: weights are quantized once, so their scale is static"
+        )
     if activation is not None and activation.group == "per_channel":
-        raise ValueError(f"{where}.activation.group: activations are quantized per_tensor, "
-                         f"per_token or per_group, not per_channel")
+        raise ValueError(
+            f"{where}.activation.group: activations are quantized per_tensor, "
+            f"per_token or per_group, not per_channel"
+        )
 
 
 def _key(dtype: str, scale: str, group: str) -> QuantKey:
@@ -148,21 +161,26 @@ def _key(dtype: str, scale: str, group: str) -> QuantKey:
 
 
 SHORTHANDS: dict[str, QuantSpec] = {
-    "int8_per_token": QuantSpec(_key("int8", "static", "per_channel"),
-                                _key("int8", "dynamic", "per_token")),
-    "int8_per_channel_weight_only": QuantSpec(_key("int8", "static", "per_channel"), None,
-                                              weight_only=True),
-    "fp8_per_tensor": QuantSpec(_key("fp8_e4m3", "static", "per_tensor"),
-                                _key("fp8_e4m3", "static", "per_tensor")),
-    "fp8_per_token": QuantSpec(_key("fp8_e4m3", "static", "per_channel"),
-                               _key("fp8_e4m3", "dynamic", "per_token")),
+    "int8_per_token": QuantSpec(
+        _key("int8", "static", "per_channel"), _key("int8", "dynamic", "per_token")
+    ),
+    "int8_per_channel_weight_only": QuantSpec(
+        _key("int8", "static", "per_channel"), None, weight_only=True
+    ),
+    "fp8_per_tensor": QuantSpec(
+        _key("fp8_e4m3", "static", "per_tensor"), _key("fp8_e4m3", "static", "per_tensor")
+    ),
+    "fp8_per_token": QuantSpec(
+        _key("fp8_e4m3", "static", "per_channel"), _key("fp8_e4m3", "dynamic", "per_token")
+    ),
 }
 """Named specs.  ``fp8_per_tensor`` uses a static activation scale: calibrate it
 (:func:`passes.quant_schemes.calibrate_activation_scales`) before running."""
 
 
-def _parse_key(value: Any, where: str, base: QuantKey | None = None,
-               shorthand: str | None = None) -> QuantKey | None:
+def _parse_key(
+    value: Any, where: str, base: QuantKey | None = None, shorthand: str | None = None
+) -> QuantKey | None:
     if value is None or isinstance(value, QuantKey):
         return value
     if not isinstance(value, Mapping):
@@ -172,14 +190,21 @@ def _parse_key(value: Any, where: str, base: QuantKey | None = None,
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}; valid fields are {names}")
     if base is None and shorthand is not None:
-        raise ValueError(f"{where}: shorthand {shorthand!r} has no {where.rsplit('.', 1)[-1]} "
-                         f"quantization to override; spell the whole spec without the "
-                         f"shorthand instead")
-    merged = dataclasses.asdict(base) if base is not None else {"group_size": None,
-                                                                 "symmetric": True}
+        raise ValueError(
+            f"{where}: shorthand {shorthand!r} has no {where.rsplit('.', 1)[-1]} "
+            f"quantization to override; spell the whole spec without the "
+            f"shorthand instead"
+        )
+    merged = (
+        dataclasses.asdict(base) if base is not None else {"group_size": None, "symmetric": True}
+    )
     merged.update(value)
-    if base is not None and "group" in value and value["group"] != "per_group" \
-            and "group_size" not in value:
+    if (
+        base is not None
+        and "group" in value
+        and value["group"] != "per_group"
+        and "group_size" not in value
+    ):
         merged["group_size"] = None  # a shorthand's group size belongs to its own grouping
     missing = [n for n in ("dtype", "scale", "group") if merged.get(n) is None]
     if missing:
@@ -203,21 +228,29 @@ def parse_spec(value: Any, where: str) -> QuantSpec | None:
     shorthand = value.get("shorthand")
     if shorthand is not None:
         if shorthand not in SHORTHANDS:
-            raise ValueError(f"{where}.shorthand: unknown shorthand {shorthand!r}; known: "
-                             f"{sorted(SHORTHANDS)}")
+            raise ValueError(
+                f"{where}.shorthand: unknown shorthand {shorthand!r}; known: {sorted(SHORTHANDS)}"
+            )
         base = SHORTHANDS[shorthand]
-        base_weight, base_activation, base_weight_only = (base.weight, base.activation,
-                                                          base.weight_only)
+        base_weight, base_activation, base_weight_only = (
+            base.weight,
+            base.activation,
+            base.weight_only,
+        )
     else:
         base_weight, base_activation, base_weight_only = None, None, False
     weight_only = value.get("weight_only", base_weight_only)
     if not isinstance(weight_only, bool):
         raise ValueError(f"{where}.weight_only: must be true or false, got {weight_only!r}")
-    weight = _parse_key(value["weight"], f"{where}.weight", base_weight, shorthand) \
-        if "weight" in value else base_weight
+    weight = (
+        _parse_key(value["weight"], f"{where}.weight", base_weight, shorthand)
+        if "weight" in value
+        else base_weight
+    )
     if "activation" in value:
-        activation = _parse_key(value["activation"], f"{where}.activation", base_activation,
-                                shorthand)
+        activation = _parse_key(
+            value["activation"], f"{where}.activation", base_activation, shorthand
+        )
     else:
         activation = None if weight_only else base_activation
     check_spec(weight, activation, weight_only, where)
@@ -240,18 +273,24 @@ class QuantizationConfig(StrictConfig):
 
     def validate(self) -> None:
         if self.targets and (self.linear is not None or self.moe is not None):
-            raise ValueError("QuantizationConfig.targets: cannot be combined with `linear`/`moe`"
-                             "; put the default spec into targets (e.g. '*': int8_per_token) or "
-                             "drop targets")
+            raise ValueError(
+                "QuantizationConfig.targets: cannot be combined with `linear`/`moe`"
+                "; put the default spec into targets (e.g. '*': int8_per_token) or "
+                "drop targets"
+            )
         if not isinstance(self.ignore, list) or not all(isinstance(p, str) for p in self.ignore):
-            raise ValueError(f"QuantizationConfig.ignore: must be a list of layer names or "
-                             f"fnmatch patterns, got {self.ignore!r}")
+            raise ValueError(
+                f"QuantizationConfig.ignore: must be a list of layer names or "
+                f"fnmatch patterns, got {self.ignore!r}"
+            )
         # Normalise to specs in place so the hash and to_dict see one canonical form.
         object.__setattr__(self, "linear", parse_spec(self.linear, "QuantizationConfig.linear"))
         object.__setattr__(self, "moe", parse_spec(self.moe, "QuantizationConfig.moe"))
         if not isinstance(self.targets, Mapping):
-            raise ValueError(f"QuantizationConfig.targets: must be a mapping of layer pattern to "
-                             f"spec, got {self.targets!r}")
+            raise ValueError(
+                f"QuantizationConfig.targets: must be a mapping of layer pattern to "
+                f"spec, got {self.targets!r}"
+            )
         targets, regexes = {}, []
         for pattern, spec in self.targets.items():
             where = f"QuantizationConfig.targets[{pattern!r}]"
@@ -305,8 +344,10 @@ class QuantizationConfig(StrictConfig):
             return cls(linear=value)
         if isinstance(value, Mapping):
             return cls.from_dict(_to_plain(value))
-        raise ValueError(f"quantization: expected None, a shorthand name {sorted(SHORTHANDS)}, "
-                         f"a mapping or a QuantizationConfig, got {type(value).__name__}")
+        raise ValueError(
+            f"quantization: expected None, a shorthand name {sorted(SHORTHANDS)}, "
+            f"a mapping or a QuantizationConfig, got {type(value).__name__}"
+        )
 
 
 def _to_plain(value: Any) -> Any:
@@ -322,5 +363,6 @@ def register_hydra_configs() -> None:
     """Register the schema with Hydra's ConfigStore (group ``quantization``)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(group="quantization", name="quantization_schema",
-                                 node=QuantizationConfig)
+    ConfigStore.instance().store(
+        group="quantization", name="quantization_schema", node=QuantizationConfig
+    )

@@ -13,6 +13,7 @@ One duplicate policy for all: registering a *different* object under a taken nam
 ``ValueError`` naming both; registering the same object again (or a new version of the same
 qualified name, as a module reload does) replaces the entry.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -47,8 +48,13 @@ class Entry(Generic[T]):
 class Registry(Generic[T]):
     """``name -> (object, metadata)`` with lazy built-ins and entry-point plugins."""
 
-    def __init__(self, kind: str, *, builtin_modules: tuple[str, ...] = (),
-                 entry_point_group: Optional[str] = None):
+    def __init__(
+        self,
+        kind: str,
+        *,
+        builtin_modules: tuple[str, ...] = (),
+        entry_point_group: Optional[str] = None,
+    ):
         self.kind = kind
         self.builtin_modules = builtin_modules
         self.entry_point_group = entry_point_group
@@ -60,21 +66,29 @@ class Registry(Generic[T]):
     # ------------------------------------------------------------------ writing
     def add(self, name: str, obj: T, **meta: Any) -> T:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"{self.kind} registry: a name must be a non-empty string, "
-                             f"got {name!r}")
+            raise ValueError(
+                f"{self.kind} registry: a name must be a non-empty string, got {name!r}"
+            )
         old = self._entries.get(name)
-        if old is not None and old.obj is not obj and \
-                qualified_name(old.obj) != qualified_name(obj):
-            raise ValueError(f"{self.kind} {name!r} is already registered by "
-                             f"{qualified_name(old.obj)}; cannot register "
-                             f"{qualified_name(obj)} under the same name")
+        if (
+            old is not None
+            and old.obj is not obj
+            and qualified_name(old.obj) != qualified_name(obj)
+        ):
+            raise ValueError(
+                f"{self.kind} {name!r} is already registered by "
+                f"{qualified_name(old.obj)}; cannot register "
+                f"{qualified_name(obj)} under the same name"
+            )
         self._entries[name] = Entry(name, obj, dict(meta))
         return obj
 
     def register(self, name: str, **meta: Any) -> Callable[[T], T]:
         """Decorator form of :meth:`add`."""
+
         def deco(obj: T) -> T:
             return self.add(name, obj, **meta)
+
         return deco
 
     # ------------------------------------------------------------------ reading
@@ -95,10 +109,15 @@ class Registry(Generic[T]):
         except Exception as e:  # a broken plugin must not break the others
             msg = f"{type(e).__name__}: {e}"
             self.plugin_errors[ep.name] = msg
-            logger.warning("%s plugin %r (%s) failed to load and is skipped: %s",
-                           self.kind, ep.name, ep.value, msg)
+            logger.warning(
+                "%s plugin %r (%s) failed to load and is skipped: %s",
+                self.kind,
+                ep.name,
+                ep.value,
+                msg,
+            )
             return
-        if ep.name not in self._entries:   # a module that registered itself keeps its meta
+        if ep.name not in self._entries:  # a module that registered itself keeps its meta
             self.add(ep.name, obj, plugin=ep.value)
 
     def get(self, name: str) -> T:
@@ -112,8 +131,9 @@ class Registry(Generic[T]):
             hint = ""
             if name in self.plugin_errors:
                 hint = f" (its plugin failed to load: {self.plugin_errors[name]})"
-            raise UnknownNameError(f"unknown {self.kind} {name!r}{hint}; registered: "
-                                   f"{sorted(self._entries)}") from None
+            raise UnknownNameError(
+                f"unknown {self.kind} {name!r}{hint}; registered: {sorted(self._entries)}"
+            ) from None
 
     def __contains__(self, name: object) -> bool:
         self.load()

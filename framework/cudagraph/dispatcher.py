@@ -26,6 +26,7 @@ largest capture size always run without graphs.
 
 Dispatch is a few list lookups into tables precomputed per token count (it runs every step).
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,31 +43,53 @@ _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGrap
 class CudagraphDispatcher:
     """Chooses ``(runtime mode, padded descriptor)`` for every step."""
 
-    def __init__(self, cudagraph_mode: CUDAGraphMode, capture_sizes: list[int],
-                 max_num_tokens: int, uniform_decode_query_len: int = 1, *,
-                 max_num_reqs: Optional[int] = None):
+    def __init__(
+        self,
+        cudagraph_mode: CUDAGraphMode,
+        capture_sizes: list[int],
+        max_num_tokens: int,
+        uniform_decode_query_len: int = 1,
+        *,
+        max_num_reqs: Optional[int] = None,
+    ):
         mode = CUDAGraphMode.parse(cudagraph_mode)
         if mode is None:
-            raise ValueError("CudagraphDispatcher: cudagraph_mode must be set (resolve the "
-                             "CompilationConfig first)")
-        if isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int) \
-                or max_num_tokens <= 0:
-            raise ValueError(f"CudagraphDispatcher: max_num_tokens must be a positive int, "
-                             f"got {max_num_tokens!r}")
+            raise ValueError(
+                "CudagraphDispatcher: cudagraph_mode must be set (resolve the "
+                "CompilationConfig first)"
+            )
+        if (
+            isinstance(max_num_tokens, bool)
+            or not isinstance(max_num_tokens, int)
+            or max_num_tokens <= 0
+        ):
+            raise ValueError(
+                f"CudagraphDispatcher: max_num_tokens must be a positive int, "
+                f"got {max_num_tokens!r}"
+            )
         q = uniform_decode_query_len
         if isinstance(q, bool) or not isinstance(q, int) or q <= 0:
-            raise ValueError(f"CudagraphDispatcher: uniform_decode_query_len must be a "
-                             f"positive int, got {q!r}")
-        if max_num_reqs is not None and (isinstance(max_num_reqs, bool)
-                                         or not isinstance(max_num_reqs, int)
-                                         or max_num_reqs <= 0):
-            raise ValueError(f"CudagraphDispatcher: max_num_reqs must be a positive int or "
-                             f"None, got {max_num_reqs!r}")
+            raise ValueError(
+                f"CudagraphDispatcher: uniform_decode_query_len must be a positive int, got {q!r}"
+            )
+        if max_num_reqs is not None and (
+            isinstance(max_num_reqs, bool) or not isinstance(max_num_reqs, int) or max_num_reqs <= 0
+        ):
+            raise ValueError(
+                f"CudagraphDispatcher: max_num_reqs must be a positive int or "
+                f"None, got {max_num_reqs!r}"
+            )
         if capture_sizes is None or not isinstance(capture_sizes, (list, tuple)):
-            raise ValueError(f"CompilationConfig.cudagraph_capture_sizes: expected a list of "
-                             f"token counts, got {capture_sizes!r}")
-        check_sizes("CompilationConfig", "cudagraph_capture_sizes", list(capture_sizes),
-                    upper=max_num_tokens)
+            raise ValueError(
+                f"CompilationConfig.cudagraph_capture_sizes: expected a list of "
+                f"token counts, got {capture_sizes!r}"
+            )
+        check_sizes(
+            "CompilationConfig",
+            "cudagraph_capture_sizes",
+            list(capture_sizes),
+            upper=max_num_tokens,
+        )
 
         self.cudagraph_mode = mode
         self.capture_sizes = sorted(capture_sizes)
@@ -76,8 +99,9 @@ class CudagraphDispatcher:
         self.max_num_reqs = max_num_reqs if max_num_reqs is not None else max_num_tokens
         r_max = self.max_num_reqs
         if mode is not _NONE and not self.capture_sizes:
-            logger.info("cudagraph_mode %s with no capture sizes: every step runs without "
-                        "graphs", mode.name)
+            logger.info(
+                "cudagraph_mode %s with no capture sizes: every step runs without graphs", mode.name
+            )
 
         self._keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {_FULL: set(), _PIECEWISE: set()}
         # A uniform key needs s // q request slots in the runner's buffers.
@@ -85,11 +109,13 @@ class CudagraphDispatcher:
         if mode in (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
             self._keys[_FULL].update(BatchDescriptor(s, s // q, True) for s in uniform_sizes)
         if mode is _FULL:
-            self._keys[_FULL].update(BatchDescriptor(s, min(s, r_max), False)
-                                     for s in self.capture_sizes)
+            self._keys[_FULL].update(
+                BatchDescriptor(s, min(s, r_max), False) for s in self.capture_sizes
+            )
         if mode.has_piecewise():
-            self._keys[_PIECEWISE].update(BatchDescriptor(s, None, False)
-                                          for s in self.capture_sizes)
+            self._keys[_PIECEWISE].update(
+                BatchDescriptor(s, None, False) for s in self.capture_sizes
+            )
 
         # Lookup tables indexed by num_tokens (num_tokens <= max_capture_size).
         pad_all = _padding_table(self.capture_sizes, self.max_capture_size)
@@ -99,8 +125,9 @@ class CudagraphDispatcher:
         self._full_general = self._table(_FULL, pad_all, lambda s: (s, min(s, r_max), False))
         self._piecewise = self._table(_PIECEWISE, pad_all, lambda s: (s, None, False))
 
-    def _table(self, mode: CUDAGraphMode, padding: list[Optional[int]], key_of
-               ) -> list[Optional[tuple[CUDAGraphMode, BatchDescriptor]]]:
+    def _table(
+        self, mode: CUDAGraphMode, padding: list[Optional[int]], key_of
+    ) -> list[Optional[tuple[CUDAGraphMode, BatchDescriptor]]]:
         """For each token count, ``(mode, key)`` of its padded size when ``mode`` has that
         key, else None."""
         table: list[Optional[tuple[CUDAGraphMode, BatchDescriptor]]] = []
@@ -121,24 +148,33 @@ class CudagraphDispatcher:
             return self._padded[num_tokens]
         return num_tokens
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool
-                 ) -> tuple[CUDAGraphMode, BatchDescriptor]:
+    def dispatch(
+        self, num_tokens: int, num_reqs: int, uniform_decode: bool
+    ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """The runtime mode and the descriptor of this step (padded when a graph runs).
 
         ``uniform_decode``: every request has exactly ``uniform_decode_query_len`` query
         tokens (so ``num_tokens == num_reqs * uniform_decode_query_len``).
         """
-        if num_tokens <= 0 or num_reqs <= 0 or num_reqs > num_tokens \
-                or num_tokens > self.max_num_tokens or num_reqs > self.max_num_reqs:
-            raise ValueError(f"CudagraphDispatcher.dispatch: need 0 < num_reqs <= num_tokens "
-                             f"<= max_num_tokens={self.max_num_tokens} and num_reqs <= "
-                             f"max_num_reqs={self.max_num_reqs}, got num_tokens={num_tokens}, "
-                             f"num_reqs={num_reqs}")
+        if (
+            num_tokens <= 0
+            or num_reqs <= 0
+            or num_reqs > num_tokens
+            or num_tokens > self.max_num_tokens
+            or num_reqs > self.max_num_reqs
+        ):
+            raise ValueError(
+                f"CudagraphDispatcher.dispatch: need 0 < num_reqs <= num_tokens "
+                f"<= max_num_tokens={self.max_num_tokens} and num_reqs <= "
+                f"max_num_reqs={self.max_num_reqs}, got num_tokens={num_tokens}, "
+                f"num_reqs={num_reqs}"
+            )
         if uniform_decode and num_tokens != num_reqs * self.uniform_decode_query_len:
             raise ValueError(
                 f"CudagraphDispatcher.dispatch: uniform_decode with num_tokens={num_tokens} "
                 f"and num_reqs={num_reqs} does not match uniform_decode_query_len="
-                f"{self.uniform_decode_query_len}")
+                f"{self.uniform_decode_query_len}"
+            )
         if num_tokens <= self.max_capture_size:
             if uniform_decode:
                 choice = self._full_uniform[num_tokens]
@@ -157,9 +193,11 @@ class CudagraphDispatcher:
         return plan
 
     def __repr__(self) -> str:
-        return (f"CudagraphDispatcher({self.cudagraph_mode.name}, "
-                f"sizes={len(self.capture_sizes)} up to {self.max_capture_size}, "
-                f"full={len(self._keys[_FULL])}, piecewise={len(self._keys[_PIECEWISE])})")
+        return (
+            f"CudagraphDispatcher({self.cudagraph_mode.name}, "
+            f"sizes={len(self.capture_sizes)} up to {self.max_capture_size}, "
+            f"full={len(self._keys[_FULL])}, piecewise={len(self._keys[_PIECEWISE])})"
+        )
 
 
 def _padding_table(sizes: list[int], upper: int) -> list[Optional[int]]:

@@ -26,6 +26,7 @@ recorded output; intermediates stay owned by the tape) but every value a replay 
 the one a real graph would produce.  Private torch/triton hooks (named per use below, torch
 2.13 / triton 3.9) are patched only while a capture runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-_NO_REPLAY = frozenset(getattr(torch.ops.aten, name) for name in (
-    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"))
+_NO_REPLAY = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided")
+)
 """Allocations and no-ops: a graph replays no allocation (the memory is already there)."""
 
 _HOST_SYNC = torch.ops.aten._local_scalar_dense.default
@@ -56,6 +59,7 @@ def _use_count(t: torch.Tensor) -> int:
 
 class _Launch:
     """One recorded kernel launch."""
+
     __slots__ = ("name", "run", "outputs")
 
     def __init__(self, name: str, run: Callable[[], Any], outputs: list[torch.Tensor]):
@@ -64,8 +68,11 @@ class _Launch:
     def replay(self) -> None:
         fresh, _ = tree_flatten(self.run())
         for dst, src in zip(self.outputs, fresh):
-            if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) \
-                    and dst.data_ptr() != src.data_ptr():
+            if (
+                isinstance(dst, torch.Tensor)
+                and isinstance(src, torch.Tensor)
+                and dst.data_ptr() != src.data_ptr()
+            ):
                 dst.copy_(src)
 
 
@@ -97,15 +104,17 @@ class _Recorder(TorchDispatchMode):
                 "CUDA-graph capture (emulated): a device value was read on the host during "
                 "capture (.item(), bool(tensor), int(tensor), .tolist()); a real "
                 "torch.cuda.graph capture fails here. Keep such values on the device or "
-                "compute them before the graph")
+                "compute them before the graph"
+            )
         out = func(*args, **kwargs)
         if self.opaque_depth or func.overloadpacket in _NO_REPLAY:
             return out
         if _is_functional(func):
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             self.tape.append(_Launch(str(func), lambda: func(*args, **kwargs), outs))
-        elif any(a.alias_info is not None and a.alias_info.is_write
-                 for a in func._schema.arguments):
+        elif any(
+            a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments
+        ):
             self.tape.append(_Launch(str(func), lambda: func(*args, **kwargs), []))
         # view ops: the recorded alias already points at the right memory
         return out
@@ -136,14 +145,16 @@ def _opaque_hooks(rec: _Recorder) -> contextlib.ExitStack:
 
     def inductor(original):
         def call(self, inputs):
-            frozen = list(inputs)   # the compiled callable clears its (boxed) input list
+            frozen = list(inputs)  # the compiled callable clears its (boxed) input list
             with rec.opaque():
                 out = original(self, list(frozen))
             if rec.opaque_depth == 0:
                 outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-                rec.tape.append(_Launch("inductor graph",
-                                        lambda: original(self, list(frozen)), outs))
+                rec.tape.append(
+                    _Launch("inductor graph", lambda: original(self, list(frozen)), outs)
+                )
             return out
+
         return call
 
     def triton_launch(original):
@@ -151,13 +162,20 @@ def _opaque_hooks(rec: _Recorder) -> contextlib.ExitStack:
             with rec.opaque():
                 out = original(self, *args, **kwargs)
             if rec.opaque_depth == 0 and not kwargs.get("warmup", False):
-                rec.tape.append(_Launch(f"triton {getattr(self, '__name__', 'kernel')}",
-                                        lambda: original(self, *args, **kwargs) and None, []))
+                rec.tape.append(
+                    _Launch(
+                        f"triton {getattr(self, '__name__', 'kernel')}",
+                        lambda: original(self, *args, **kwargs) and None,
+                        [],
+                    )
+                )
             return out
+
         return run
 
     # torch 2.13: every Inductor-compiled graph runs through CompiledFxGraph.__call__.
     from torch._inductor.output_code import CompiledFxGraph
+
     stack.enter_context(_patched(CompiledFxGraph, "__call__", inductor))
     try:
         from triton.runtime.interpreter import InterpretedFunction
@@ -172,6 +190,7 @@ def _opaque_hooks(rec: _Recorder) -> contextlib.ExitStack:
 
 class _Block:
     """One output block of a pool: the memory, and the tensors graph tapes hold on it."""
+
     __slots__ = ("data", "tape_refs")
 
     def __init__(self, data: torch.Tensor):
@@ -195,9 +214,13 @@ class _EmulatedPool:
         this capture already used for its other outputs."""
         nbytes = t.untyped_storage().nbytes()
         for block in self.blocks:
-            if block.data.device == t.device and block.data.numel() >= nbytes \
-                    and block.data.is_inference() == t.is_inference() \
-                    and not any(block is b for b in taken) and block.is_free():
+            if (
+                block.data.device == t.device
+                and block.data.numel() >= nbytes
+                and block.data.is_inference() == t.is_inference()
+                and not any(block is b for b in taken)
+                and block.is_free()
+            ):
                 return block
         block = _Block(torch.empty(nbytes, dtype=torch.uint8, device=t.device))
         self.blocks.append(block)
@@ -217,8 +240,7 @@ def _tape_tensors(tape: list[_Launch]) -> list[torch.Tensor]:
         found += launch.outputs
         cells = getattr(launch.run, "__closure__", None) or ()
         for cell in cells:
-            found += [t for t in tree_flatten(cell.cell_contents)[0]
-                      if isinstance(t, torch.Tensor)]
+            found += [t for t in tree_flatten(cell.cell_contents)[0] if isinstance(t, torch.Tensor)]
     return found
 
 
@@ -226,7 +248,8 @@ def _new_alias(t: torch.Tensor) -> torch.Tensor:
     """A new tensor object over ``t``'s memory (an owning reference of its own)."""
     with torch.inference_mode(t.is_inference()):
         return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+            t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+        )
 
 
 class EmulatedGraphOps:
@@ -244,8 +267,9 @@ class EmulatedGraphOps:
             EmulatedGraphOps._default_pool = _EmulatedPool()
         return EmulatedGraphOps._default_pool
 
-    def capture(self, fn: Callable[[], Any], pool: _EmulatedPool, *,
-                collect_garbage: bool) -> tuple[_EmulatedGraph, Any]:
+    def capture(
+        self, fn: Callable[[], Any], pool: _EmulatedPool, *, collect_garbage: bool
+    ) -> tuple[_EmulatedGraph, Any]:
         self.gc_requests.append(collect_garbage)
         if collect_garbage:
             gc.collect()
@@ -278,7 +302,7 @@ class EmulatedGraphOps:
         for leaf in tensors:
             key = _storage_key(leaf)
             if key not in produced or key in moved:
-                continue    # an input's memory (not the pool's), or already moved
+                continue  # an input's memory (not the pool's), or already moved
             moved.add(key)
             # Inference tensors (the engine captures under inference_mode) may only be
             # written inside it; their blocks are inference tensors too.
@@ -288,24 +312,31 @@ class EmulatedGraphOps:
                 EmulatedGraphOps._rebind(block, leaf, tape_tensors + tensors, tape_ids)
 
         pool_keys = {_storage_key(b.data) for b in pool.blocks}
-        return tree_unflatten([_new_alias(t) if isinstance(t, torch.Tensor)
-                               and _storage_key(t) in pool_keys else t for t in leaves], spec)
+        return tree_unflatten(
+            [
+                _new_alias(t) if isinstance(t, torch.Tensor) and _storage_key(t) in pool_keys else t
+                for t in leaves
+            ],
+            spec,
+        )
 
     @staticmethod
-    def _rebind(block: _Block, leaf: torch.Tensor, candidates: list[torch.Tensor],
-                tape_ids: set[int]) -> None:
+    def _rebind(
+        block: _Block, leaf: torch.Tensor, candidates: list[torch.Tensor], tape_ids: set[int]
+    ) -> None:
         """Copy ``leaf``'s storage into ``block`` and point every tensor on that storage
         (the tape's and the output's) at the block instead."""
         key = _storage_key(leaf)
         old = leaf.untyped_storage()
-        block.data[:old.nbytes()].copy_(torch.empty(0, dtype=torch.uint8,
-                                                    device=leaf.device)
-                                        .set_(old, 0, (old.nbytes(),), (1,)))
+        block.data[: old.nbytes()].copy_(
+            torch.empty(0, dtype=torch.uint8, device=leaf.device).set_(
+                old, 0, (old.nbytes(),), (1,)
+            )
+        )
         seen: set[int] = set()
         for t in candidates:
             if id(t) not in seen and _storage_key(t) == key:
                 seen.add(id(t))
-                t.set_(block.data.untyped_storage(), t.storage_offset(), t.size(),
-                       t.stride())
+                t.set_(block.data.untyped_storage(), t.storage_offset(), t.size(), t.stride())
                 if id(t) in tape_ids:
                     block.tape_refs.append(weakref.ref(t))

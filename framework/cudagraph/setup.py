@@ -2,6 +2,7 @@
 dispatcher, wrap pieces (PIECEWISE) and/or the whole forward (FULL). Capturing at start-up
 drives the runner, so it lives in the engine (``framework.engine.capture``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -9,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from framework.core.config import CompilationConfig, CompilationMode
-from framework.cudagraph.wrapper import CUDAGraphWrapper
-from framework.cudagraph.dispatcher import CudagraphDispatcher
 from framework.core.forward_context import CUDAGraphMode
+from framework.cudagraph.dispatcher import CudagraphDispatcher
+from framework.cudagraph.wrapper import CUDAGraphWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -28,25 +29,35 @@ class GraphSetup:
             return None
 
         def wrap(runnable, info):
-            return CUDAGraphWrapper(runnable, CUDAGraphMode.PIECEWISE, debug=self.debug,
-                                    graph_ops=self.graph_ops, name=info.name)
+            return CUDAGraphWrapper(
+                runnable,
+                CUDAGraphMode.PIECEWISE,
+                debug=self.debug,
+                graph_ops=self.graph_ops,
+                name=info.name,
+            )
+
         return wrap
 
     def wrap_forward(self, forward: Callable) -> Callable:
         if not self.mode.has_full():
             return forward
-        return CUDAGraphWrapper(forward, CUDAGraphMode.FULL, debug=self.debug,
-                                graph_ops=self.graph_ops, name="model")
+        return CUDAGraphWrapper(
+            forward, CUDAGraphMode.FULL, debug=self.debug, graph_ops=self.graph_ops, name="model"
+        )
 
 
-def setup_graphs(config: CompilationConfig, *, attention_backend: str, max_num_seqs: int,
-                 graph_ops: Any = None) -> GraphSetup:
+def setup_graphs(
+    config: CompilationConfig, *, attention_backend: str, max_num_seqs: int, graph_ops: Any = None
+) -> GraphSetup:
     from backends.attention.selector import select_cudagraph_mode
 
     mode = config.cudagraph_mode
     if mode != CUDAGraphMode.NONE:
-        mode = select_cudagraph_mode(mode, [attention_backend],
-                                     piecewise_available=config.mode == CompilationMode.PIECEWISE)
-    dispatcher = CudagraphDispatcher(mode, config.cudagraph_capture_sizes,
-                                     config.max_num_tokens, max_num_reqs=max_num_seqs)
+        mode = select_cudagraph_mode(
+            mode, [attention_backend], piecewise_available=config.mode == CompilationMode.PIECEWISE
+        )
+    dispatcher = CudagraphDispatcher(
+        mode, config.cudagraph_capture_sizes, config.max_num_tokens, max_num_reqs=max_num_seqs
+    )
     return GraphSetup(mode, dispatcher, graph_ops, config.cudagraph_debug)

@@ -24,6 +24,7 @@ capture records the launched kernels with host values frozen, replay runs the re
 the Python, outputs of graphs sharing the pool alias -- so graph-capture bugs (stale host
 values, an output overwritten by another graph's replay) reproduce on a laptop.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,9 +38,13 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch.utils._pytree import tree_map_only
 
+from framework.core.forward_context import (
+    BatchDescriptor,
+    CUDAGraphMode,
+    get_forward_context,
+    is_forward_context_available,
+)
 from framework.cudagraph.emulation import EmulatedGraphOps  # noqa: F401  (re-exported)
-from framework.core.forward_context import (BatchDescriptor, CUDAGraphMode, get_forward_context,
-                                       is_forward_context_available)
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +59,16 @@ the first graph the pool already holds what later captures need)."""
 # Graph operations (the only place that touches torch.cuda graph APIs)
 # ------------------------------------------------------------------------------------------
 
+
 class GraphOps(Protocol):
     """What the wrapper needs from a graph implementation."""
 
     def shared_pool(self) -> Any:
         """The memory pool every wrapper using these ops captures into (one per process)."""
 
-    def capture(self, fn: Callable[[], Any], pool: Any, *,
-                collect_garbage: bool) -> tuple[Any, Any]:
+    def capture(
+        self, fn: Callable[[], Any], pool: Any, *, collect_garbage: bool
+    ) -> tuple[Any, Any]:
         """Run ``fn`` under capture; return ``(graph, output)``."""
 
     def replay(self, graph: Any) -> None:
@@ -94,8 +101,9 @@ class CUDAGraphOps:
             CUDAGraphOps._pool = torch.cuda.graph_pool_handle()
         return CUDAGraphOps._pool
 
-    def capture(self, fn: Callable[[], Any], pool: Any, *,
-                collect_garbage: bool) -> tuple[Any, Any]:
+    def capture(
+        self, fn: Callable[[], Any], pool: Any, *, collect_garbage: bool
+    ) -> tuple[Any, Any]:
         self._require_cuda()
         graph = torch.cuda.CUDAGraph()
         with contextlib.ExitStack() as stack:
@@ -121,12 +129,14 @@ class CUDAGraphOps:
             raise RuntimeError(
                 "CUDA graphs need a CUDA device. On CPU cudagraph_mode must resolve to NONE "
                 "(CompilationConfig.resolve does this); tests can pass "
-                "graph_ops=EmulatedGraphOps() to CUDAGraphWrapper.")
+                "graph_ops=EmulatedGraphOps() to CUDAGraphWrapper."
+            )
 
 
 # ------------------------------------------------------------------------------------------
 # Weak references to output tensors
 # ------------------------------------------------------------------------------------------
+
 
 def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
     """A tensor aliasing ``t``'s memory without owning it (no refcount on the storage).
@@ -135,10 +145,12 @@ def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
     Python tensor, is what holds a graph's output buffer.
     """
     storage = t.untyped_storage()
-    raw = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device,
-                                                        storage.nbytes())
+    raw = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), t.device, storage.nbytes()
+    )
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        raw, t.storage_offset(), t.size(), t.stride())
+        raw, t.storage_offset(), t.size(), t.stride()
+    )
 
 
 def weak_ref_tensors(obj: Any) -> Any:
@@ -149,6 +161,7 @@ def weak_ref_tensors(obj: Any) -> Any:
 # ------------------------------------------------------------------------------------------
 # The wrapper
 # ------------------------------------------------------------------------------------------
+
 
 @dataclass
 class CUDAGraphStats:
@@ -174,16 +187,25 @@ class CUDAGraphWrapper:
     """Capture/replay ``runnable`` per batch descriptor when the step's runtime mode is
     ``runtime_mode`` (FULL or PIECEWISE); call through otherwise."""
 
-    def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode, *,
-                 debug: bool = False, graph_ops: Optional[GraphOps] = None,
-                 name: Optional[str] = None):
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        runtime_mode: CUDAGraphMode,
+        *,
+        debug: bool = False,
+        graph_ops: Optional[GraphOps] = None,
+        name: Optional[str] = None,
+    ):
         runtime_mode = CUDAGraphMode.parse(runtime_mode)
         if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
-            raise ValueError(f"CUDAGraphWrapper: runtime_mode must be FULL or PIECEWISE, got "
-                             f"{runtime_mode}; NONE means: do not wrap")
+            raise ValueError(
+                f"CUDAGraphWrapper: runtime_mode must be FULL or PIECEWISE, got "
+                f"{runtime_mode}; NONE means: do not wrap"
+            )
         if not callable(runnable):
-            raise TypeError(f"CUDAGraphWrapper: runnable must be callable, got "
-                            f"{type(runnable).__name__}")
+            raise TypeError(
+                f"CUDAGraphWrapper: runnable must be callable, got {type(runnable).__name__}"
+            )
         self.runnable = runnable
         self.runtime_mode = runtime_mode
         self.debug = debug
@@ -202,8 +224,9 @@ class CUDAGraphWrapper:
         return getattr(runnable, name)
 
     def __repr__(self) -> str:
-        return (f"CUDAGraphWrapper({self.name}, {self.runtime_mode.name}, "
-                f"graphs={len(self._entries)})")
+        return (
+            f"CUDAGraphWrapper({self.name}, {self.runtime_mode.name}, graphs={len(self._entries)})"
+        )
 
     @property
     def descriptors(self) -> list[BatchDescriptor]:
@@ -226,14 +249,16 @@ class CUDAGraphWrapper:
             if mode not in _RUNTIME_MODES:
                 raise ValueError(
                     f"ForwardContext.cudagraph_runtime_mode is {mode}, a configuration mode; "
-                    f"set the runtime mode the dispatcher returned (NONE, PIECEWISE or FULL)")
+                    f"set the runtime mode the dispatcher returned (NONE, PIECEWISE or FULL)"
+                )
             return self.runnable(*args, **kwargs)
         descriptor = ctx.batch_descriptor
         if descriptor is None:
             raise RuntimeError(
                 f"CUDAGraphWrapper({self.name}): runtime mode is {mode.name} but "
                 f"ForwardContext.batch_descriptor is None; set the descriptor the dispatcher "
-                f"returned together with the mode")
+                f"returned together with the mode"
+            )
         entry = self._entries.get(descriptor)
         if entry is None:
             return self._capture(descriptor, args, kwargs)
@@ -250,17 +275,26 @@ class CUDAGraphWrapper:
         start = time.perf_counter()
         collect = not _first_capture_done
         pool = self.graph_ops.shared_pool()
-        graph, output = self.graph_ops.capture(lambda: self.runnable(*args, **kwargs), pool,
-                                               collect_garbage=collect)
+        graph, output = self.graph_ops.capture(
+            lambda: self.runnable(*args, **kwargs), pool, collect_garbage=collect
+        )
         _first_capture_done = True
         self._entries[descriptor] = _Entry(
-            descriptor, graph, weak_ref_tensors(output),
-            _input_signature(args, kwargs) if self.debug else None)
+            descriptor,
+            graph,
+            weak_ref_tensors(output),
+            _input_signature(args, kwargs) if self.debug else None,
+        )
         elapsed = time.perf_counter() - start
         self.stats.captures += 1
         self.stats.capture_time_s += elapsed
-        logger.debug("captured %s graph of %s for %s in %.1f ms", self.runtime_mode.name,
-                     self.name, descriptor, elapsed * 1e3)
+        logger.debug(
+            "captured %s graph of %s for %s in %.1f ms",
+            self.runtime_mode.name,
+            self.name,
+            descriptor,
+            elapsed * 1e3,
+        )
         # The strong output: the caller (and the rest of the capture) must see an owning
         # tensor so the allocator tracks its lifetime; the entry keeps only the alias.
         return output
@@ -270,7 +304,8 @@ class CUDAGraphWrapper:
         if len(now) != len(entry.input_signature):
             raise RuntimeError(
                 f"CUDAGraphWrapper({self.name}) replay for {entry.descriptor}: got {len(now)} "
-                f"tensor/int arguments, captured with {len(entry.input_signature)}")
+                f"tensor/int arguments, captured with {len(entry.input_signature)}"
+            )
         for (label, kind, then), (_, kind_now, value) in zip(entry.input_signature, now):
             if kind != kind_now or then != value:
                 what = "address" if kind == "tensor" else "value"
@@ -279,7 +314,8 @@ class CUDAGraphWrapper:
                     f"CUDAGraphWrapper({self.name}) replay for {entry.descriptor}: {label} "
                     f"{what} changed (captured {fmt(then)}, now {fmt(value)}). A graph reads "
                     f"its inputs at the captured addresses: keep this input in a persistent "
-                    f"buffer and pass the same tensor (or a view at the same offset) every step")
+                    f"buffer and pass the same tensor (or a view at the same offset) every step"
+                )
 
 
 def _input_signature(args: tuple, kwargs: dict) -> list[tuple[str, str, Any]]:

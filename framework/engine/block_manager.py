@@ -8,6 +8,7 @@ allocation finds the free list empty.  ``num_free`` counts free *and* evictable 
 
 Block 0 is the null block (padded block-table entries point at it) and is never handed out.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,14 +20,15 @@ from typing import Optional, Sequence
 NO_PARENT = b""
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int, start: int = 0,
-                 parent: bytes = NO_PARENT) -> list[bytes]:
+def chain_hashes(
+    tokens: Sequence[int], block_size: int, start: int = 0, parent: bytes = NO_PARENT
+) -> list[bytes]:
     """Hash chain (SHA-256 of parent digest + block token ids) of the full blocks of
     ``tokens`` from full block ``start`` on: a collision would silently share wrong K/V, so
     the hash is cryptographic rather than Python's 64-bit ``hash``."""
     out = []
     for b in range(start, len(tokens) // block_size):
-        block = array("q", tokens[b * block_size:(b + 1) * block_size]).tobytes()
+        block = array("q", tokens[b * block_size : (b + 1) * block_size]).tobytes()
         parent = hashlib.sha256(parent + block).digest()
         out.append(parent)
     return out
@@ -39,9 +41,11 @@ class PrefixCacheStats:
     evictions: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"prefix_cache_queried_tokens": self.queried_tokens,
-                "prefix_cache_hit_tokens": self.hit_tokens,
-                "prefix_cache_evictions": self.evictions}
+        return {
+            "prefix_cache_queried_tokens": self.queried_tokens,
+            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_evictions": self.evictions,
+        }
 
 
 class OutOfBlocks(RuntimeError):
@@ -53,15 +57,16 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (one is the null block), "
-                             f"got {num_blocks}")
+            raise ValueError(
+                f"num_blocks must be at least 2 (one is the null block), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._free = list(range(num_blocks - 1, 0, -1))
         self._ref = [0] * num_blocks
-        self._hash_of: dict[int, bytes] = {}        # block -> its chain hash
-        self._block_of: dict[bytes, int] = {}       # chain hash -> block
+        self._hash_of: dict[int, bytes] = {}  # block -> its chain hash
+        self._block_of: dict[bytes, int] = {}  # chain hash -> block
         self._lru: OrderedDict[int, None] = OrderedDict()  # ref 0, still keyed
         self.stats = PrefixCacheStats()
 
@@ -85,8 +90,9 @@ class BlockManager:
     # ------------------------------------------------------------------ allocate / free
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
-            raise OutOfBlocks(f"out of KV cache blocks: need {n}, {self.num_free} free of "
-                              f"{self.num_usable}")
+            raise OutOfBlocks(
+                f"out of KV cache blocks: need {n}, {self.num_free} free of {self.num_usable}"
+            )
         out = []
         for _ in range(n):
             if self._free:

@@ -1,12 +1,13 @@
 """Start-up CUDA-graph capture: run every key of the dispatcher through the runner, largest
 first, on dummy requests whose KV lives in the null block."""
+
 from __future__ import annotations
 
 import time
 
+from framework.core.forward_context import CUDAGraphMode
 from framework.cudagraph.setup import GraphSetup
 from framework.cudagraph.wrapper import total_stats
-from framework.core.forward_context import CUDAGraphMode
 from framework.engine.kv_cache import BlockAllocator
 from framework.engine.scheduler import Request, ScheduledChunk
 
@@ -36,6 +37,7 @@ def capture_graphs(runner, setup: GraphSetup, *, progress: bool = True) -> dict[
     bar = None
     if progress:
         from tqdm import tqdm
+
         bar = tqdm(total=len(plan), desc="capturing CUDA graphs", leave=False)
     for mode, desc in plan:
         chunks = _dummy_chunks(desc, runner.block_size)

@@ -12,6 +12,7 @@
 The LLM wires the parts: the scheduler (queues, admission, preemption), the block manager
 (KV blocks, prefix cache), the runner (inputs, forward, the batched sampler).
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,14 +25,18 @@ import torch
 
 from backends.attention.selector import default_backend
 from framework.compile.build import CompiledForward, build_forward
-from framework.cudagraph.setup import setup_graphs
-from framework.engine.capture import capture_graphs
 from framework.core.config import CompilationConfig, CompilationMode
+from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
+from framework.engine.capture import capture_graphs
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from framework.engine.outputs import RequestOutput
-from framework.engine.request import (Request, ScheduledChunk, validate_max_tokens,
-                               validate_token_ids)
+from framework.engine.request import (
+    Request,
+    ScheduledChunk,
+    validate_max_tokens,
+    validate_token_ids,
+)
 from framework.engine.runner import ModelRunner
 from framework.engine.sampling_params import SamplingParams
 from framework.engine.scheduler import Scheduler
@@ -48,23 +53,37 @@ class LLM:
     default (:func:`backends.attention.selector.default_backend`).
     """
 
-    def __init__(self, model: str, dtype: str | torch.dtype = "float32",
-                 optimization_level: Optional[int] = None,
-                 compilation_config: Optional[CompilationConfig | dict] = None,
-                 quantization: Any = None, max_num_seqs: int = 8, max_model_len: int = 512,
-                 cache_dir: Optional[str] = None, seed: int = 0, *,
-                 max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
-                 attention_backend: Optional[str] = None,
-                 kv_cache_memory_bytes: Optional[int] = None,
-                 device: Optional[str] = None, model_tag: Optional[str] = None,
-                 graph_ops: Any = None, enable_prefix_caching: bool = False):
+    def __init__(
+        self,
+        model: str,
+        dtype: str | torch.dtype = "float32",
+        optimization_level: Optional[int] = None,
+        compilation_config: Optional[CompilationConfig | dict] = None,
+        quantization: Any = None,
+        max_num_seqs: int = 8,
+        max_model_len: int = 512,
+        cache_dir: Optional[str] = None,
+        seed: int = 0,
+        *,
+        max_num_batched_tokens: Optional[int] = None,
+        block_size: int = 16,
+        attention_backend: Optional[str] = None,
+        kv_cache_memory_bytes: Optional[int] = None,
+        device: Optional[str] = None,
+        model_tag: Optional[str] = None,
+        graph_ops: Any = None,
+        enable_prefix_caching: bool = False,
+    ):
         from models.config import parse_dtype
         from models.loader import load_model
 
         t_start = time.perf_counter()
         torch.manual_seed(seed)
-        for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
-                        ("block_size", block_size)):
+        for name, v in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+            ("block_size", block_size),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"LLM.{name}: must be a positive int, got {v!r}")
         self.device = torch.device(device or "cpu")
@@ -81,38 +100,65 @@ class LLM:
         max_num_tokens = max_num_batched_tokens or cc.max_num_tokens or max_model_len
         # graph_ops (tests only) supplies emulated CUDA-graph calls, so graph modes resolve
         # as they would on a GPU.
-        self.config = cc.resolve(max_num_tokens=max_num_tokens,
-                                 has_cuda=self.device.type == "cuda" or graph_ops is not None)
+        self.config = cc.resolve(
+            max_num_tokens=max_num_tokens,
+            has_cuda=self.device.type == "cuda" or graph_ops is not None,
+        )
         max_num_tokens = self.config.max_num_tokens
         self.max_model_len = max_model_len
 
         mc = self.model_config
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, block_size)
-        num_blocks = num_blocks_for(spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                    memory_bytes=kv_cache_memory_bytes)
+        num_blocks = num_blocks_for(
+            spec,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            memory_bytes=kv_cache_memory_bytes,
+        )
         layer_names = self.model.attention_layer_names()
         self.kv_caches = allocate_kv_caches(spec, layer_names, num_blocks, self.device)
         if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"LLM.enable_prefix_caching: must be a bool, got "
-                             f"{enable_prefix_caching!r}")
+            raise ValueError(
+                f"LLM.enable_prefix_caching: must be a bool, got {enable_prefix_caching!r}"
+            )
         self.allocator = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.tokenizer = load_tokenizer(model)
-        self.scheduler = Scheduler(self.allocator, block_size=block_size,
-                                   max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
-                                   max_model_len=max_model_len)
+        self.scheduler = Scheduler(
+            self.allocator,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_tokens=max_num_tokens,
+            max_model_len=max_model_len,
+        )
         self._prepack_lm_head()
         attention_backend = attention_backend or default_backend(self.device)
-        self.graphs = setup_graphs(self.config, attention_backend=attention_backend,
-                                   max_num_seqs=max_num_seqs, graph_ops=graph_ops)
+        self.graphs = setup_graphs(
+            self.config,
+            attention_backend=attention_backend,
+            max_num_seqs=max_num_seqs,
+            graph_ops=graph_ops,
+        )
         self.compiled: CompiledForward = build_forward(
-            self.model, self.config, model_hash=mc.compute_hash(), dtype=self.dtype,
-            quant_hash=quant_hash, model_tag=model_tag or _model_tag(mc),
-            wrap_piece=self.graphs.wrap_piece())
+            self.model,
+            self.config,
+            model_hash=mc.compute_hash(),
+            dtype=self.dtype,
+            quant_hash=quant_hash,
+            model_tag=model_tag or _model_tag(mc),
+            wrap_piece=self.graphs.wrap_piece(),
+        )
         self.runner = ModelRunner(
-            self.model, self.graphs.wrap_forward(self.compiled.forward),
-            kv_caches=self.kv_caches, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_tokens=max_num_tokens, max_model_len=max_model_len, device=self.device,
-            attn_backend=attention_backend, dispatch=self.graphs.dispatcher.dispatch)
+            self.model,
+            self.graphs.wrap_forward(self.compiled.forward),
+            kv_caches=self.kv_caches,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_tokens=max_num_tokens,
+            max_model_len=max_model_len,
+            device=self.device,
+            attn_backend=attention_backend,
+            dispatch=self.graphs.dispatcher.dispatch,
+        )
         self._next_id = 0
         self._rng = random.Random(seed)
         self._requests: dict[int, Request] = {}
@@ -122,8 +168,9 @@ class LLM:
         if self.quant_config is not None:
             self._calibrate(seed)
         self._warmup()
-        self._startup.update(capture_graphs(self.runner, self.graphs,
-                                            progress=self.config.progress_bar))
+        self._startup.update(
+            capture_graphs(self.runner, self.graphs, progress=self.config.progress_bar)
+        )
         self._startup["startup_s"] = time.perf_counter() - t_start
 
     # ------------------------------------------------------------------ setup
@@ -146,6 +193,7 @@ class LLM:
         if head is None or "prepack_linear" not in self.config.pass_config.passes:
             return
         from passes.ops_prepack import PrepackedLinearMethod
+
         if PrepackedLinearMethod.applies_to(head):
             head.linear_method = PrepackedLinearMethod()
 
@@ -159,7 +207,8 @@ class LLM:
         compiled, self.runner.forward = self.runner.forward, self.model
         try:
             self.calibrated_scales = calibrate_activation_scales(
-                self.model, lambda: self.dummy_run(n, tokens))
+                self.model, lambda: self.dummy_run(n, tokens)
+            )
         finally:
             self.runner.forward = compiled
 
@@ -186,8 +235,14 @@ class LLM:
         self._startup["compile_s"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ step API
-    def add_request(self, prompt: str | Sequence[int], params: Optional[SamplingParams] = None,
-                    *, stream: bool = False, chat_template: bool = False) -> int:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: Optional[SamplingParams] = None,
+        *,
+        stream: bool = False,
+        chat_template: bool = False,
+    ) -> int:
         """Queue one request; returns its id.  ``prompt``: token ids, or text when the model
         folder has a tokenizer.  ``stream``: ``step`` also returns this request's output
         whenever it grows.  Raises ``ValueError`` (naming the request) for a request that
@@ -204,22 +259,33 @@ class LLM:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise TypeError(f"{name}: params must be a SamplingParams, got "
-                            f"{type(params).__name__}")
+            raise TypeError(f"{name}: params must be a SamplingParams, got {type(params).__name__}")
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{name}: a text prompt needs a tokenizer, and the model "
-                                 f"folder has no tokenizer.json / tokenizer_config.json")
-            text, prompt = prompt, encode_prompt(self.tokenizer, prompt,
-                                                 chat_template=chat_template)
+                raise ValueError(
+                    f"{name}: a text prompt needs a tokenizer, and the model "
+                    f"folder has no tokenizer.json / tokenizer_config.json"
+                )
+            text, prompt = (
+                prompt,
+                encode_prompt(self.tokenizer, prompt, chat_template=chat_template),
+            )
         elif chat_template:
             raise ValueError(f"{name}: chat_template applies to text prompts only")
         ids = validate_token_ids(prompt, self.model_config.vocab_size, f"{name} prompt")
         eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return Request(self._next_id, ids, params.max_tokens, eos, params=params, seed=seed,
-                       logprobs=[] if params.logprobs is not None else None, text_prompt=text)
+        return Request(
+            self._next_id,
+            ids,
+            params.max_tokens,
+            eos,
+            params=params,
+            seed=seed,
+            logprobs=[] if params.logprobs is not None else None,
+            text_prompt=text,
+        )
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it (and the streamed
@@ -254,8 +320,7 @@ class LLM:
         for r in done:
             self._requests.pop(r.req_id, None)
             self._streaming.discard(r.req_id)
-        outs += [self._output(r) for r in grown
-                 if r.req_id in self._streaming and not r.finished]
+        outs += [self._output(r) for r in grown if r.req_id in self._streaming and not r.finished]
         return outs
 
     def abort(self, request_id: int) -> bool:
@@ -271,17 +336,28 @@ class LLM:
 
     def _output(self, req: Request) -> RequestOutput:
         text = decode(self.tokenizer, req.output) if self.tokenizer is not None else None
-        return RequestOutput(req.req_id, list(req.prompt), list(req.output), text,
-                             list(req.logprobs) if req.logprobs is not None else None,
-                             req.finish_reason, req.text_prompt,
-                             {"preemptions": req.num_preemptions})
+        return RequestOutput(
+            req.req_id,
+            list(req.prompt),
+            list(req.output),
+            text,
+            list(req.logprobs) if req.logprobs is not None else None,
+            req.finish_reason,
+            req.text_prompt,
+            {"preemptions": req.num_preemptions},
+        )
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 max_new_tokens: Optional[int] = None, *,
-                 sampling_params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
-                 ignore_eos: bool = False, return_outputs: bool = False,
-                 chat_template: bool = False) -> list:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: Optional[int] = None,
+        *,
+        sampling_params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
+        ignore_eos: bool = False,
+        return_outputs: bool = False,
+        chat_template: bool = False,
+    ) -> list:
         """Run every prompt to completion, together with anything already queued.
 
         Returns, per prompt: the new token ids (token-id prompts), the new text (text
@@ -289,16 +365,19 @@ class LLM:
         ``ignore_eos``, when given, override the sampling params' ``max_tokens`` /
         ``ignore_eos``; without params decoding is greedy with 16 new tokens."""
         if isinstance(prompts, (str, bytes)) or not all(
-                isinstance(p, (list, tuple, str)) for p in prompts):
-            raise TypeError("generate takes a list of prompts, each a list of token ids or "
-                            "a string")
+            isinstance(p, (list, tuple, str)) for p in prompts
+        ):
+            raise TypeError(
+                "generate takes a list of prompts, each a list of token ids or a string"
+            )
         if max_new_tokens is not None:
             validate_max_tokens(max_new_tokens)
-        params = self._params_per_prompt(sampling_params, len(prompts), max_new_tokens,
-                                         ignore_eos)
-        reqs = [self._make_request(p, sp, chat_template, f"prompt {i}")
-                for i, (p, sp) in enumerate(zip(prompts, params))]
-        for i, r in enumerate(reqs):   # all or nothing: none starts when one can never fit
+        params = self._params_per_prompt(sampling_params, len(prompts), max_new_tokens, ignore_eos)
+        reqs = [
+            self._make_request(p, sp, chat_template, f"prompt {i}")
+            for i, (p, sp) in enumerate(zip(prompts, params))
+        ]
+        for i, r in enumerate(reqs):  # all or nothing: none starts when one can never fit
             r.req_id = self._next_id + i
             try:
                 self.scheduler._check_fits(r)
@@ -329,14 +408,16 @@ class LLM:
         return [list(r.output) for r in reqs]
 
     @staticmethod
-    def _params_per_prompt(sp, n: int, max_new_tokens: Optional[int],
-                           ignore_eos: bool) -> list[SamplingParams]:
+    def _params_per_prompt(
+        sp, n: int, max_new_tokens: Optional[int], ignore_eos: bool
+    ) -> list[SamplingParams]:
         if sp is None:
             sp = SamplingParams(max_tokens=16 if max_new_tokens is None else max_new_tokens)
         sps = [sp] * n if isinstance(sp, SamplingParams) else list(sp)
         if len(sps) != n or not all(isinstance(p, SamplingParams) for p in sps):
-            raise ValueError(f"sampling_params: one SamplingParams or a list of {n} "
-                             f"(one per prompt)")
+            raise ValueError(
+                f"sampling_params: one SamplingParams or a list of {n} (one per prompt)"
+            )
         changes = {}
         if max_new_tokens is not None:
             changes["max_tokens"] = max_new_tokens
@@ -347,9 +428,12 @@ class LLM:
     # ------------------------------------------------------------------ stats
     @property
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"mode": self.config.mode.name, "level": self.config.level,
-                               "cudagraph_mode": self.graphs.mode.name,
-                               **self._startup}
+        out: dict[str, Any] = {
+            "mode": self.config.mode.name,
+            "level": self.config.level,
+            "cudagraph_mode": self.graphs.mode.name,
+            **self._startup,
+        }
         for kind, times in self.runner.step_times.items():
             if times:
                 ms = sorted(t * 1e3 for t in times)

@@ -1,4 +1,5 @@
 """A request's state in the engine, and one scheduled chunk of it."""
+
 from __future__ import annotations
 
 import numbers
@@ -80,13 +81,13 @@ def validate_token_ids(prompt, vocab_size: int, name: str = "prompt") -> list[in
         raise TypeError(f"{name}: expected a list of token ids, got {type(prompt).__name__}")
     out = []
     for j, t in enumerate(prompt):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):   # numpy ints pass
-            raise ValueError(f"{name}[{j}]: token ids must be ints, got {t!r} "
-                             f"({type(t).__name__})")
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # numpy ints pass
+            raise ValueError(f"{name}[{j}]: token ids must be ints, got {t!r} ({type(t).__name__})")
         t = int(t)
         if not 0 <= t < vocab_size:
-            raise ValueError(f"{name}[{j}]: token id {t} is outside the vocabulary "
-                             f"(0..{vocab_size - 1})")
+            raise ValueError(
+                f"{name}[{j}]: token id {t} is outside the vocabulary (0..{vocab_size - 1})"
+            )
         out.append(int(t))
     return out
 

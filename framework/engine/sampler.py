@@ -9,6 +9,7 @@ vocabulary index), so a seeded request draws the same tokens whatever else is in
 and a preempted request redraws the same tokens when it is recomputed.  Sampling uses the
 exponential race (argmax of p / E with E ~ Exp(1)), which picks token i with probability p_i.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,8 +53,12 @@ def _uniform(key: torch.Tensor, idx_keys: torch.Tensor) -> torch.Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int,
-                  indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+def uniform_noise(
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    vocab_size: int,
+    indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Float32 uniforms in (0, 1), a pure function of (seed, step, vocabulary index):
     ``[n, vocab]``, or ``[n, m]`` for the vocabulary ``indices`` ``[n, m]`` only."""
     vocab_keys = _vocab_keys(vocab_size, seeds.device)
@@ -62,9 +67,14 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int,
 
 
 # ---------------------------------------------------------------------- logits processors
-def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
     """Repetition penalty (transformers' rule, over prompt and output tokens), then OpenAI's
     presence and frequency penalties (over output tokens)."""
     seen = prompt_mask | (output_counts > 0)
@@ -84,14 +94,15 @@ def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_p(logits: torch.Tensor, p: torch.Tensor,
-                max_candidates: Optional[int] = None) -> torch.Tensor:
+def apply_top_p(
+    logits: torch.Tensor, p: torch.Tensor, max_candidates: Optional[int] = None
+) -> torch.Tensor:
     """Drop the least likely tokens whose cumulative probability stays <= 1 - p[i].
     ``max_candidates``: no row has more finite logits than this (after top-k), so only the
     top ones are sorted (masked tokens have probability 0 and are dropped either way)."""
     vocab = logits.shape[-1]
     if max_candidates is not None and max_candidates < vocab:
-        top = logits.topk(max_candidates, dim=-1)             # descending
+        top = logits.topk(max_candidates, dim=-1)  # descending
         sorted_logits, order = top.values.flip(-1), top.indices.flip(-1)
     else:
         sorted_logits, order = logits.sort(dim=-1, descending=False)
@@ -114,7 +125,7 @@ def _padded(rows: Sequence[Sequence[int]], device) -> torch.Tensor:
     out = torch.full((len(rows), max(width, 1)), -1, dtype=torch.int64)
     for i, r in enumerate(rows):
         if r:
-            out[i, :len(r)] = torch.as_tensor(r, dtype=torch.int64)
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
     return out.to(device)
 
 
@@ -129,8 +140,9 @@ def token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device) -> torc
 class Sampler:
     """``sampler(logits, requests)`` -> (token per row, logprobs per row or None)."""
 
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]
-                 ) -> tuple[list[int], Optional[list[Optional[dict[int, float]]]]]:
+    def __call__(
+        self, logits: torch.Tensor, reqs: Sequence[Request]
+    ) -> tuple[list[int], Optional[list[Optional[dict[int, float]]]]]:
         params = [r.params for r in reqs]
         if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
             # argmax over fp32: exact for bf16/fp16 values, and ~3.5x faster than the bf16
@@ -144,11 +156,13 @@ class Sampler:
         x = raw
         if any(p.has_penalties for p in params):
             x = apply_penalties(
-                x, token_counts([r.prompt for r in reqs], vocab, dev) > 0,
+                x,
+                token_counts([r.prompt for r in reqs], vocab, dev) > 0,
                 token_counts([r.output for r in reqs], vocab, dev),
                 torch.tensor([p.repetition_penalty for p in params], **f32),
                 torch.tensor([p.presence_penalty for p in params], **f32),
-                torch.tensor([p.frequency_penalty for p in params], **f32))
+                torch.tensor([p.frequency_penalty for p in params], **f32),
+            )
         greedy = torch.tensor([p.greedy for p in params], device=dev)
         tokens = x.argmax(dim=-1)
         if not bool(greedy.all()):
@@ -165,7 +179,7 @@ class Sampler:
                 x = apply_min_p(x, torch.tensor([p.min_p for p in params], **f32))
             seeds = torch.tensor([r.seed for r in reqs], device=dev)
             steps = torch.tensor([len(r.output) for r in reqs], device=dev)
-            if bound is not None:   # every row has at most `bound` candidates: race those
+            if bound is not None:  # every row has at most `bound` candidates: race those
                 cand = x.topk(bound, dim=-1)
                 noise = uniform_noise(seeds, steps, vocab, cand.indices)
                 race = cand.values.softmax(dim=-1) / -noise.log()
@@ -178,8 +192,9 @@ class Sampler:
         return out, self._logprobs(raw, tokens, params)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params
-                  ) -> Optional[list[Optional[dict[int, float]]]]:
+    def _logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, params
+    ) -> Optional[list[Optional[dict[int, float]]]]:
         wanted = [p.logprobs for p in params]
         if all(w is None for w in wanted):
             return None

@@ -1,5 +1,6 @@
 """Per-request sampling parameters, validated at construction (one ``ValueError`` naming the
 field).  ``temperature=0`` (the default) is greedy decoding."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -65,8 +66,11 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             bad("logprobs", "must be None or an int >= 0")
         stop = self.stop_token_ids
-        if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__") or not all(
-                _is_int(t) and t >= 0 for t in stop):
+        if (
+            isinstance(stop, (str, bytes))
+            or not hasattr(stop, "__iter__")
+            or not all(_is_int(t) and t >= 0 for t in stop)
+        ):
             bad("stop_token_ids", "must be a sequence of non-negative ints")
         object.__setattr__(self, "stop_token_ids", tuple(stop))
 
@@ -76,8 +80,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     def replace(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

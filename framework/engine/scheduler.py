@@ -10,6 +10,7 @@ to the front of the waiting queue (its prompt and output are prefilled again on
 re-admission).  A request that could never fit, alone in an empty cache, is rejected by
 ``add``.  A request samples a token only in a step that reaches the end of its known tokens.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -31,14 +32,25 @@ class SchedulerStats:
     step_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"preemptions": self.preemptions, "rejections": self.rejections,
-                "aborted": self.aborted, "finished_requests": self.finished,
-                "step_errors": self.step_errors}
+        return {
+            "preemptions": self.preemptions,
+            "rejections": self.rejections,
+            "aborted": self.aborted,
+            "finished_requests": self.finished,
+            "step_errors": self.step_errors,
+        }
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockManager, *, block_size: int, max_num_seqs: int,
-                 max_num_tokens: int, max_model_len: int):
+    def __init__(
+        self,
+        allocator: BlockManager,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_model_len: int,
+    ):
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -67,17 +79,21 @@ class Scheduler:
             raise ValueError(f"request {req.req_id}: empty prompt")
         total = len(req.prompt) + req.max_new_tokens
         if total > self.max_model_len:
-            raise ValueError(f"request {req.req_id}: prompt ({len(req.prompt)}) + "
-                             f"max_new_tokens ({req.max_new_tokens}) = {total} exceeds "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"request {req.req_id}: prompt ({len(req.prompt)}) + "
+                f"max_new_tokens ({req.max_new_tokens}) = {total} exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
         # The last sampled token is never fed back, so total - 1 tokens hold K/V.
         need = -(-(total - 1) // self.block_size)
         usable = self.allocator.num_blocks - 1
         if need > usable:
-            raise ValueError(f"request {req.req_id}: prompt ({len(req.prompt)}) + "
-                             f"max_new_tokens ({req.max_new_tokens}) needs {need} KV blocks "
-                             f"of {self.block_size} tokens, the whole cache holds {usable}; "
-                             f"shorten it or raise the KV cache memory budget")
+            raise ValueError(
+                f"request {req.req_id}: prompt ({len(req.prompt)}) + "
+                f"max_new_tokens ({req.max_new_tokens}) needs {need} KV blocks "
+                f"of {self.block_size} tokens, the whole cache holds {usable}; "
+                f"shorten it or raise the KV cache memory budget"
+            )
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -126,9 +142,9 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed, budget)
             need = self._blocks_needed(req, req.num_computed + n)
             while need > self.allocator.num_free and self.running[-1] is not req:
-                self._preempt(self.running.pop())   # the newest running request
+                self._preempt(self.running.pop())  # the newest running request
                 preempted = True
-            if need > self.allocator.num_free:      # it is the newest itself
+            if need > self.allocator.num_free:  # it is the newest itself
                 self._preempt(self.running.pop())
                 preempted = True
                 break
@@ -137,8 +153,9 @@ class Scheduler:
             budget -= n
             i += 1
         # No admissions in a step that preempted: the preempted requests go first, later.
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
             req = self.waiting[0]
             hits = self._prefix_hits(req)
             start = len(hits) * self.block_size
@@ -146,9 +163,9 @@ class Scheduler:
             need = -(-(start + n) // self.block_size) - len(hits)
             evictable_hits = sum(self.allocator.ref_count(b) == 0 for b in hits)
             if need > self.allocator.num_free - evictable_hits:
-                break   # admission control: wait until its next chunk's blocks are free
+                break  # admission control: wait until its next chunk's blocks are free
             self.waiting.popleft()
-            self.running.append(req)    # first: recover() finds it whatever raises next
+            self.running.append(req)  # first: recover() finds it whatever raises next
             if self.prefix_caching:
                 self.allocator.take(hits)
                 self.allocator.stats.queried_tokens += req.num_tokens
@@ -170,8 +187,7 @@ class Scheduler:
         n_full = len(tokens) // self.block_size
         if len(req.block_hashes) < n_full:
             parent = req.block_hashes[-1] if req.block_hashes else NO_PARENT
-            req.block_hashes += chain_hashes(tokens, self.block_size,
-                                             len(req.block_hashes), parent)
+            req.block_hashes += chain_hashes(tokens, self.block_size, len(req.block_hashes), parent)
         usable = (len(tokens) - 1) // self.block_size
         return self.allocator.lookup(req.block_hashes[:usable])
 
@@ -199,8 +215,9 @@ class Scheduler:
         tokens = req.all_tokens()
         if len(req.block_hashes) < full:
             parent = req.block_hashes[-1] if req.block_hashes else NO_PARENT
-            req.block_hashes += chain_hashes(tokens[:full * self.block_size], self.block_size,
-                                             len(req.block_hashes), parent)
+            req.block_hashes += chain_hashes(
+                tokens[: full * self.block_size], self.block_size, len(req.block_hashes), parent
+            )
         for b in range(req.num_cached_blocks, full):
             self.allocator.register(req.block_ids[b], req.block_hashes[b])
         req.num_cached_blocks = full

@@ -1,4 +1,5 @@
 """The model folder's tokenizer (transformers' ``AutoTokenizer``), when it ships one."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,9 @@ def load_tokenizer(model_dir: str | Path) -> Optional[Any]:
     try:
         return AutoTokenizer.from_pretrained(str(d))
     except Exception as e:  # noqa: BLE001 - any loader failure is reported with the folder
-        raise ValueError(f"{d}: has tokenizer files but AutoTokenizer could not load them: "
-                         f"{e}") from e
+        raise ValueError(
+            f"{d}: has tokenizer files but AutoTokenizer could not load them: {e}"
+        ) from e
 
 
 def encode_prompt(tokenizer: Any, text: str, *, chat_template: bool = False) -> list[int]:
@@ -27,8 +29,9 @@ def encode_prompt(tokenizer: Any, text: str, *, chat_template: bool = False) -> 
     if chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat_template=True: the model's tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

@@ -33,4 +33,5 @@ Arithmetic (rounding, clamping, minimum dynamic scale): :mod:`passes.ops.quant_u
 Plain-torch implementations ``<op>_torch`` live next to each op (CPU path and test oracle);
 Triton kernels live in :mod:`passes.ops.triton` (GPU path).
 """
+
 from passes.ops import activation, activation_quant, norm, rope, scaled_mm  # noqa: F401  (registers)

@@ -2,11 +2,11 @@
 
 ``x [..., 2I] -> silu(x[..., :I]) * x[..., I:]`` in fp32, written once into ``out [..., I]``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -23,8 +23,9 @@ def _silu_mul(x: Tensor) -> Tensor:
 
 def _gated_shape(name: str, x: Tensor) -> tuple[int, ...]:
     if x.shape[-1] % 2:
-        raise ValueError(f"{name}: x's last dimension must be even (gate and up halves), got "
-                         f"{x.shape[-1]}")
+        raise ValueError(
+            f"{name}: x's last dimension must be even (gate and up halves), got {x.shape[-1]}"
+        )
     return (*x.shape[:-1], x.shape[-1] // 2)
 
 
@@ -53,27 +54,42 @@ def _cuda(name: str) -> Optional[str]:
 def _silu_and_mul_fake(out, x) -> None:
     shape = _gated_shape("piecewise::silu_and_mul", x)
     if tuple(out.shape) != shape:
-        raise ValueError(f"piecewise::silu_and_mul: out has shape {tuple(out.shape)}, "
-                         f"expected {shape}")
+        raise ValueError(
+            f"piecewise::silu_and_mul: out has shape {tuple(out.shape)}, expected {shape}"
+        )
 
 
 def _silu_and_mul_static_quant_fake(out, x, scale) -> None:
-    check_out("piecewise::silu_and_mul_static_quant", out,
-              _gated_shape("piecewise::silu_and_mul_static_quant", x))
+    check_out(
+        "piecewise::silu_and_mul_static_quant",
+        out,
+        _gated_shape("piecewise::silu_and_mul_static_quant", x),
+    )
 
 
 def _silu_and_mul_dynamic_quant_fake(out, x, scales) -> None:
-    check_out("piecewise::silu_and_mul_dynamic_quant", out,
-              _gated_shape("piecewise::silu_and_mul_dynamic_quant", x))
+    check_out(
+        "piecewise::silu_and_mul_dynamic_quant",
+        out,
+        _gated_shape("piecewise::silu_and_mul_dynamic_quant", x),
+    )
 
 
-silu_and_mul = define_op("piecewise::silu_and_mul", mutates_args=("out",),
-                         fake=_silu_and_mul_fake, cuda=_cuda("silu_and_mul"))(silu_and_mul_torch)
+silu_and_mul = define_op(
+    "piecewise::silu_and_mul",
+    mutates_args=("out",),
+    fake=_silu_and_mul_fake,
+    cuda=_cuda("silu_and_mul"),
+)(silu_and_mul_torch)
 silu_and_mul_static_quant = define_op(
-    "piecewise::silu_and_mul_static_quant", mutates_args=("out",),
-    fake=_silu_and_mul_static_quant_fake, cuda=_cuda("silu_and_mul_static_quant"))(
-    silu_and_mul_static_quant_torch)
+    "piecewise::silu_and_mul_static_quant",
+    mutates_args=("out",),
+    fake=_silu_and_mul_static_quant_fake,
+    cuda=_cuda("silu_and_mul_static_quant"),
+)(silu_and_mul_static_quant_torch)
 silu_and_mul_dynamic_quant = define_op(
-    "piecewise::silu_and_mul_dynamic_quant", mutates_args=("out", "scales"),
-    fake=_silu_and_mul_dynamic_quant_fake, cuda=_cuda("silu_and_mul_dynamic_quant"))(
-    silu_and_mul_dynamic_quant_torch)
+    "piecewise::silu_and_mul_dynamic_quant",
+    mutates_args=("out", "scales"),
+    fake=_silu_and_mul_dynamic_quant_fake,
+    cuda=_cuda("silu_and_mul_dynamic_quant"),
+)(silu_and_mul_dynamic_quant_torch)

@@ -3,14 +3,21 @@
 These are the ops a quantized linear emits before its scaled matmul; the fusion passes fold
 them into a preceding RMSNorm or SiLU-and-mul.  Arithmetic: :mod:`passes.ops.quant_utils`.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from framework.core.ops import define_op, if_installed
-from passes.ops.quant_utils import (INT8_MAX, INT8_MIN, MIN_DYNAMIC_SCALE, check_out, quant_max,
-                                    quantize)
+from passes.ops.quant_utils import (
+    INT8_MAX,
+    INT8_MIN,
+    MIN_DYNAMIC_SCALE,
+    check_out,
+    quant_max,
+    quantize,
+)
 
 _TRITON = "passes.ops.triton.activation"  # shares the row kernel with silu_and_mul
 
@@ -44,10 +51,14 @@ def _dynamic_per_token_quant_fake(out, x, scales) -> None:
 
 
 static_scaled_quant = define_op(
-    "piecewise::static_scaled_quant", mutates_args=("out",), fake=_static_scaled_quant_fake,
-    cuda=if_installed("triton", f"{_TRITON}:static_scaled_quant"))(static_scaled_quant_torch)
+    "piecewise::static_scaled_quant",
+    mutates_args=("out",),
+    fake=_static_scaled_quant_fake,
+    cuda=if_installed("triton", f"{_TRITON}:static_scaled_quant"),
+)(static_scaled_quant_torch)
 dynamic_per_token_quant = define_op(
-    "piecewise::dynamic_per_token_quant", mutates_args=("out", "scales"),
+    "piecewise::dynamic_per_token_quant",
+    mutates_args=("out", "scales"),
     fake=_dynamic_per_token_quant_fake,
-    cuda=if_installed("triton", f"{_TRITON}:dynamic_per_token_quant"))(
-    dynamic_per_token_quant_torch)
+    cuda=if_installed("triton", f"{_TRITON}:dynamic_per_token_quant"),
+)(dynamic_per_token_quant_torch)

@@ -7,6 +7,7 @@ exactly as the unfused model computes ``x + residual``, and the *rounded* sum is
 
 All ops write into arguments listed in ``mutates_args`` and return ``None``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -28,11 +29,14 @@ def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def _check_hidden(name: str, x: Tensor, weight: Tensor) -> None:
     if weight.shape != (x.shape[-1],):
-        raise ValueError(f"{name}: weight has shape {tuple(weight.shape)}, expected "
-                         f"({x.shape[-1]},) = x's hidden size")
+        raise ValueError(
+            f"{name}: weight has shape {tuple(weight.shape)}, expected "
+            f"({x.shape[-1]},) = x's hidden size"
+        )
 
 
 # --- plain-torch implementations (CPU path and oracle) --------------------------------------
+
 
 def rms_norm_torch(out: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
     """``out = rms_norm(x) * weight`` (``out`` has x's shape, any float dtype)."""
@@ -45,22 +49,25 @@ def fused_add_rms_norm_torch(x: Tensor, residual: Tensor, weight: Tensor, eps: f
     x.copy_(_rms(residual, weight, eps))
 
 
-def rms_norm_static_quant_torch(out: Tensor, x: Tensor, weight: Tensor, scale: Tensor,
-                                eps: float) -> None:
+def rms_norm_static_quant_torch(
+    out: Tensor, x: Tensor, weight: Tensor, scale: Tensor, eps: float
+) -> None:
     """``out = quant(rms_norm(x) * weight / scale)``; out int8 or float8_e4m3fn, scale [1]."""
     out.copy_(quantize(_rms(x, weight, eps), scale, out.dtype))
 
 
-def fused_add_rms_norm_static_quant_torch(out: Tensor, x: Tensor, residual: Tensor,
-                                          weight: Tensor, scale: Tensor, eps: float) -> None:
+def fused_add_rms_norm_static_quant_torch(
+    out: Tensor, x: Tensor, residual: Tensor, weight: Tensor, scale: Tensor, eps: float
+) -> None:
     """``residual <- x + residual`` (in place); ``out = quant(rms_norm(residual)*weight/scale)``;
     ``x`` is left unchanged."""
     residual.add_(x)
     out.copy_(quantize(_rms(residual, weight, eps), scale, out.dtype))
 
 
-def rms_norm_dynamic_quant_torch(out: Tensor, x: Tensor, weight: Tensor, scales: Tensor,
-                                 eps: float, residual: Optional[Tensor]) -> None:
+def rms_norm_dynamic_quant_torch(
+    out: Tensor, x: Tensor, weight: Tensor, scales: Tensor, eps: float, residual: Optional[Tensor]
+) -> None:
     """Dynamic per-token quant of ``rms_norm(h) * weight`` into ``out``, its fp32 scales
     ``[T, 1]`` into ``scales``; ``h = x``, or with ``residual`` given ``residual <- x +
     residual`` first (in place) and ``h = residual``."""
@@ -74,6 +81,7 @@ def rms_norm_dynamic_quant_torch(out: Tensor, x: Tensor, weight: Tensor, scales:
 
 
 # --- the custom ops ---------------------------------------------------------------------------
+
 
 def _cuda(name: str) -> Optional[str]:
     return if_installed("triton", f"{_TRITON}:{name}")
@@ -102,20 +110,30 @@ def _rms_norm_dynamic_quant_fake(out, x, weight, scales, eps, residual) -> None:
     check_out("piecewise::rms_norm_dynamic_quant", out, x.shape)
 
 
-rms_norm = define_op("piecewise::rms_norm", mutates_args=("out",), fake=_rms_norm_fake,
-                     cuda=_cuda("rms_norm"))(rms_norm_torch)
+rms_norm = define_op(
+    "piecewise::rms_norm", mutates_args=("out",), fake=_rms_norm_fake, cuda=_cuda("rms_norm")
+)(rms_norm_torch)
 fused_add_rms_norm = define_op(
-    "piecewise::fused_add_rms_norm", mutates_args=("x", "residual"),
-    fake=_fused_add_rms_norm_fake, cuda=_cuda("fused_add_rms_norm"))(fused_add_rms_norm_torch)
+    "piecewise::fused_add_rms_norm",
+    mutates_args=("x", "residual"),
+    fake=_fused_add_rms_norm_fake,
+    cuda=_cuda("fused_add_rms_norm"),
+)(fused_add_rms_norm_torch)
 rms_norm_static_quant = define_op(
-    "piecewise::rms_norm_static_quant", mutates_args=("out",),
-    fake=_rms_norm_static_quant_fake, cuda=_cuda("rms_norm_static_quant"))(
-    rms_norm_static_quant_torch)
+    "piecewise::rms_norm_static_quant",
+    mutates_args=("out",),
+    fake=_rms_norm_static_quant_fake,
+    cuda=_cuda("rms_norm_static_quant"),
+)(rms_norm_static_quant_torch)
 fused_add_rms_norm_static_quant = define_op(
-    "piecewise::fused_add_rms_norm_static_quant", mutates_args=("out", "residual"),
+    "piecewise::fused_add_rms_norm_static_quant",
+    mutates_args=("out", "residual"),
     fake=_fused_add_rms_norm_static_quant_fake,
-    cuda=_cuda("fused_add_rms_norm_static_quant"))(fused_add_rms_norm_static_quant_torch)
+    cuda=_cuda("fused_add_rms_norm_static_quant"),
+)(fused_add_rms_norm_static_quant_torch)
 rms_norm_dynamic_quant = define_op(
-    "piecewise::rms_norm_dynamic_quant", mutates_args=("out", "scales", "residual"),
-    fake=_rms_norm_dynamic_quant_fake, cuda=_cuda("rms_norm_dynamic_quant"))(
-    rms_norm_dynamic_quant_torch)
+    "piecewise::rms_norm_dynamic_quant",
+    mutates_args=("out", "scales", "residual"),
+    fake=_rms_norm_dynamic_quant_fake,
+    cuda=_cuda("rms_norm_dynamic_quant"),
+)(rms_norm_dynamic_quant_torch)

@@ -9,6 +9,7 @@ Conventions, identical in the Triton kernels:
   all-zero rows finite (they quantize to 0).
 * scales are fp32; static scales are 1-element tensors, per-token scales ``[..., 1]``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ def quant_max(dtype: torch.dtype) -> float:
         return float(INT8_MAX)
     if dtype == torch.float8_e4m3fn:
         return FP8_E4M3_MAX
-    raise ValueError(f"quantized output dtype must be torch.int8 or torch.float8_e4m3fn, "
-                     f"got {dtype}")
+    raise ValueError(
+        f"quantized output dtype must be torch.int8 or torch.float8_e4m3fn, got {dtype}"
+    )
 
 
 def check_out(name: str, out: torch.Tensor, shape: torch.Size | tuple) -> None:

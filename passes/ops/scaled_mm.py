@@ -26,6 +26,7 @@ uses ``_weight_int8pack_mm`` for small M and dequant + ``F.linear`` above
 K % 32 != 0 or N % 16 != 0 (torch 2.13 CPU), so those shapes always dequantize.  fp8 is a GPU
 path: the CPU version upcasts to fp32 and exists for tests only.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -42,8 +43,9 @@ WEIGHT_ONLY_PACKED_MAX_M = 16
 """Largest token count for which the weight-only op uses ``_weight_int8pack_mm`` on CPU."""
 
 
-def _epilogue(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Optional[Tensor],
-              out_dtype: torch.dtype) -> Tensor:
+def _epilogue(
+    acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype
+) -> Tensor:
     # int32 * fp32 promotes to fp32 in one kernel (no separate int->float pass)
     y = torch.mul(acc, x_scale).mul_(w_scale.reshape(1, -1) if w_scale.numel() > 1 else w_scale)
     if bias is not None:
@@ -51,8 +53,14 @@ def _epilogue(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Optional[Tens
     return y.to(out_dtype)
 
 
-def int8_scaled_mm_torch(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
-                         bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+def int8_scaled_mm_torch(
+    x_q: Tensor,
+    x_scale: Tensor,
+    w_q: Tensor,
+    w_scale: Tensor,
+    bias: Optional[Tensor],
+    out_dtype: torch.dtype,
+) -> Tensor:
     """``(x_q @ w_q) * x_scale * w_scale + bias`` for int8 ``x_q [T,K]``, ``w_q [K,N]``."""
     if x_q.device.type == "cpu":
         acc = torch._int_mm(x_q, w_q)
@@ -61,8 +69,14 @@ def int8_scaled_mm_torch(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Ten
     return _epilogue(acc, x_scale, w_scale, bias, out_dtype)
 
 
-def fp8_scaled_mm_torch(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
-                        bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+def fp8_scaled_mm_torch(
+    x_q: Tensor,
+    x_scale: Tensor,
+    w_q: Tensor,
+    w_scale: Tensor,
+    bias: Optional[Tensor],
+    out_dtype: torch.dtype,
+) -> Tensor:
     """``(x_q @ w_q) * x_scale * w_scale + bias`` for float8_e4m3fn ``x_q [T,K]``,
     ``w_q [K,N]``."""
     return _epilogue(x_q.float() @ w_q.float(), x_scale, w_scale, bias, out_dtype)
@@ -70,34 +84,53 @@ def fp8_scaled_mm_torch(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tens
 
 def _packed_ok(x: Tensor, w_q: Tensor) -> bool:
     n, k = w_q.shape
-    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= WEIGHT_ONLY_PACKED_MAX_M
-            and k % 32 == 0 and n % 16 == 0 and w_q.is_contiguous())
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[0] <= WEIGHT_ONLY_PACKED_MAX_M
+        and k % 32 == 0
+        and n % 16 == 0
+        and w_q.is_contiguous()
+    )
 
 
-def int8_weight_only_mm_torch(x: Tensor, w_q: Tensor, w_scale: Tensor,
-                              bias: Optional[Tensor]) -> Tensor:
+def int8_weight_only_mm_torch(
+    x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Optional[Tensor]
+) -> Tensor:
     """``x @ (w_q * w_scale[:, None])^T + bias`` for int8 ``w_q [N, K]``; result in x's dtype."""
     if _packed_ok(x, w_q):
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w_q, w_scale.to(x.dtype))
         return y if bias is None else y + bias
-    w = (w_q.to(x.dtype) * w_scale.to(x.dtype).unsqueeze(-1))
+    w = w_q.to(x.dtype) * w_scale.to(x.dtype).unsqueeze(-1)
     return F.linear(x, w, bias)
 
 
-def _check_mm(name: str, x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
-              bias: Optional[Tensor], qdtype: torch.dtype) -> None:
+def _check_mm(
+    name: str,
+    x_q: Tensor,
+    x_scale: Tensor,
+    w_q: Tensor,
+    w_scale: Tensor,
+    bias: Optional[Tensor],
+    qdtype: torch.dtype,
+) -> None:
     if x_q.dtype != qdtype or w_q.dtype != qdtype:
         raise ValueError(f"{name}: x_q and w_q must be {qdtype}, got {x_q.dtype} and {w_q.dtype}")
     if x_q.dim() != 2 or w_q.dim() != 2 or x_q.shape[1] != w_q.shape[0]:
-        raise ValueError(f"{name}: expected x_q [T, K] and w_q [K, N], got {tuple(x_q.shape)} "
-                         f"and {tuple(w_q.shape)}")
+        raise ValueError(
+            f"{name}: expected x_q [T, K] and w_q [K, N], got {tuple(x_q.shape)} "
+            f"and {tuple(w_q.shape)}"
+        )
     n = w_q.shape[1]
     if x_scale.numel() != 1 and tuple(x_scale.shape) != (x_q.shape[0], 1):
-        raise ValueError(f"{name}: x_scale must be [1] or [T, 1] = [{x_q.shape[0]}, 1], got "
-                         f"{tuple(x_scale.shape)}")
+        raise ValueError(
+            f"{name}: x_scale must be [1] or [T, 1] = [{x_q.shape[0]}, 1], got "
+            f"{tuple(x_scale.shape)}"
+        )
     if w_scale.numel() != 1 and w_scale.numel() != n:
-        raise ValueError(f"{name}: w_scale must be [1] or [1, N] = [1, {n}], got "
-                         f"{tuple(w_scale.shape)}")
+        raise ValueError(
+            f"{name}: w_scale must be [1] or [1, N] = [1, {n}], got {tuple(w_scale.shape)}"
+        )
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"{name}: bias must be [N] = [{n}], got {tuple(bias.shape)}")
 
@@ -115,11 +148,14 @@ def _fp8_scaled_mm_fake(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
 def _int8_weight_only_mm_fake(x, w_q, w_scale, bias) -> Tensor:
     name = "piecewise::int8_weight_only_mm"
     if w_q.dtype != torch.int8 or w_q.dim() != 2 or x.shape[-1] != w_q.shape[1]:
-        raise ValueError(f"{name}: expected int8 w_q [N, K] with K = x.shape[-1] = "
-                         f"{x.shape[-1]}, got {w_q.dtype} {tuple(w_q.shape)}")
+        raise ValueError(
+            f"{name}: expected int8 w_q [N, K] with K = x.shape[-1] = "
+            f"{x.shape[-1]}, got {w_q.dtype} {tuple(w_q.shape)}"
+        )
     if w_scale.numel() != w_q.shape[0]:
-        raise ValueError(f"{name}: w_scale must have N = {w_q.shape[0]} elements, got "
-                         f"{tuple(w_scale.shape)}")
+        raise ValueError(
+            f"{name}: w_scale must have N = {w_q.shape[0]} elements, got {tuple(w_scale.shape)}"
+        )
     return x.new_empty((*x.shape[:-1], w_q.shape[0]))
 
 
@@ -127,9 +163,14 @@ def _cuda(name: str) -> Optional[str]:
     return if_installed("triton", f"{_TRITON}:{name}")
 
 
-int8_scaled_mm = define_op("piecewise::int8_scaled_mm", fake=_int8_scaled_mm_fake,
-                           cuda=_cuda("int8_scaled_mm"))(int8_scaled_mm_torch)
-fp8_scaled_mm = define_op("piecewise::fp8_scaled_mm", fake=_fp8_scaled_mm_fake,
-                          cuda=_cuda("fp8_scaled_mm"))(fp8_scaled_mm_torch)
-int8_weight_only_mm = define_op("piecewise::int8_weight_only_mm", fake=_int8_weight_only_mm_fake,
-                                cuda=_cuda("int8_weight_only_mm"))(int8_weight_only_mm_torch)
+int8_scaled_mm = define_op(
+    "piecewise::int8_scaled_mm", fake=_int8_scaled_mm_fake, cuda=_cuda("int8_scaled_mm")
+)(int8_scaled_mm_torch)
+fp8_scaled_mm = define_op(
+    "piecewise::fp8_scaled_mm", fake=_fp8_scaled_mm_fake, cuda=_cuda("fp8_scaled_mm")
+)(fp8_scaled_mm_torch)
+int8_weight_only_mm = define_op(
+    "piecewise::int8_weight_only_mm",
+    fake=_int8_weight_only_mm_fake,
+    cuda=_cuda("int8_weight_only_mm"),
+)(int8_weight_only_mm_torch)

@@ -1,4 +1,5 @@
 """Split, per-range dispatch and the compiled-program skeleton of the piecewise backend."""
+
 import pytest
 import torch
 
@@ -15,8 +16,12 @@ def _eager_llm(path, **cc):
 def test_compile_ranges_from_endpoints_and_sizes():
     assert compile_ranges([], [], 16) == [CompileRange(1, 16)]
     assert compile_ranges([4, 8], [2, 8], 16) == [
-        CompileRange(1, 4), CompileRange(5, 8), CompileRange(9, 16),
-        CompileRange(2, 2), CompileRange(8, 8)]
+        CompileRange(1, 4),
+        CompileRange(5, 8),
+        CompileRange(9, 16),
+        CompileRange(2, 2),
+        CompileRange(8, 8),
+    ]
     # endpoints at or above max_num_tokens collapse into the last range
     assert compile_ranges([16, 32], [], 16) == [CompileRange(1, 16)]
 
@@ -30,14 +35,21 @@ def test_dispatch_prefers_exact_size_then_containing_range(max_tokens):
         def run(x):
             calls.append(rng)
             return x
+
         return run
 
-    rt = PiecewiseRuntime("p", [RangeEntry(r, runnable(r), "compiled") for r in ranges],
-                          max_tokens, size_from=(0, 0))
+    rt = PiecewiseRuntime(
+        "p", [RangeEntry(r, runnable(r), "compiled") for r in ranges], max_tokens, size_from=(0, 0)
+    )
     for n in range(1, max_tokens + 1):
         rt(torch.zeros(n, 2))
-        expected = (CompileRange(n, n) if n in (1, 3, 8)
-                    else CompileRange(1, 4) if n <= 4 else CompileRange(5, max_tokens))
+        expected = (
+            CompileRange(n, n)
+            if n in (1, 3, 8)
+            else CompileRange(1, 4)
+            if n <= 4
+            else CompileRange(5, max_tokens)
+        )
         assert calls[-1] == expected, n
         assert rt.entry_for(n).compile_range == expected
     with pytest.raises(ValueError, match="outside 1..%d" % max_tokens):
@@ -46,8 +58,9 @@ def test_dispatch_prefers_exact_size_then_containing_range(max_tokens):
 
 def test_runtime_rejects_ranges_that_leave_gaps():
     with pytest.raises(ValueError, match="no compiled entry covers"):
-        PiecewiseRuntime("p", [RangeEntry(CompileRange(1, 4), lambda x: x, "compiled")], 8,
-                         size_from=(0, 0))
+        PiecewiseRuntime(
+            "p", [RangeEntry(CompileRange(1, 4), lambda x: x, "compiled")], 8, size_from=(0, 0)
+        )
 
 
 def test_piece_count_is_layers_plus_one(llama_checkpoint):

@@ -11,6 +11,7 @@ slow"``) never runs them.  The model under benchmark comes from environment vari
     PIECEWISE_BENCH_CACHE_DIR artifact cache dir      (default: the framework's; warm after
                                                        the first run)
 """
+
 from __future__ import annotations
 
 import os
@@ -38,11 +39,13 @@ class BenchSettings:
 @pytest.fixture(scope="session")
 def bench_settings() -> BenchSettings:
     threads = os.environ.get("PIECEWISE_BENCH_THREADS")
-    s = BenchSettings(preset=os.environ.get("PIECEWISE_BENCH_PRESET", "default"),
-                      dtype=os.environ.get("PIECEWISE_BENCH_DTYPE", "bfloat16"),
-                      level=int(os.environ.get("PIECEWISE_BENCH_LEVEL", "2")),
-                      threads=int(threads) if threads else None,
-                      cache_dir=os.environ.get("PIECEWISE_BENCH_CACHE_DIR"))
+    s = BenchSettings(
+        preset=os.environ.get("PIECEWISE_BENCH_PRESET", "default"),
+        dtype=os.environ.get("PIECEWISE_BENCH_DTYPE", "bfloat16"),
+        level=int(os.environ.get("PIECEWISE_BENCH_LEVEL", "2")),
+        threads=int(threads) if threads else None,
+        cache_dir=os.environ.get("PIECEWISE_BENCH_CACHE_DIR"),
+    )
     if s.threads:
         torch.set_num_threads(s.threads)
     return s
@@ -56,10 +59,14 @@ def bench_llm(bench_settings):
     from models.tiny import ensure_tiny_model
 
     path = ensure_tiny_model(preset=bench_settings.preset)
-    return LLM(str(path), dtype=bench_settings.dtype, max_num_seqs=8, max_model_len=512,
-               cache_dir=bench_settings.cache_dir,
-               compilation_config=CompilationConfig(level=bench_settings.level,
-                                                    progress_bar=False))
+    return LLM(
+        str(path),
+        dtype=bench_settings.dtype,
+        max_num_seqs=8,
+        max_model_len=512,
+        cache_dir=bench_settings.cache_dir,
+        compilation_config=CompilationConfig(level=bench_settings.level, progress_bar=False),
+    )
 
 
 class StepHarness:

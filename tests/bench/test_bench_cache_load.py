@@ -5,6 +5,7 @@ Inductor's in-process caches are cleared before every round so a round does not 
 previous round's loaded module; a fresh process additionally pays its first ``dlopen``s, so
 the warm-start number of ``experiments.bench_vs_hf`` is the end-to-end check.
 """
+
 from __future__ import annotations
 
 from collections import Counter

@@ -7,6 +7,7 @@
   dispatch per piece of a Llama-style split (layers + 1 pieces) -- issue 6 wants <= 50 us;
 * ``ModelRunner.build_context`` for a decode batch (input staging + attention metadata).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,7 @@ from framework.engine.scheduler import Request, ScheduledChunk
 pytestmark = [pytest.mark.bench, pytest.mark.slow]
 
 MAX_TOKENS = 512
-NUM_LAYERS = 8          # the default tiny model: 8 layers -> 9 compiled pieces
+NUM_LAYERS = 8  # the default tiny model: 8 layers -> 9 compiled pieces
 HIDDEN = 512
 OVERHEAD_BUDGET_US = 50.0
 
@@ -51,8 +52,9 @@ def test_forward_context_enter_exit(benchmark):
     benchmark(enter_exit)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 100], ids=["exact-size", "range-small",
-                                                         "range-large"])
+@pytest.mark.parametrize(
+    "num_tokens", [1, 3, 100], ids=["exact-size", "range-small", "range-large"]
+)
 def test_piece_dispatch(benchmark, num_tokens):
     rt = _runtime()
     x = torch.zeros(num_tokens, HIDDEN)
@@ -87,8 +89,11 @@ def _split_program(num_pieces: int):
 
 def _step_path(num_pieces: int, num_tokens: int):
     traced = TraceOnce(_TwoInputs(), backend=None)
-    binding = ArgBinding(specs=(("arg", 0), ("arg", 1), ("state", "weight")), single_output=True,
-                         arg_meta=((0, "torch.int64", 1), (1, "torch.int64", 1)))
+    binding = ArgBinding(
+        specs=(("arg", 0), ("arg", 1), ("state", "weight")),
+        single_output=True,
+        arg_meta=((0, "torch.int64", 1), (1, "torch.int64", 1)),
+    )
     traced.install(_split_program(num_pieces), binding)
     ids = torch.zeros(num_tokens, dtype=torch.int64)
     pos = torch.zeros(num_tokens, dtype=torch.int64)
@@ -111,20 +116,32 @@ def test_per_step_overhead(benchmark, num_tokens):
     # load on a shared machine.
     best_us = benchmark.stats.stats.min * 1e6
     assert best_us <= OVERHEAD_BUDGET_US, (
-        f"per-step framework overhead {best_us:.1f} us exceeds {OVERHEAD_BUDGET_US} us")
+        f"per-step framework overhead {best_us:.1f} us exceeds {OVERHEAD_BUDGET_US} us"
+    )
 
 
 def _decode_runner(batch: int, context_len: int = 64, block_size: int = 16):
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    runner = ModelRunner(torch.nn.Identity(), _identity,
-                         kv_caches={n: torch.empty(0) for n in layers}, block_size=block_size,
-                         max_num_seqs=8, max_num_tokens=MAX_TOKENS, max_model_len=512)
+    runner = ModelRunner(
+        torch.nn.Identity(),
+        _identity,
+        kv_caches={n: torch.empty(0) for n in layers},
+        block_size=block_size,
+        max_num_seqs=8,
+        max_num_tokens=MAX_TOKENS,
+        max_model_len=512,
+    )
     blocks_per_req = -(-(context_len + 1) // block_size)
     chunks = []
     for i in range(batch):
-        req = Request(i, list(range(1, context_len + 1)), max_new_tokens=2, output=[7],
-                      block_ids=list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)),
-                      num_computed=context_len)
+        req = Request(
+            i,
+            list(range(1, context_len + 1)),
+            max_new_tokens=2,
+            output=[7],
+            block_ids=list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)),
+            num_computed=context_len,
+        )
         chunks.append(ScheduledChunk(req, context_len, 1))
     return runner, chunks
 
@@ -135,11 +152,12 @@ def test_build_context_decode(benchmark, batch):
 
     def build():
         out = runner.build_context(chunks)
-        runner.trace.pop()          # keep the recorded trace from growing over millions of calls
+        runner.trace.pop()  # keep the recorded trace from growing over millions of calls
         return out
 
     ctx, n, n_pad = benchmark(build)
     assert n == n_pad == batch
     assert runner.slot_mapping[:batch].tolist() == [
-        c.req.block_ids[64 // 16] * 16 + 64 % 16 for c in chunks]
+        c.req.block_ids[64 // 16] * 16 + 64 % 16 for c in chunks
+    ]
     assert ctx.batch_descriptor.num_tokens == batch

@@ -1,5 +1,6 @@
 """Decode and prefill step latency of the benchmarked LLM (one ``runner.execute`` per call:
 input staging, forward, logits, argmax, tokens to the host)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,13 @@ WARMUP_ROUNDS = 3
 
 
 def _describe(benchmark, llm, **extra) -> None:
-    benchmark.extra_info.update(level=llm.config.level, dtype=str(llm.dtype),
-                                num_layers=llm.model_config.num_layers,
-                                hidden_size=llm.model_config.hidden_size, **extra)
+    benchmark.extra_info.update(
+        level=llm.config.level,
+        dtype=str(llm.dtype),
+        num_layers=llm.model_config.num_layers,
+        hidden_size=llm.model_config.hidden_size,
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("batch", [1, 8])

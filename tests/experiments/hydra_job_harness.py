@@ -4,6 +4,7 @@ A subprocess per job costs ~5 s of interpreter and torch start-up on this machin
 job's real entry point (``main_entry``) in the test process keeps the smoke tests fast while
 still going through composition, the ``${hydra:...}`` resolver and results.json writing.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """The attention micro-benchmark runs end to end on small shapes and reports both backends."""
+
 import dataclasses
 
 import pytest
@@ -7,9 +8,14 @@ from experiments import bench_attention
 
 
 def test_runs_every_case_round_robin(monkeypatch, capsys):
-    small = tuple(dataclasses.replace(c, ctx_lens=tuple(min(n, 64) for n in c.ctx_lens),
-                                      q_lens=tuple(min(n, 16) for n in c.q_lens))
-                  for c in bench_attention.CASES)
+    small = tuple(
+        dataclasses.replace(
+            c,
+            ctx_lens=tuple(min(n, 64) for n in c.ctx_lens),
+            q_lens=tuple(min(n, 16) for n in c.q_lens),
+        )
+        for c in bench_attention.CASES
+    )
     monkeypatch.setattr(bench_attention, "CASES", small)
     monkeypatch.setattr(bench_attention, "measure_read_bandwidth", lambda: 1e10)
     rows = bench_attention.main(["--rounds", "2", "--round-seconds", "0.002", "--threads", "1"])

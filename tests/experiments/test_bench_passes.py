@@ -1,17 +1,36 @@
 """Smoke test of the pass/quantization side-by-side benchmark on the tiny test model: the
 table has one row per variant with a positive time and a ratio consistent with the times."""
+
 import re
 
 from experiments import bench_passes
 
 
 def test_round_robin_table(monkeypatch, compile_cache_dir, capsys):
-    monkeypatch.setattr(bench_passes, "VARIANTS", {
-        "O2 (bf16)": {}, "O2 + int8_per_channel_weight_only": {
-            "quant": "int8_per_channel_weight_only"}})
-    bench_passes.main(["--preset", "test-llama", "--dtype", "float32", "--rounds", "2",
-                       "--new-tokens", "4", "--prompt-len", "8",
-                       "--cache-dir", compile_cache_dir])
+    monkeypatch.setattr(
+        bench_passes,
+        "VARIANTS",
+        {
+            "O2 (bf16)": {},
+            "O2 + int8_per_channel_weight_only": {"quant": "int8_per_channel_weight_only"},
+        },
+    )
+    bench_passes.main(
+        [
+            "--preset",
+            "test-llama",
+            "--dtype",
+            "float32",
+            "--rounds",
+            "2",
+            "--new-tokens",
+            "4",
+            "--prompt-len",
+            "8",
+            "--cache-dir",
+            compile_cache_dir,
+        ]
+    )
     out = capsys.readouterr().out
     rows = re.findall(r"^\| (.+?) \| ([\d.]+) \| ([\d.]+)x \|$", out, re.M)
     assert [name for name, _, _ in rows] == ["O2 (bf16)", "O2 + int8_per_channel_weight_only"]

@@ -8,8 +8,23 @@ def test_shared_prefix_benchmark_hits_and_keeps_tokens(capsys):
     assert r["same_tokens"]
     assert r["hit_tokens"]["no_caching"] == 0
     assert r["hit_tokens"]["caching_warm"] == 4 * 64
-    assert 0 < r["hit_tokens"]["caching_cold"] < 4 * 64   # the first prompt computes it
+    assert 0 < r["hit_tokens"]["caching_cold"] < 4 * 64  # the first prompt computes it
     assert set(r["prefill_ms"]) == {"no_caching", "caching_cold", "caching_warm"}
-    assert main(["--model", model, "--prompts", "2", "--prefix", "32", "--suffix", "4",
-                 "--repeats", "1"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                model,
+                "--prompts",
+                "2",
+                "--prefix",
+                "32",
+                "--suffix",
+                "4",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "same tokens: yes" in capsys.readouterr().out

@@ -5,19 +5,18 @@ The sweep of each file is expanded the way Hydra's basic sweeper expands it
 (``BasicSweeper.split_arguments``), so a typo in a pass name, a quantization shorthand or a
 size list fails here rather than in job 5 of a cluster sweep.
 """
-from pathlib import Path
 
 import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra_job_harness import CONF_DIR, TINY, compose_job, run_job_in_process
 from omegaconf import OmegaConf
 
+from experiments.run import compilation_config
 from experiments.size_chooser import choose_sizes
 from experiments.trace import read_trace, token_histogram
-from experiments.run import compilation_config
 from framework.core.config import level_passes
 from framework.core.quantization import SHORTHANDS, QuantizationConfig
-from hydra_job_harness import CONF_DIR, TINY, compose_job, run_job_in_process
 from passes.registry import CANONICAL_ORDER, resolve_pass
 
 EXPERIMENT_DIR = CONF_DIR / "experiment"
@@ -47,7 +46,8 @@ def sweep_jobs(name: str) -> list[list[str]]:
 
 def test_every_experiment_file_has_a_smoke_job():
     assert set(EXPERIMENTS) == set(SMOKE_JOBS), (
-        "conf/experiment/ and SMOKE_JOBS differ: give every experiment file a tiny smoke job")
+        "conf/experiment/ and SMOKE_JOBS differ: give every experiment file a tiny smoke job"
+    )
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -96,8 +96,7 @@ def test_ablate_passes_flips_every_registered_pass_once_against_O2():
     assert toggled == sorted([()] + [(p,) for p in CANONICAL_ORDER])
     o2 = set(level_passes(2, "cpu"))  # the jobs run on the CPU here
     for c in cfgs:
-        passes = compilation_config(c).resolve(max_num_tokens=64, has_cuda=False) \
-            .pass_config.passes
+        passes = compilation_config(c).resolve(max_num_tokens=64, has_cuda=False).pass_config.passes
         flipped = set(c.toggle_passes)
         assert set(passes) == o2 ^ flipped, (list(c.toggle_passes), passes)
     # quantized, so the quant fusions have something to match
@@ -106,17 +105,19 @@ def test_ablate_passes_flips_every_registered_pass_once_against_O2():
 
 def test_ablate_quant_covers_none_and_every_shorthand():
     cfgs = _sweep_configs("ablate_quant")
-    assert sorted(map(str, (c.quantization for c in cfgs))) == sorted(
-        ["None", *SHORTHANDS])
+    assert sorted(map(str, (c.quantization for c in cfgs))) == sorted(["None", *SHORTHANDS])
     assert [c.quantization for c in cfgs if c.baseline] == [None]
 
 
 def test_bench_vs_hf_is_the_benchmark_shape():
     cfgs = _sweep_configs("bench_vs_hf")
     assert {(c.compile.level, c.dtype, c.workload.num_prompts) for c in cfgs} == {
-        (lvl, dt, b) for lvl in (0, 1, 2) for dt in ("float32", "bfloat16") for b in (1, 8)}
-    assert {(c.workload.prompt_len_min, c.workload.prompt_len_max,
-             c.workload.max_new_tokens) for c in cfgs} == {(64, 64, 32)}
+        (lvl, dt, b) for lvl in (0, 1, 2) for dt in ("float32", "bfloat16") for b in (1, 8)
+    }
+    assert {
+        (c.workload.prompt_len_min, c.workload.prompt_len_max, c.workload.max_new_tokens)
+        for c in cfgs
+    } == {(64, 64, 32)}
 
 
 def test_sweep_sizes_chosen_sets_are_the_choosers_answer_on_the_committed_trace():
@@ -127,11 +128,13 @@ def test_sweep_sizes_chosen_sets_are_the_choosers_answer_on_the_committed_trace(
     for k in (4, 8):
         assert list(cfg.size_sets[f"chosen_k{k}"]) == choose_sizes(hist, k), (
             f"size_sets.chosen_k{k} is stale: rerun experiments.size_chooser on the trace "
-            f"(commands in conf/experiment/sweep_sizes.yaml)")
+            f"(commands in conf/experiment/sweep_sizes.yaml)"
+        )
     cfgs = _sweep_configs("sweep_sizes")
     pairs = {(c.size_set, c.compile_size_set) for c in cfgs}
-    assert pairs == {(s, c) for s in ("default", "pow2", "chosen_k4", "chosen_k8")
-                     for c in ("none", "chosen_k4")}
+    assert pairs == {
+        (s, c) for s in ("default", "pow2", "chosen_k4", "chosen_k8") for c in ("none", "chosen_k4")
+    }
     chosen = next(c for c in cfgs if c.size_set == "chosen_k8" and c.compile_size_set == "none")
     assert list(chosen.compile.cudagraph_capture_sizes) == cfg.size_sets.chosen_k8
     assert list(chosen.compile.compile_sizes) == []
@@ -139,15 +142,14 @@ def test_sweep_sizes_chosen_sets_are_the_choosers_answer_on_the_committed_trace(
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_one_tiny_job_runs(name, tmp_path):
-    results = run_job_in_process([f"experiment={name}", *TINY, *SMOKE_JOBS[name]],
-                                 tmp_path / name)
+    results = run_job_in_process([f"experiment={name}", *TINY, *SMOKE_JOBS[name]], tmp_path / name)
     assert results["experiment"] == name
     assert results["baseline"] is False
     assert results["latency_ms"]["decode"]["median"] > 0
     assert results["tokens_per_s"] > 0
-    if name in ("ablate_levels", "sweep_sizes", "bench_vs_hf"):   # fp32, unquantized
+    if name in ("ablate_levels", "sweep_sizes", "bench_vs_hf"):  # fp32, unquantized
         assert results["agreement"]["token_agreement"] == 1.0
-    else:   # quantized or fused: may differ from the baseline, never everywhere
+    else:  # quantized or fused: may differ from the baseline, never everywhere
         assert 0.5 <= results["agreement"]["token_agreement"] <= 1.0
     # the per-job artifact cache lives in the job folder
     assert results["config"]["cache_dir"] == str(tmp_path / name / "compile_cache")
@@ -164,12 +166,15 @@ def test_one_tiny_job_runs(name, tmp_path):
 def test_committed_sweep_sizes_trace_is_the_trace_of_its_workload(tmp_path):
     """The scheduler still produces the committed trace for sweep_sizes' workload (else the
     chosen_k* sets are tuned for a workload that no longer exists: regenerate them)."""
-    run_job_in_process(["experiment=sweep_sizes", "compile=O0", "check_agreement=false",
-                        "num_threads=1"], tmp_path / "job")
+    run_job_in_process(
+        ["experiment=sweep_sizes", "compile=O0", "check_agreement=false", "num_threads=1"],
+        tmp_path / "job",
+    )
     fields = ("num_tokens", "num_reqs", "num_decode", "num_prefill_tokens")
     steps = lambda trace: [tuple(getattr(s, f) for f in fields) for s in trace.steps]  # noqa
     assert steps(read_trace(tmp_path / "job" / "trace.jsonl")) == steps(
-        read_trace(EXPERIMENT_DIR / "traces" / "sweep_sizes.jsonl"))
+        read_trace(EXPERIMENT_DIR / "traces" / "sweep_sizes.jsonl")
+    )
 
 
 def test_ablate_passes_toggle_changes_the_pass_record(tmp_path):
@@ -178,8 +183,14 @@ def test_ablate_passes_toggle_changes_the_pass_record(tmp_path):
     jobs = {}
     for toggles in ("[]", "[fuse_add_rmsnorm]"):
         jobs[toggles] = run_job_in_process(
-            ["experiment=ablate_passes", *TINY, "compile.backend=eager",
-             f"toggle_passes={toggles}"], tmp_path / toggles.strip("[]").replace(",", "_"))
+            [
+                "experiment=ablate_passes",
+                *TINY,
+                "compile.backend=eager",
+                f"toggle_passes={toggles}",
+            ],
+            tmp_path / toggles.strip("[]").replace(",", "_"),
+        )
     base, toggled = jobs["[]"], jobs["[fuse_add_rmsnorm]"]
     assert base["baseline"] is True and toggled["baseline"] is False
     ran = [("fuse_add_rmsnorm" in r["passes"]) for r in (base, toggled)]

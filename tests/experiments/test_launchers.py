@@ -7,6 +7,7 @@ fail on the cluster, far from where it was written).  The submitit fields come f
 installed plugin (the `launchers` extra, pulled in by `dev`); ray is not installed (a large
 install and a local cluster start), so its config is checked as a plain config group.
 """
+
 import dataclasses
 import os
 import subprocess
@@ -22,27 +23,57 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 # Fields of the plugins' config classes (hydra-submitit-launcher 1.2: BaseQueueConf +
 # SlurmQueueConf / LocalQueueConf; hydra-ray-launcher 1.2: RayLauncherConf).
-SUBMITIT_BASE = {"_target_", "submitit_folder", "timeout_min", "cpus_per_task", "gpus_per_node",
-                 "tasks_per_node", "mem_gb", "nodes", "name", "stderr_to_stdout"}
+SUBMITIT_BASE = {
+    "_target_",
+    "submitit_folder",
+    "timeout_min",
+    "cpus_per_task",
+    "gpus_per_node",
+    "tasks_per_node",
+    "mem_gb",
+    "nodes",
+    "name",
+    "stderr_to_stdout",
+}
 SUBMITIT_SLURM = SUBMITIT_BASE | {
-    "partition", "qos", "comment", "constraint", "exclude", "gres", "cpus_per_gpu",
-    "gpus_per_task", "mem_per_gpu", "mem_per_cpu", "account", "signal_delay_s",
-    "max_num_timeout", "additional_parameters", "array_parallelism", "setup"}
+    "partition",
+    "qos",
+    "comment",
+    "constraint",
+    "exclude",
+    "gres",
+    "cpus_per_gpu",
+    "gpus_per_task",
+    "mem_per_gpu",
+    "mem_per_cpu",
+    "account",
+    "signal_delay_s",
+    "max_num_timeout",
+    "additional_parameters",
+    "array_parallelism",
+    "setup",
+}
 
 LAUNCHERS = {
-    "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
-                       SUBMITIT_SLURM),
-    "submitit_local": ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
-                       SUBMITIT_BASE),
+    "submitit_slurm": (
+        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
+        SUBMITIT_SLURM,
+    ),
+    "submitit_local": (
+        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
+        SUBMITIT_BASE,
+    ),
     "ray": ("hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher", {"_target_", "ray"}),
 }
 
 
 def _compose_launcher(name, *extra):
     import experiments.run  # noqa: F401  (registers the config schemas with the ConfigStore)
+
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="smoke"):
-        cfg = compose("config", overrides=[f"hydra/launcher={name}", *extra],
-                      return_hydra_config=True)
+        cfg = compose(
+            "config", overrides=[f"hydra/launcher={name}", *extra], return_hydra_config=True
+        )
     return cfg.hydra.launcher, cfg
 
 
@@ -61,11 +92,13 @@ def test_cluster_launcher_configs_compose(name):
 
 
 def test_cluster_launcher_overrides_apply():
-    launcher, _ = _compose_launcher("submitit_slurm", "hydra.launcher.partition=gpu",
-                                    "hydra.launcher.timeout_min=30")
+    launcher, _ = _compose_launcher(
+        "submitit_slurm", "hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=30"
+    )
     assert launcher.partition == "gpu" and launcher.timeout_min == 30
-    launcher, _ = _compose_launcher("ray", "hydra.launcher.ray.init.address=auto",
-                                    "+hydra.launcher.ray.remote.num_gpus=1")
+    launcher, _ = _compose_launcher(
+        "ray", "hydra.launcher.ray.init.address=auto", "+hydra.launcher.ray.remote.num_gpus=1"
+    )
     assert launcher.ray.init.address == "auto" and launcher.ray.remote.num_gpus == 1
 
 
@@ -87,6 +120,7 @@ def test_submitit_fields_are_the_installed_plugins():
     checked here, was written the same way)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+
     assert {f.name for f in dataclasses.fields(LocalQueueConf)} == SUBMITIT_BASE
     assert {f.name for f in dataclasses.fields(SlurmQueueConf)} == SUBMITIT_SLURM
 
@@ -100,7 +134,8 @@ def _write_app(tmp_path):
         "def main(cfg):\n"
         "    open(os.path.join(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir,\n"
         "                      'pid.txt'), 'w').write(str(os.getpid()))\n"
-        "main()\n")
+        "main()\n"
+    )
     return app
 
 
@@ -110,11 +145,22 @@ def test_submitit_local_really_launches(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     app = _write_app(tmp_path)
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, str(app), "-m", "hydra/launcher=submitit_local",
-                           f"hydra.sweep.dir={sweep}", "hydra.launcher.timeout_min=5",
-                           "+x=1,2"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=str(CONF_DIR.parent)))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(app),
+            "-m",
+            "hydra/launcher=submitit_local",
+            f"hydra.sweep.dir={sweep}",
+            "hydra.launcher.timeout_min=5",
+            "+x=1,2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(CONF_DIR.parent)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     pids = {(sweep / str(i) / "pid.txt").read_text() for i in (0, 1)}
     assert len(pids) == 2 and str(os.getpid()) not in pids
@@ -126,10 +172,21 @@ def test_submitit_local_really_launches(tmp_path):
 def test_joblib_local_runs_jobs_in_parallel_processes(tmp_path):
     app = _write_app(tmp_path)
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, str(app), "-m", "hydra/launcher=joblib_local",
-                           f"hydra.sweep.dir={sweep}", "+x=1,2"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=str(CONF_DIR.parent)))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(app),
+            "-m",
+            "hydra/launcher=joblib_local",
+            f"hydra.sweep.dir={sweep}",
+            "+x=1,2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(CONF_DIR.parent)),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "n_jobs=2" in proc.stdout + proc.stderr
     assert "validated against ConfigStore schema" not in proc.stderr

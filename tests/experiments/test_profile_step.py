@@ -1,6 +1,7 @@
 """The decode-step roofline on a tiny eager model: every row is there, the rows add up to the
 profiled step, the floors follow from the byte counts, and the attention row is the
 attention op's own time."""
+
 import pytest
 
 from experiments import profile_step
@@ -17,7 +18,7 @@ def test_rows_cover_the_step(result):
     _, r = result
     names = [row.name for row in r["rows"]]
     assert names == list(profile_step.ROWS)
-    assert r["steps"] == 5                          # 6 decode steps, the last has no successor
+    assert r["steps"] == 5  # 6 decode steps, the last has no successor
     assert all(row.ms >= 0 for row in r["rows"])
     assert sum(row.ms for row in r["rows"]) == pytest.approx(r["step_ms"], rel=1e-6)
     by = {row.name: row for row in r["rows"]}
@@ -31,8 +32,9 @@ def test_bytes_and_floors(result):
     mc = llm.model_config
     by = {row.name: row for row in r["rows"]}
     # attention reads K and V of every context token: mean context = 12 + 1 + (6 - 1) / 2
-    assert by["attention"].bytes == int(2 * mc.num_layers * 2 * 15.5 * mc.num_kv_heads
-                                        * mc.head_dim * 4)
+    assert by["attention"].bytes == int(
+        2 * mc.num_layers * 2 * 15.5 * mc.num_kv_heads * mc.head_dim * 4
+    )
     head = llm.model.lm_head.weight
     assert r["weights_bytes"] == by["linears"].bytes + head.numel() * 4
     assert by["host"].floor_ms(r["bandwidth"]) is None
@@ -52,13 +54,25 @@ def test_split_counts_nested_linears_once():
         def __init__(self, name, s, e):
             self.name = name
             self.time_range = type("R", (), {"start": s, "end": e})()
-    events = [Ev("profile_step::execute[decode]", 0, 100), Ev("profile_step::forward", 10, 80),
-              Ev("aten::linear", 10, 30), Ev("aten::addmm", 12, 29),       # nested: once
-              Ev("piecewise::attention", 40, 60), Ev("aten::mm", 45, 50),  # inside attention
-              Ev("profile_step::execute[decode]", 120, 200)]
+
+    events = [
+        Ev("profile_step::execute[decode]", 0, 100),
+        Ev("profile_step::forward", 10, 80),
+        Ev("aten::linear", 10, 30),
+        Ev("aten::addmm", 12, 29),  # nested: once
+        Ev("piecewise::attention", 40, 60),
+        Ev("aten::mm", 45, 50),  # inside attention
+        Ev("profile_step::execute[decode]", 120, 200),
+    ]
     (step,) = profile_step.split_steps(events)
-    assert step == {"linears": 20, "attention": 20, "elementwise pieces": 30,
-                    "LM head + sampling": 20, "host": 30, "step": 120}
+    assert step == {
+        "linears": 20,
+        "attention": 20,
+        "elementwise pieces": 30,
+        "LM head + sampling": 20,
+        "host": 30,
+        "step": 120,
+    }
 
 
 def test_bad_arguments():

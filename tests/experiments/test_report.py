@@ -1,4 +1,5 @@
 """Report on a fake-but-realistic Hydra multirun folder (the layout Hydra writes)."""
+
 import json
 
 import matplotlib.image
@@ -9,22 +10,52 @@ from experiments.report import build_report, main, write_report
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _results(experiment, overrides, *, baseline=False, decode=(10.0, 12.0),
-             prefill=(40.0, 48.0), tps=95.0, cold=30.0, warm=4.0, hits=0, misses=5,
-             agreement=1.0, logit_diff=0.0, passes=None, padding=None, sizes=None):
+def _results(
+    experiment,
+    overrides,
+    *,
+    baseline=False,
+    decode=(10.0, 12.0),
+    prefill=(40.0, 48.0),
+    tps=95.0,
+    cold=30.0,
+    warm=4.0,
+    hits=0,
+    misses=5,
+    agreement=1.0,
+    logit_diff=0.0,
+    passes=None,
+    padding=None,
+    sizes=None,
+):
     return {
-        "experiment": experiment, "overrides": overrides, "baseline": baseline,
+        "experiment": experiment,
+        "overrides": overrides,
+        "baseline": baseline,
         "config": {"compile": {"level": 2}},
         "versions": {"torch": "2.13.0", "piecewise": "0.1.0", "python": "3.11.7"},
-        "compile": {"cold_s": cold, "warm_s": warm, "pieces": 9, "unique_artifacts": 3,
-                    "cache_hits": hits, "cache_misses": misses},
-        "latency_ms": {"prefill": {"median": prefill[0], "p90": prefill[1]},
-                       "decode": {"median": decode[0], "p90": decode[1]}},
+        "compile": {
+            "cold_s": cold,
+            "warm_s": warm,
+            "pieces": 9,
+            "unique_artifacts": 3,
+            "cache_hits": hits,
+            "cache_misses": misses,
+        },
+        "latency_ms": {
+            "prefill": {"median": prefill[0], "p90": prefill[1]},
+            "decode": {"median": decode[0], "p90": decode[1]},
+        },
         "tokens_per_s": tps,
         "passes": passes or {},
-        "agreement": {"token_agreement": agreement, "max_logit_diff": logit_diff,
-                      "outputs_equal": agreement == 1.0},
-        "accuracy": None, "padding_waste": padding, "capture_sizes": sizes,
+        "agreement": {
+            "token_agreement": agreement,
+            "max_logit_diff": logit_diff,
+            "outputs_equal": agreement == 1.0,
+        },
+        "accuracy": None,
+        "padding_waste": padding,
+        "capture_sizes": sizes,
     }
 
 
@@ -45,23 +76,61 @@ def levels_multirun(tmp_path):
     root.mkdir(parents=True)
     (root / "multirun.yaml").write_text("hydra: {}\n")
     ov = lambda level: ["experiment=ablate_levels", f"compile=O{level}"]  # noqa: E731
-    _write_job(root, 0, _results("ablate_levels", ov(0), baseline=True, decode=(11.0, 13.5),
-                                 prefill=(52.0, 60.0), tps=80.0, cold=0.0, warm=None,
-                                 misses=0))
-    _write_job(root, 1, _results("ablate_levels", ov(1), decode=(8.8, 9.9), tps=100.0,
-                                 cold=35.0, warm=5.0, hits=0, misses=9,
-                                 passes={"noop_elimination": {"matches": 16, "time_s": 0.012}}))
-    _write_job(root, 2, _results("ablate_levels", ov(2), decode=(7.5, 8.1), tps=120.0,
-                                 cold=41.0, warm=5.5, agreement=0.9725, logit_diff=0.41,
-                                 passes={"noop_elimination": {"matches": 16, "time_s": 0.011},
-                                         "fuse_add_rmsnorm": {"matches": 15,
-                                                              "time_s": 0.034}}))
+    _write_job(
+        root,
+        0,
+        _results(
+            "ablate_levels",
+            ov(0),
+            baseline=True,
+            decode=(11.0, 13.5),
+            prefill=(52.0, 60.0),
+            tps=80.0,
+            cold=0.0,
+            warm=None,
+            misses=0,
+        ),
+    )
+    _write_job(
+        root,
+        1,
+        _results(
+            "ablate_levels",
+            ov(1),
+            decode=(8.8, 9.9),
+            tps=100.0,
+            cold=35.0,
+            warm=5.0,
+            hits=0,
+            misses=9,
+            passes={"noop_elimination": {"matches": 16, "time_s": 0.012}},
+        ),
+    )
+    _write_job(
+        root,
+        2,
+        _results(
+            "ablate_levels",
+            ov(2),
+            decode=(7.5, 8.1),
+            tps=120.0,
+            cold=41.0,
+            warm=5.5,
+            agreement=0.9725,
+            logit_diff=0.41,
+            passes={
+                "noop_elimination": {"matches": 16, "time_s": 0.011},
+                "fuse_add_rmsnorm": {"matches": 15, "time_s": 0.034},
+            },
+        ),
+    )
     return root
 
 
 def _row(text, job):
-    return next(line for line in text.splitlines()
-                if line.startswith("|") and f"| {job} | O{job} |" in line)
+    return next(
+        line for line in text.splitlines() if line.startswith("|") and f"| {job} | O{job} |" in line
+    )
 
 
 def test_report_tables_marks_and_outputs_changed(levels_multirun):
@@ -71,9 +140,18 @@ def test_report_tables_marks_and_outputs_changed(levels_multirun):
     assert "## Sweep: ablate_levels" in text
     assert "3 job(s) in 1 sweep(s)" in text
     header = next(line for line in text.splitlines() if line.startswith("|  | job |"))
-    for column in ("compile", "decode median ms", "decode p90 ms", "prefill median ms",
-                   "tokens/s", "compile cold s", "warm s", "cache hits/misses",
-                   "token agreement", "max logit diff"):
+    for column in (
+        "compile",
+        "decode median ms",
+        "decode p90 ms",
+        "prefill median ms",
+        "tokens/s",
+        "compile cold s",
+        "warm s",
+        "cache hits/misses",
+        "token agreement",
+        "max logit diff",
+    ):
         assert f"| {column} |" in header
     # the varying override is a column; the constant one (experiment=) is not
     assert "| experiment |" not in header
@@ -85,8 +163,10 @@ def test_report_tables_marks_and_outputs_changed(levels_multirun):
     assert "8.80 (-20.0%)" in rows[1] and "100.0 (+25.0%)" in rows[1]
     assert "| 0/9 |" in rows[1]
     assert "| — |" in rows[0]  # warm_s is null for O0
-    assert "⚠ outputs changed: `compile=O2` (job 2) — token agreement 0.9725 vs O0, " \
-           "max logit diff 0.41" in text
+    assert (
+        "⚠ outputs changed: `compile=O2` (job 2) — token agreement 0.9725 vs O0, "
+        "max logit diff 0.41" in text
+    )
     assert "**1 configuration(s) changed outputs versus O0**" in text
     assert "Versions: torch 2.13.0, piecewise 0.1.0, python 3.11.7" in text
     assert "| fuse_add_rmsnorm |" in text and "15 (34.0 ms)" in text
@@ -108,10 +188,27 @@ def test_report_pngs_are_valid_images(levels_multirun):
 def test_padding_plot_baseline_flag_and_second_sweep(levels_multirun):
     root = levels_multirun
     sizes_default = [1, 2, 4] + list(range(8, 257, 8))
-    _write_job(root, 3, _results("sweep_sizes", ["experiment=sweep_sizes", "sizes=chosen"],
-                                 padding=0.031, sizes=[3, 6, 15, 23, 62, 136, 313, 440]))
-    _write_job(root, 4, _results("sweep_sizes", ["experiment=sweep_sizes", "sizes=default"],
-                                 baseline=True, padding=0.42, sizes=sizes_default))
+    _write_job(
+        root,
+        3,
+        _results(
+            "sweep_sizes",
+            ["experiment=sweep_sizes", "sizes=chosen"],
+            padding=0.031,
+            sizes=[3, 6, 15, 23, 62, 136, 313, 440],
+        ),
+    )
+    _write_job(
+        root,
+        4,
+        _results(
+            "sweep_sizes",
+            ["experiment=sweep_sizes", "sizes=default"],
+            baseline=True,
+            padding=0.42,
+            sizes=sizes_default,
+        ),
+    )
     text = write_report(root).read_text()
     assert "## Sweep: sweep_sizes" in text and "5 job(s) in 2 sweep(s)" in text
     assert "Baseline: `sizes=default` (job 4)" in text
@@ -124,9 +221,17 @@ def test_padding_plot_baseline_flag_and_second_sweep(levels_multirun):
 
 def test_missing_keys_show_dashes_and_bad_jobs_are_listed(tmp_path, capsys):
     _write_job(tmp_path, 0, {"experiment": "sparse"}, overrides=["compile=O1"])
-    _write_job(tmp_path, 1, {"experiment": "sparse", "latency_ms": {"decode": {"median": 5}},
-                             "compile": {"cache_hits": 3}, "agreement": {"outputs_equal": False}},
-               overrides=["compile=O2"])
+    _write_job(
+        tmp_path,
+        1,
+        {
+            "experiment": "sparse",
+            "latency_ms": {"decode": {"median": 5}},
+            "compile": {"cache_hits": 3},
+            "agreement": {"outputs_equal": False},
+        },
+        overrides=["compile=O2"],
+    )
     (tmp_path / "2").mkdir()
     (tmp_path / "2" / "results.json").write_text("{truncated")
     assert main([str(tmp_path)]) == 0

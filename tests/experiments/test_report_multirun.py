@@ -1,6 +1,7 @@
 """experiments.report on a real multirun: ``python -m experiments.run -m`` launches three tiny
 jobs of ablate_quant (no quantization = baseline, int8, fp8), then ``python -m
 experiments.report`` writes report.md and the PNG plots from what those jobs wrote."""
+
 import json
 import re
 import subprocess
@@ -10,7 +11,6 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 import yaml
-
 from hydra_job_harness import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,8 +19,9 @@ QUANTS = ["null", "int8_per_token", "fp8_per_tensor"]
 
 
 def _run(args, timeout):
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{args[0]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -28,8 +29,18 @@ def _run(args, timeout):
 @pytest.fixture(scope="module")
 def multirun(tmp_path_factory):
     sweep = tmp_path_factory.mktemp("multirun") / "sweep"
-    _run(["experiments.run", "-m", "experiment=ablate_quant", *TINY, "compile=O0",
-          f"quantization={','.join(QUANTS)}", f"hydra.sweep.dir={sweep}"], timeout=600)
+    _run(
+        [
+            "experiments.run",
+            "-m",
+            "experiment=ablate_quant",
+            *TINY,
+            "compile=O0",
+            f"quantization={','.join(QUANTS)}",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        timeout=600,
+    )
     _run(["experiments.report", str(sweep)], timeout=120)
     jobs = {}
     for num in range(len(QUANTS)):
@@ -44,7 +55,7 @@ def _table_rows(report: str) -> list[list[str]]:
     section = report.split("## Sweep: ablate_quant", 1)[1]
     lines = [ln for ln in section.splitlines() if ln.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:2 + len(QUANTS)]]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2 : 2 + len(QUANTS)]]
     return [dict(zip(header, row)) for row in rows]
 
 

@@ -1,18 +1,26 @@
 """experiments/run.py: prompts, agreement, pass toggles, cache redirection, the synthetic-task
 accuracy path, tracking checks, and one real Inductor job end to end."""
+
 import json
 import os
 import shutil
 
 import pytest
 import torch
+from hydra_job_harness import TINY, compose_job, run_job_in_process
 from omegaconf import OmegaConf
 
-from experiments.run import (agreement, compiler_caches_under, job_prompts, make_prompts,
-                             synthetic_task_of, toggle_passes, warm_up_compiler)
+from experiments.run import (
+    agreement,
+    compiler_caches_under,
+    job_prompts,
+    make_prompts,
+    synthetic_task_of,
+    toggle_passes,
+    warm_up_compiler,
+)
 from experiments.trace import read_trace
 from framework.core.config import level_passes
-from hydra_job_harness import TINY, compose_job, run_job_in_process
 
 
 def test_make_prompts_is_deterministic_and_in_bounds():
@@ -22,8 +30,11 @@ def test_make_prompts_is_deterministic_and_in_bounds():
     assert all(3 <= len(p) <= 9 and all(0 <= t < 100 for t in p) for p in a)
     assert make_prompts(workload, 100, seed=8) != a
     with pytest.raises(ValueError, match="prompt_len_min/max"):
-        make_prompts(OmegaConf.create({"num_prompts": 1, "prompt_len_min": 5,
-                                       "prompt_len_max": 4}), 100, seed=0)
+        make_prompts(
+            OmegaConf.create({"num_prompts": 1, "prompt_len_min": 5, "prompt_len_max": 4}),
+            100,
+            seed=0,
+        )
 
 
 def test_agreement_counts_tokens_up_to_the_first_divergence():
@@ -32,8 +43,9 @@ def test_agreement_counts_tokens_up_to_the_first_divergence():
     same = agreement(ref, ref, logits, logits)
     assert same == {"token_agreement": 1.0, "max_logit_diff": 0.0, "outputs_equal": True}
     # prompt 0 diverges at token 2 (later equal tokens do not count), prompt 1 is one short
-    out = agreement([[1, 2, 9, 4], [5]], ref, [torch.zeros(3), torch.tensor([1., 1.5, 1.])],
-                    logits)
+    out = agreement(
+        [[1, 2, 9, 4], [5]], ref, [torch.zeros(3), torch.tensor([1.0, 1.5, 1.0])], logits
+    )
     assert out["token_agreement"] == pytest.approx(3 / 6)
     assert out["max_logit_diff"] == pytest.approx(0.5) and out["outputs_equal"] is False
 
@@ -41,9 +53,18 @@ def test_agreement_counts_tokens_up_to_the_first_divergence():
 def test_eq_resolver_compares_scalars_and_containers():
     import experiments.run  # noqa: F401  registers ${eq:...}
 
-    cfg = OmegaConf.create({"level": 0, "disable": [], "q": None, "name": "O2",
-                            "a": "${eq:${level},0}", "b": "${eq:${disable},[]}",
-                            "c": "${eq:${q},null}", "d": "${eq:'${name}/${level}','O2/1'}"})
+    cfg = OmegaConf.create(
+        {
+            "level": 0,
+            "disable": [],
+            "q": None,
+            "name": "O2",
+            "a": "${eq:${level},0}",
+            "b": "${eq:${disable},[]}",
+            "c": "${eq:${q},null}",
+            "d": "${eq:'${name}/${level}','O2/1'}",
+        }
+    )
     assert (cfg.a, cfg.b, cfg.c, cfg.d) == (True, True, True, False)
 
 
@@ -56,8 +77,12 @@ def test_toggle_passes_flips_against_the_level_default_of_the_device():
     toggled = toggle_passes({}, [on_cpu_only, on_cuda_only], level=2, device_type="cuda")
     assert toggled["disable"] == [on_cuda_only] and toggled["enable"] == [on_cpu_only]
     # an explicit pass list wins over the level's, and existing entries are kept
-    toggled = toggle_passes({"passes": ["noop_elimination"], "disable": ["fix_functionalization"]},
-                            ["noop_elimination", "fuse_add_rmsnorm"], level=2, device_type="cpu")
+    toggled = toggle_passes(
+        {"passes": ["noop_elimination"], "disable": ["fix_functionalization"]},
+        ["noop_elimination", "fuse_add_rmsnorm"],
+        level=2,
+        device_type="cpu",
+    )
     assert toggled["disable"] == ["fix_functionalization", "noop_elimination"]
     assert toggled["enable"] == ["fuse_add_rmsnorm"]
 
@@ -86,8 +111,7 @@ def synthetic_checkpoint(tmp_path):
     return model
 
 
-def test_synthetic_checkpoints_get_task_prompts_others_random_ones(synthetic_checkpoint,
-                                                                   tmp_path):
+def test_synthetic_checkpoints_get_task_prompts_others_random_ones(synthetic_checkpoint, tmp_path):
     from experiments.synthetic_task import get_task
 
     cfg = compose_job([*TINY, "cache_dir=null"])
@@ -106,15 +130,18 @@ def test_synthetic_checkpoints_get_task_prompts_others_random_ones(synthetic_che
 
 def test_job_on_a_synthetic_checkpoint_records_exact_match(synthetic_checkpoint, tmp_path):
     results = run_job_in_process(
-        [*TINY, "compile=O0", "model=hf", f"model.path={synthetic_checkpoint}"], tmp_path / "job")
+        [*TINY, "compile=O0", "model=hf", f"model.path={synthetic_checkpoint}"], tmp_path / "job"
+    )
     assert results["accuracy"]["n"] == 2
     # the score, recomputed outside the job: the same prompts through an eager LLM
     from experiments.synthetic_task import exact_match
     from framework import LLM
+
     cfg = compose_job([*TINY, "cache_dir=null"])
     prompts, max_new, ignore_eos, answers = job_prompts(cfg, str(synthetic_checkpoint), 256)
     outputs = LLM(str(synthetic_checkpoint), optimization_level=0, max_model_len=64).generate(
-        prompts, max_new, ignore_eos=ignore_eos)
+        prompts, max_new, ignore_eos=ignore_eos
+    )
     assert results["accuracy"]["exact_match"] == exact_match(outputs, answers)
     first_step = read_trace(tmp_path / "job" / "trace.jsonl").steps[0]
     assert first_step.num_prefill_tokens == 2 * 8  # two "123+456=" prompts
@@ -125,6 +152,7 @@ def test_job_on_a_synthetic_checkpoint_records_exact_match(synthetic_checkpoint,
 def test_tracking_is_checked_before_the_job_runs(tmp_path):
     try:
         import mlflow  # noqa: F401
+
         pytest.skip(reason="mlflow is installed: the missing-package error cannot occur")
     except ImportError:
         pass
@@ -138,7 +166,8 @@ def test_tracking_is_checked_before_the_job_runs(tmp_path):
 def test_inductor_job_writes_the_full_results_contract(tmp_path):
     out = tmp_path / "job"
     results = run_job_in_process(
-        [*TINY, "compile=O1", f"cache_dir={tmp_path / 'cache'}", "experiment_name=t"], out)
+        [*TINY, "compile=O1", f"cache_dir={tmp_path / 'cache'}", "experiment_name=t"], out
+    )
     assert results["experiment"] == "t" and "compile=O1" in results["overrides"]
     # pass statistics reach results.json under the names of the resolved pass list
     resolved = results["resolved_compilation"]["pass_config"]["passes"]
@@ -156,8 +185,9 @@ def test_inductor_job_writes_the_full_results_contract(tmp_path):
     assert results["agreement"]["token_agreement"] == 1.0  # fp32 O1 keeps the outputs
     trace = read_trace(out / "trace.jsonl")
     sizes = results["resolved_compilation"]["cudagraph_capture_sizes"]
-    padded = [next((s for s in sorted(sizes) if s >= st.num_tokens), st.num_tokens)
-              for st in trace.steps]
+    padded = [
+        next((s for s in sorted(sizes) if s >= st.num_tokens), st.num_tokens) for st in trace.steps
+    ]
     expected_waste = 1 - sum(st.num_tokens for st in trace.steps) / sum(padded)
     assert results["padding_waste"] == pytest.approx(expected_waste)
     assert sum(s.num_decode for s in trace.steps) + 2 == 2 * 4  # first tokens come from prefill

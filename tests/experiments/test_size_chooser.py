@@ -1,13 +1,20 @@
 """Size chooser: exact against brute force; beats the truncated default list on a trace."""
+
 import itertools
 import json
 import random
 
 import pytest
 
-from experiments.size_chooser import (choose_sizes, compare_with_default,
-                                      default_sizes_truncated, main, to_override, waste,
-                                      waste_fraction)
+from experiments.size_chooser import (
+    choose_sizes,
+    compare_with_default,
+    default_sizes_truncated,
+    main,
+    to_override,
+    waste,
+    waste_fraction,
+)
 from experiments.trace import TraceStep, read_trace, token_histogram, write_trace
 from framework.core.config import default_capture_sizes
 
@@ -47,7 +54,8 @@ def test_float_weights_match_brute_force(seed):
     hist = {c: rng.random() for c in rng.sample(range(1, 13), 6)}
     for k in (1, 2, 3):
         assert waste(choose_sizes(hist, k), hist) == pytest.approx(
-            _brute_force(hist, k, limit=max(hist)))
+            _brute_force(hist, k, limit=max(hist))
+        )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -111,8 +119,9 @@ def _synthetic_trace(seed=0, max_num_tokens=512, num_steps=600):
         decode = len(running)
         if decode + sum(prompts) == 0:
             prompts = [rng.randint(16, 160)]
-        steps.append(TraceStep(step, decode + sum(prompts), decode + len(prompts), decode,
-                               sum(prompts)))
+        steps.append(
+            TraceStep(step, decode + sum(prompts), decode + len(prompts), decode, sum(prompts))
+        )
         running = [r - 1 for r in running if r > 1] + [rng.randint(20, 200) for _ in prompts]
         running = running[:24]
     return steps
@@ -148,6 +157,7 @@ def test_cli_prints_sizes_waste_and_override(tmp_path, capsys):
 
 def test_large_histogram_is_fast():
     import time
+
     rng = random.Random(7)
     hist = {rng.randint(1, 4096): rng.randint(1, 50) for _ in range(3000)}
     start = time.perf_counter()
@@ -157,8 +167,9 @@ def test_large_histogram_is_fast():
 
 
 def test_comparison_with_uncovered_tail_scores_both_sets_alike(tmp_path, capsys):
-    hist = token_histogram(read_trace(write_trace(tmp_path / "t.jsonl", _synthetic_trace(1),
-                                                  max_num_tokens=512)))
+    hist = token_histogram(
+        read_trace(write_trace(tmp_path / "t.jsonl", _synthetic_trace(1), max_num_tokens=512))
+    )
     result = compare_with_default(hist, 6, 512, max_size=64, cover_max=False)
     assert max(result.default) <= 64 and max(result.chosen) <= 64
     assert result.chosen[-1] == max(c for c in hist if c <= 64)

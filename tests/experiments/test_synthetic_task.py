@@ -1,4 +1,5 @@
 """The synthetic tasks, their scorer, and the shipped addition checkpoint run through our LLM."""
+
 from __future__ import annotations
 
 import json
@@ -7,9 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.synthetic_task import (EOS_ID, SYMBOLS, VOCAB_SIZE, decode, encode, evaluate,
-                                        exact_match, generate, get_task, is_held_out, main,
-                                        read_task_name, task_names, token_agreement)
+from experiments.synthetic_task import (
+    EOS_ID,
+    SYMBOLS,
+    VOCAB_SIZE,
+    decode,
+    encode,
+    evaluate,
+    exact_match,
+    generate,
+    get_task,
+    is_held_out,
+    main,
+    read_task_name,
+    task_names,
+    token_agreement,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ADDITION = ROOT / "models" / "synthetic" / "addition"
@@ -21,6 +35,7 @@ def _little_endian(text: str) -> int:
 
 
 # --- vocabulary and tasks -------------------------------------------------------------------
+
 
 def test_encode_decode_round_trip_and_errors():
     assert encode("12+3=") == [1, 2, 10, 3, 11]
@@ -41,10 +56,10 @@ def test_addition_sequences_hold_the_sum_little_endian():
         assert text[3] == "+" and text[7] == "=" and text[-1] == "$"
         assert _little_endian(text[:3]) == a and _little_endian(text[4:7]) == b
         assert _little_endian(text[8:12]) == a + b
-    assert decode(seqs[1].tolist()) == "321+654=9750$"          # 123 + 456 = 0579
+    assert decode(seqs[1].tolist()) == "321+654=9750$"  # 123 + 456 = 0579
     prompts, answers = task.split(seqs)
     assert all(len(p) == task.prompt_len for p in prompts)
-    assert answers[2] == encode("8991") + [EOS_ID]               # 999 + 999 = 1998
+    assert answers[2] == encode("8991") + [EOS_ID]  # 999 + 999 = 1998
 
 
 def test_reversal_sequences():
@@ -57,7 +72,7 @@ def test_task_registry_and_key_range():
     with pytest.raises(ValueError, match="unknown synthetic task 'nope'"):
         get_task("nope")
     with pytest.raises(ValueError, match=r"keys must lie in \[0, 1000000\)"):
-        get_task("addition").sequences(torch.tensor([10 ** 6]))
+        get_task("addition").sequences(torch.tensor([10**6]))
 
 
 def test_held_out_split_is_one_in_sixteen_and_never_trained_on():
@@ -86,7 +101,7 @@ def test_exact_match_needs_the_whole_answer_and_the_stop():
     answers = [[1, 2, EOS_ID], [3, 4, EOS_ID]]
     assert exact_match([[1, 2, EOS_ID], [3, 4, EOS_ID]], answers) == 1.0
     assert exact_match([[1, 2, EOS_ID], [3, 5, EOS_ID]], answers) == 0.5
-    assert exact_match([[1, 2], [3, 4, 4]], answers) == 0.0        # never stopped
+    assert exact_match([[1, 2], [3, 4, 4]], answers) == 0.0  # never stopped
     with pytest.raises(ValueError, match="2 outputs for 1 answers"):
         exact_match(answers, answers[:1])
 
@@ -101,6 +116,7 @@ def test_token_agreement_counts_the_common_prefix_over_the_longer_output():
 
 # --- the shipped checkpoint -----------------------------------------------------------------
 
+
 def _metrics() -> dict:
     return json.loads((ADDITION / "metrics.json").read_text())
 
@@ -108,13 +124,13 @@ def _metrics() -> dict:
 def test_shipped_checkpoint_files_and_config():
     names = {p.name for p in ADDITION.iterdir()}
     assert {"config.json", "model.safetensors", "metrics.json"} <= names
-    assert sum(p.stat().st_size for p in ADDITION.iterdir()) <= 10 * 2 ** 20
+    assert sum(p.stat().st_size for p in ADDITION.iterdir()) <= 10 * 2**20
     config = json.loads((ADDITION / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["eos_token_id"] == EOS_ID and config["vocab_size"] == VOCAB_SIZE
     m = _metrics()
     assert read_task_name(ADDITION) == m["task"] == "addition"
-    assert m["eval"]["unquantized"]["exact_match"] >= 0.9      # the metric means something
+    assert m["eval"]["unquantized"]["exact_match"] >= 0.9  # the metric means something
 
 
 def test_shipped_checkpoint_loads_through_our_loader():
@@ -136,10 +152,15 @@ def test_our_llm_matches_transformers_on_the_shipped_checkpoint():
     ours = generate(ADDITION, prompts, task.answer_len + 1)
     hf = LlamaForCausalLM.from_pretrained(ADDITION, dtype=torch.float32).eval()
     with torch.no_grad():
-        hf_out = hf.generate(torch.tensor(prompts), max_new_tokens=task.answer_len + 1,
-                             do_sample=False, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
+        hf_out = hf.generate(
+            torch.tensor(prompts),
+            max_new_tokens=task.answer_len + 1,
+            do_sample=False,
+            eos_token_id=EOS_ID,
+            pad_token_id=EOS_ID,
+        )
         hf_logits = hf(torch.tensor(prompts)).logits[:, -1]
-    hf_new = [row[task.prompt_len:] for row in hf_out.tolist()]
+    hf_new = [row[task.prompt_len :] for row in hf_out.tolist()]
     assert ours.outputs == hf_new
     torch.testing.assert_close(ours.first_token_logits, hf_logits, atol=1e-4, rtol=1e-4)
 
@@ -178,7 +199,7 @@ def test_quantized_exact_match_within_two_points(shorthand):
     base = evaluate(ADDITION, n=n, seed=seed)
     res = evaluate(ADDITION, quantization=shorthand, n=n, seed=seed, reference=base)
     assert res["quantized_layers"] > 0
-    assert res["max_logit_diff_vs"]["unquantized_O0"] > 0       # the weights really changed
+    assert res["max_logit_diff_vs"]["unquantized_O0"] > 0  # the weights really changed
     assert res["exact_match"] >= base["exact_match"] - 0.02 - 1e-9
     assert res["token_agreement_vs"]["unquantized_O0"] >= 0.98
 
@@ -201,7 +222,13 @@ def test_compiled_o2_keeps_the_accuracy(tmp_path):
     rec = _metrics()["eval"]
     n, seed = rec["smoke_n"], rec["seed"]
     base = evaluate(ADDITION, n=n, seed=seed)
-    res = evaluate(ADDITION, optimization_level=2, n=n, seed=seed, reference=base,
-                   cache_dir=str(tmp_path / "cache"))
+    res = evaluate(
+        ADDITION,
+        optimization_level=2,
+        n=n,
+        seed=seed,
+        reference=base,
+        cache_dir=str(tmp_path / "cache"),
+    )
     assert res["exact_match"] >= base["exact_match"] - 1 / n
     assert res["token_agreement_vs"]["unquantized_O0"] >= 0.98

@@ -1,39 +1,61 @@
 """experiments/tracking.py: the MLflow mapping of a results.json, logged through the real
 mlflow package into a local file store and read back with its client."""
+
 import sys
 
 import pytest
 
-from experiments.tracking import (flatten, log_mlflow, metrics_of, params_of,
-                                  require_tracking, tags_of)
+from experiments.tracking import (
+    flatten,
+    log_mlflow,
+    metrics_of,
+    params_of,
+    require_tracking,
+    tags_of,
+)
 
 RESULT = {
-    "experiment": "ablate_levels", "overrides": ["compile=O2", "experiment=ablate_levels"],
+    "experiment": "ablate_levels",
+    "overrides": ["compile=O2", "experiment=ablate_levels"],
     "baseline": False,
-    "config": {"compile": {"level": 2, "compile_sizes": [1, 8]}, "quantization": None,
-               "dtype": "float32"},
+    "config": {
+        "compile": {"level": 2, "compile_sizes": [1, 8]},
+        "quantization": None,
+        "dtype": "float32",
+    },
     "compile": {"cold_s": 30.5, "warm_s": None, "cache_hits": 0, "cache_misses": 3},
     "latency_ms": {"prefill": {"median": 40.0, "p90": 48.0}, "decode": None},
     "tokens_per_s": 95.0,
     "passes": {"noop_elimination": {"matches": 16, "time_s": 0.01}},
     "agreement": {"token_agreement": 0.97, "max_logit_diff": 0.4, "outputs_equal": False},
-    "accuracy": None, "padding_waste": float("nan"),
+    "accuracy": None,
+    "padding_waste": float("nan"),
 }
 
 
 def test_flatten_and_params_are_dotted_text():
-    assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": 1, "a.c": [1, 2],
-                                                                 "d": None}
-    assert params_of(RESULT) == {"compile.level": "2", "compile.compile_sizes": "[1, 8]",
-                                 "quantization": "null", "dtype": "float32"}
+    assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": 1, "a.c": [1, 2], "d": None}
+    assert params_of(RESULT) == {
+        "compile.level": "2",
+        "compile.compile_sizes": "[1, 8]",
+        "quantization": "null",
+        "dtype": "float32",
+    }
 
 
 def test_metrics_keep_only_finite_numbers():
     assert metrics_of(RESULT) == {
-        "prefill_ms_median": 40.0, "prefill_ms_p90": 48.0, "tokens_per_s": 95.0,
-        "compile_cold_s": 30.5, "cache_hits": 0.0, "cache_misses": 3.0,
-        "token_agreement": 0.97, "max_logit_diff": 0.4,
-        "pass.noop_elimination.matches": 16.0, "pass.noop_elimination.time_s": 0.01}
+        "prefill_ms_median": 40.0,
+        "prefill_ms_p90": 48.0,
+        "tokens_per_s": 95.0,
+        "compile_cold_s": 30.5,
+        "cache_hits": 0.0,
+        "cache_misses": 3.0,
+        "token_agreement": 0.97,
+        "max_logit_diff": 0.4,
+        "pass.noop_elimination.matches": 16.0,
+        "pass.noop_elimination.time_s": 0.01,
+    }
 
 
 def test_tags_follow_the_reports_outputs_changed_rule():
@@ -52,8 +74,9 @@ def test_require_tracking_rejects_unknown_values():
 @pytest.fixture
 def mlflow(monkeypatch):
     """The real mlflow package (the `tracking` extra, installed by `dev`)."""
-    module = pytest.importorskip("mlflow", reason="mlflow is not installed: pip install -e "
-                                                  "'.[tracking]'")
+    module = pytest.importorskip(
+        "mlflow", reason="mlflow is not installed: pip install -e '.[tracking]'"
+    )
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return module
 
@@ -69,7 +92,7 @@ def test_log_mlflow_logs_one_run_per_job_into_one_store(mlflow, tmp_path):
     assert len(set(run_ids)) == 2
     client = mlflow.MlflowClient(tracking_uri=(sweep / "mlruns").resolve().as_uri())
     experiments = [e for e in client.search_experiments() if e.name == "ablate_levels"]
-    assert len(experiments) == 1                        # the second job reused it
+    assert len(experiments) == 1  # the second job reused it
     runs = client.search_runs([experiments[0].experiment_id])
     assert sorted(r.info.run_id for r in runs) == sorted(run_ids)
     for run in runs:
@@ -82,8 +105,7 @@ def test_log_mlflow_logs_one_run_per_job_into_one_store(mlflow, tmp_path):
         assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["results.json"]
 
 
-def test_log_mlflow_uses_an_explicit_uri_and_marks_failed_runs(mlflow, tmp_path,
-                                                                monkeypatch):
+def test_log_mlflow_uses_an_explicit_uri_and_marks_failed_runs(mlflow, tmp_path, monkeypatch):
     uri = (tmp_path / "explicit").resolve().as_uri()
 
     def broken_log_batch(self, *args, **kwargs):
@@ -97,7 +119,7 @@ def test_log_mlflow_uses_an_explicit_uri_and_marks_failed_runs(mlflow, tmp_path,
     experiment = client.get_experiment_by_name("ablate_levels")
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FAILED"
-    assert not (tmp_path / "job" / "mlruns").exists()   # the explicit store, not the default
+    assert not (tmp_path / "job" / "mlruns").exists()  # the explicit store, not the default
 
 
 def test_missing_mlflow_names_the_install_command(monkeypatch):

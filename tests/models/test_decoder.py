@@ -1,15 +1,16 @@
 """Decoder family vs transformers: prefill logits and greedy generation, batched and alone."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from checkpoints import FAMILIES
+from paged_harness import PagedHarness, hf_greedy
 from transformers import AutoModelForCausalLM
 
-from checkpoints import FAMILIES
 from models.loader import load_model
-from paged_harness import PagedHarness, hf_greedy
 
-PROMPT_LENS = (5, 11, 23)   # 23 + 12 new tokens crosses Mistral's 16-token window
+PROMPT_LENS = (5, 11, 23)  # 23 + 12 new tokens crosses Mistral's 16-token window
 NEW_TOKENS = 12
 
 
@@ -28,7 +29,7 @@ def family_models(request, tiny_checkpoint):
 
 def _hf_logits(hf, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0]                 # [L, V]
+        return hf(torch.tensor([prompt])).logits[0]  # [L, V]
 
 
 def test_prefill_logits_match_transformers_batched_and_alone(family_models):
@@ -37,12 +38,14 @@ def test_prefill_logits_match_transformers_batched_and_alone(family_models):
     refs = [_hf_logits(hf, p) for p in prompts]
     batched = PagedHarness(model).prefill_logits(prompts)
     for p, ours, ref in zip(prompts, batched, refs):
-        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0,
-                                   msg=lambda m: f"{family} batched, len {len(p)}: {m}")
+        torch.testing.assert_close(
+            ours, ref, atol=1e-4, rtol=0, msg=lambda m: f"{family} batched, len {len(p)}: {m}"
+        )
     for p, ref in zip(prompts, refs):
         (alone,) = PagedHarness(model).prefill_logits([p])
-        torch.testing.assert_close(alone, ref, atol=1e-4, rtol=0,
-                                   msg=lambda m: f"{family} alone, len {len(p)}: {m}")
+        torch.testing.assert_close(
+            alone, ref, atol=1e-4, rtol=0, msg=lambda m: f"{family} alone, len {len(p)}: {m}"
+        )
 
 
 def test_prefill_with_padded_batch(family_models):
@@ -63,8 +66,9 @@ def test_greedy_generation_equals_transformers(family_models):
         assert PagedHarness(model).greedy([p], NEW_TOKENS) == [exp], f"{family} alone"
     # Staggered arrivals: later requests prefill in the same step as earlier ones decode,
     # and the flat batch is padded to a multiple of 8 as CUDA-graph sizes would.
-    mixed = PagedHarness(model, block_size=8).greedy(prompts, NEW_TOKENS,
-                                                     arrival_steps=[0, 2, 3], pad_multiple=8)
+    mixed = PagedHarness(model, block_size=8).greedy(
+        prompts, NEW_TOKENS, arrival_steps=[0, 2, 3], pad_multiple=8
+    )
     assert mixed == expected, f"{family} mixed prefill/decode"
 
 
@@ -74,26 +78,39 @@ def test_decode_logits_match_transformers_full_forward(family_models):
     family, model, config, hf = family_models
     prompts = _prompts(config.vocab_size, seed=3)
     tokens, logits = PagedHarness(model, block_size=4).greedy(
-        prompts, NEW_TOKENS, arrival_steps=[1, 0, 2], return_logits=True)
+        prompts, NEW_TOKENS, arrival_steps=[1, 0, 2], return_logits=True
+    )
     for p, new, ours in zip(prompts, tokens, logits):
-        ref = _hf_logits(hf, p + new[:-1])[len(p) - 1:]              # [NEW_TOKENS, V]
-        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0,
-                                   msg=lambda m: f"{family}, prompt len {len(p)}: {m}")
+        ref = _hf_logits(hf, p + new[:-1])[len(p) - 1 :]  # [NEW_TOKENS, V]
+        torch.testing.assert_close(
+            ours, ref, atol=1e-4, rtol=0, msg=lambda m: f"{family}, prompt len {len(p)}: {m}"
+        )
 
 
 def test_module_names_and_attention_layers(llama_checkpoint):
     model, config = load_model(llama_checkpoint, torch.float32)
     names = dict(model.named_modules())
-    for sub in ("model.embed_tokens", "model.layers.1.self_attn.qkv_proj",
-                "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj",
-                "model.layers.1.mlp.down_proj", "model.layers.1.input_layernorm",
-                "model.layers.1.post_attention_layernorm", "model.norm", "lm_head"):
+    for sub in (
+        "model.embed_tokens",
+        "model.layers.1.self_attn.qkv_proj",
+        "model.layers.1.self_attn.o_proj",
+        "model.layers.1.mlp.gate_up_proj",
+        "model.layers.1.mlp.down_proj",
+        "model.layers.1.input_layernorm",
+        "model.layers.1.post_attention_layernorm",
+        "model.norm",
+        "lm_head",
+    ):
         assert sub in names, sub
-    assert model.attention_layer_names() == ["model.layers.0.self_attn.attn",
-                                             "model.layers.1.self_attn.attn"]
+    assert model.attention_layer_names() == [
+        "model.layers.0.self_attn.attn",
+        "model.layers.1.self_attn.attn",
+    ]
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.shape == ((config.num_heads + 2 * config.num_kv_heads) * config.head_dim,
-                                config.hidden_size)
+    assert qkv.weight.shape == (
+        (config.num_heads + 2 * config.num_kv_heads) * config.head_dim,
+        config.hidden_size,
+    )
 
 
 def test_qwen3_has_qk_norm_and_own_head_dim(tiny_checkpoint):
@@ -151,13 +168,15 @@ class _CompiledView:
 def test_qwen2_per_layer_sliding_window_matches_transformers(tmp_path):
     """Qwen2/3 window only layers >= max_window_layers when use_sliding_window is set."""
     from checkpoints import build_family_checkpoint
-    path = build_family_checkpoint(tmp_path / "c", "qwen2", use_sliding_window=True,
-                                   sliding_window=8, max_window_layers=1)
+
+    path = build_family_checkpoint(
+        tmp_path / "c", "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1
+    )
     model, config = load_model(path, torch.float32)
     assert [l.self_attn.attn.sliding_window for l in model.model.layers] == [-1, 8]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = _prompts(config.vocab_size, lens=(20, 9), seed=4)
     tokens, logits = PagedHarness(model).greedy(prompts, NEW_TOKENS, return_logits=True)
     for p, new, ours in zip(prompts, tokens, logits):
-        ref = _hf_logits(hf, p + new[:-1])[len(p) - 1:]
+        ref = _hf_logits(hf, p + new[:-1])[len(p) - 1 :]
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)

@@ -1,6 +1,7 @@
 """Every registered model family honours the contract the engine relies on: it traces once,
 splits into layers + 1 pieces, restores warm from the artifact cache without Dynamo, and its
 compiled greedy tokens equal its eager tokens (fp32)."""
+
 import pytest
 import torch.nn as nn
 
@@ -28,16 +29,18 @@ def test_family_conformance(architecture, tiny_checkpoint, tmp_path):
     assert type(eager.model) is MODELS.get(architecture)
     expected = eager.generate(PROMPTS, NEW, ignore_eos=True)
 
-    cold = LLM(path, optimization_level=2, max_model_len=64, max_num_seqs=2,
-               cache_dir=str(tmp_path))
+    cold = LLM(
+        path, optimization_level=2, max_model_len=64, max_num_seqs=2, cache_dir=str(tmp_path)
+    )
     layers = cold.model_config.num_layers
     assert cold.stats["dynamo_traces"] == 1
     assert cold.stats["compile_num_pieces"] == layers + 1
     assert cold.stats["compile_num_splitting_ops"] == layers
     assert cold.generate(PROMPTS, NEW, ignore_eos=True) == expected
 
-    warm = LLM(path, optimization_level=2, max_model_len=64, max_num_seqs=2,
-               cache_dir=str(tmp_path))
+    warm = LLM(
+        path, optimization_level=2, max_model_len=64, max_num_seqs=2, cache_dir=str(tmp_path)
+    )
     assert warm.stats.get("dynamo_skipped") is True
     assert warm.stats["dynamo_traces"] == 0
     assert warm.stats["compile_compiles"] == 0

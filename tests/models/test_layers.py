@@ -1,4 +1,5 @@
 """RMSNorm and MergedLinear (layers added for the decoder family)."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Safetensors loading: good checkpoints (single, sharded, tied, cast) and every bad one."""
+
 from __future__ import annotations
 
 import json
@@ -6,11 +7,10 @@ import re
 
 import pytest
 import torch
-
 from checkpoints import build_sharded_checkpoint, derive_checkpoint
-from models.loader import CheckpointError, checkpoint_tensor_files
-from models.loader import load_model
 from paged_harness import PagedHarness
+
+from models.loader import CheckpointError, checkpoint_tensor_files, load_model
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 
@@ -33,6 +33,7 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path, llama_checkpoint):
 
 def test_merged_projections_hold_the_hf_blocks(llama_checkpoint):
     from safetensors.torch import load_file
+
     hf = load_file(str(llama_checkpoint / "model.safetensors"))
     model, c = load_model(llama_checkpoint, torch.float32)
     layer = model.model.layers[0]
@@ -55,6 +56,7 @@ def test_tied_embeddings_share_one_parameter(tiny_checkpoint):
 def test_tied_checkpoint_that_also_stores_lm_head_is_fine(tmp_path, tiny_checkpoint):
     def add_head(t):
         t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
     path = derive_checkpoint(tiny_checkpoint("qwen2"), tmp_path / "c", edit_tensors=add_head)
     model, _ = load_model(path, torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -76,8 +78,8 @@ def test_cast_to_requested_dtype_and_no_meta_left(llama_checkpoint):
 def test_legacy_inv_freq_tensors_are_ignored(tmp_path, llama_checkpoint):
     def add(t):
         t["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
-    legacy, _ = load_model(derive_checkpoint(llama_checkpoint, tmp_path / "c",
-                                             edit_tensors=add))
+
+    legacy, _ = load_model(derive_checkpoint(llama_checkpoint, tmp_path / "c", edit_tensors=add))
     plain, _ = load_model(llama_checkpoint)
     assert not any("inv_freq" in name for name, _ in legacy.named_parameters())
     state, ref = _state(legacy), _state(plain)
@@ -86,6 +88,7 @@ def test_legacy_inv_freq_tensors_are_ignored(tmp_path, llama_checkpoint):
 
 
 # -- bad checkpoints: each error names the file and the tensor --------------------------------
+
 
 def _expect_error(path, *patterns: str):
     with pytest.raises(ValueError) as info:
@@ -97,46 +100,61 @@ def _expect_error(path, *patterns: str):
 
 
 def test_unknown_architecture(tmp_path, llama_checkpoint):
-    path = derive_checkpoint(llama_checkpoint, tmp_path / "c",
-                             edit_config=lambda c: c.update(architectures=["GPTJForCausalLM"]))
-    _expect_error(path, r"config\.json", "GPTJForCausalLM", "LlamaForCausalLM",
-                  "Qwen3ForCausalLM")
+    path = derive_checkpoint(
+        llama_checkpoint,
+        tmp_path / "c",
+        edit_config=lambda c: c.update(architectures=["GPTJForCausalLM"]),
+    )
+    _expect_error(path, r"config\.json", "GPTJForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
 
 
 def test_missing_tensor(tmp_path, llama_checkpoint):
-    path = derive_checkpoint(llama_checkpoint, tmp_path / "c",
-                             edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    err = _expect_error(path, r"model\.safetensors", "missing tensor",
-                        r"model\.layers\.1\.mlp\.up_proj\.weight")
+    path = derive_checkpoint(
+        llama_checkpoint,
+        tmp_path / "c",
+        edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+    )
+    err = _expect_error(
+        path, r"model\.safetensors", "missing tensor", r"model\.layers\.1\.mlp\.up_proj\.weight"
+    )
     assert isinstance(CheckpointError(err), ValueError)
 
 
 def test_missing_lm_head_when_not_tied(tmp_path, llama_checkpoint):
-    path = derive_checkpoint(llama_checkpoint, tmp_path / "c",
-                             edit_tensors=lambda t: t.pop("lm_head.weight"))
+    path = derive_checkpoint(
+        llama_checkpoint, tmp_path / "c", edit_tensors=lambda t: t.pop("lm_head.weight")
+    )
     _expect_error(path, "missing tensor", r"'lm_head\.weight'")
 
 
 def test_unexpected_tensor(tmp_path, llama_checkpoint):
     def add(t):
         t["model.layers.0.self_attn.rel_bias.weight"] = torch.zeros(4)
+
     path = derive_checkpoint(llama_checkpoint, tmp_path / "c", edit_tensors=add)
-    _expect_error(path, r"model\.safetensors", "unexpected tensor",
-                  r"model\.layers\.0\.self_attn\.rel_bias\.weight")
+    _expect_error(
+        path,
+        r"model\.safetensors",
+        "unexpected tensor",
+        r"model\.layers\.0\.self_attn\.rel_bias\.weight",
+    )
 
 
 def test_shape_mismatch(tmp_path, llama_checkpoint):
     def bad(t):
         t[Q_PROJ] = torch.zeros(60, 64)
+
     path = derive_checkpoint(llama_checkpoint, tmp_path / "c", edit_tensors=bad)
-    _expect_error(path, r"model\.safetensors", re.escape(Q_PROJ), r"shape \[60, 64\]",
-                  r"expected \[64, 64\]")
+    _expect_error(
+        path, r"model\.safetensors", re.escape(Q_PROJ), r"shape \[60, 64\]", r"expected \[64, 64\]"
+    )
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.int32, "I32"), (torch.float8_e4m3fn, "F8_E4M3")])
 def test_unsupported_dtype(tmp_path, llama_checkpoint, dtype, name):
     def bad(t):
         t[Q_PROJ] = t[Q_PROJ].to(dtype)
+
     path = derive_checkpoint(llama_checkpoint, tmp_path / "c", edit_tensors=bad)
     _expect_error(path, r"model\.safetensors", re.escape(Q_PROJ), f"dtype {name}", "float")
 
@@ -162,7 +180,7 @@ def test_index_lists_tensor_absent_from_its_shard(tmp_path):
     index_file = path / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
     first_shard = sorted(set(index["weight_map"].values()))[0]
-    index["weight_map"]["lm_head.weight"] = first_shard     # it is really in another shard
+    index["weight_map"]["lm_head.weight"] = first_shard  # it is really in another shard
     index_file.write_text(json.dumps(index))
     _expect_error(path, re.escape(first_shard), r"'lm_head\.weight'", "not stored")
 

@@ -1,4 +1,5 @@
 """Architecture registry and load_model (meta build, materialize, load)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,12 @@ from models.loader import load_model
 
 
 def test_supported_architectures():
-    assert supported_architectures() == ["LlamaForCausalLM", "MistralForCausalLM",
-                                         "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert supported_architectures() == [
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    ]
     assert get_model_class("Qwen3ForCausalLM") is DecoderForCausalLM
 
 
@@ -45,9 +50,11 @@ def test_meta_build_rebuilds_rope_cache(llama_checkpoint):
     equal to a model constructed directly on CPU."""
     model, config = load_model(llama_checkpoint, torch.float32)
     direct = DecoderForCausalLM(config)
-    torch.testing.assert_close(model.model.rotary_emb.cos_cache, direct.model.rotary_emb.cos_cache,
-                               atol=0, rtol=0)
-    torch.testing.assert_close(model.model.rotary_emb.sin_cache, direct.model.rotary_emb.sin_cache,
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        model.model.rotary_emb.cos_cache, direct.model.rotary_emb.cos_cache, atol=0, rtol=0
+    )
+    torch.testing.assert_close(
+        model.model.rotary_emb.sin_cache, direct.model.rotary_emb.sin_cache, atol=0, rtol=0
+    )
     # One shared rotary module, not one per layer.
     assert all(l.self_attn.rotary_emb is model.model.rotary_emb for l in model.model.layers)

@@ -1,27 +1,37 @@
 """RoPE: inverse frequencies and logits equal transformers for plain, linear and llama3 RoPE."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from checkpoints import build_family_checkpoint
+from paged_harness import PagedHarness
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from checkpoints import build_family_checkpoint
 from models.loader import load_model
 from models.rotary import RotaryEmbedding, rope_inv_freq, rotate_half, supported_rope_types
-from paged_harness import PagedHarness
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 LINEAR = {"rope_type": "linear", "factor": 4.0}
 
 
 @pytest.mark.parametrize("scaling", [LLAMA3, LINEAR], ids=["llama3", "linear"])
 def test_inv_freq_equals_transformers(scaling):
-    hf_config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
-                            rope_parameters={**scaling, "rope_theta": 500000.0})
+    hf_config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        rope_parameters={**scaling, "rope_theta": 500000.0},
+    )
     expected, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, "cpu")
     assert attention_factor == 1.0
     torch.testing.assert_close(rope_inv_freq(16, 500000.0, scaling), expected, atol=0, rtol=0)
@@ -41,23 +51,25 @@ def test_cos_sin_cache_matches_rotate_half_definition():
     q, k = torch.randn(5, 2, 8), torch.randn(5, 1, 8)
     positions = torch.tensor([0, 3, 31, 7, 7])
     q2, k2 = rope(positions, q, k)
-    ang = positions[:, None].float() * rope_inv_freq(8, 10000.0, None)[None]   # [T, D/2]
+    ang = positions[:, None].float() * rope_inv_freq(8, 10000.0, None)[None]  # [T, D/2]
     cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]
     sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
     torch.testing.assert_close(q2, q * cos + rotate_half(q) * sin)
     torch.testing.assert_close(k2, k * cos + rotate_half(k) * sin)
-    torch.testing.assert_close(q2[0], q[0])          # position 0 is the identity
+    torch.testing.assert_close(q2[0], q[0])  # position 0 is the identity
 
 
 @pytest.mark.parametrize("scaling", [LLAMA3, LINEAR], ids=["llama3", "linear"])
 def test_scaled_rope_logits_match_transformers(tmp_path, scaling):
-    path = build_family_checkpoint(tmp_path / "ckpt", "llama",
-                                   rope_parameters={**scaling, "rope_theta": 10000.0})
+    path = build_family_checkpoint(
+        tmp_path / "ckpt", "llama", rope_parameters={**scaling, "rope_theta": 10000.0}
+    )
     model, config = load_model(path, torch.float32)
     assert config.rope_scaling["rope_type"] == scaling["rope_type"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompt = torch.randint(0, config.vocab_size, (40,),
-                           generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(
+        0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     (ours,) = PagedHarness(model).prefill_logits([prompt])
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
@@ -70,8 +82,9 @@ def test_scaled_rope_logits_match_transformers(tmp_path, scaling):
 
 def test_old_config_spelling_rope_theta_and_rope_scaling_type(tmp_path):
     """transformers < 5 wrote rope_theta at top level and rope_scaling with "type"."""
-    path = build_family_checkpoint(tmp_path / "ckpt", "llama",
-                                   rope_parameters={**LINEAR, "rope_theta": 20000.0})
+    path = build_family_checkpoint(
+        tmp_path / "ckpt", "llama", rope_parameters={**LINEAR, "rope_theta": 20000.0}
+    )
     cfg_file = path / "config.json"
     d = json.loads(cfg_file.read_text())
     d.pop("rope_parameters")

@@ -1,4 +1,5 @@
 """Embedded tiny checkpoints: deterministic, cached, atomic, loadable."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ def test_cached_and_reused(tmp_path):
     stamp = weights.stat().st_mtime_ns
     assert ensure_tiny_model(tmp_path, preset="test-llama") == path
     assert weights.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]      # no temp dirs left
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp dirs left
     model, config = load_model(path, torch.float32)
     assert config.architecture == "LlamaForCausalLM" and config.num_layers == 2
 
@@ -41,8 +42,9 @@ def test_deterministic_across_cache_roots_and_seeded(tmp_path):
 
 def test_concurrent_callers_get_one_complete_folder(tmp_path):
     with ThreadPoolExecutor(3) as pool:
-        paths = list(pool.map(lambda _: ensure_tiny_model(tmp_path, preset="test-mistral"),
-                              range(3)))
+        paths = list(
+            pool.map(lambda _: ensure_tiny_model(tmp_path, preset="test-mistral"), range(3))
+        )
     assert len(set(paths)) == 1
     assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]
     load_model(paths[0], torch.float32)
@@ -60,9 +62,15 @@ def test_arch_and_overrides_change_the_folder(tmp_path):
 def test_default_preset_is_the_benchmark_model():
     family, kwargs, dtype = resolve_preset("default")
     assert family == "llama" and dtype == "bfloat16"
-    assert (kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["intermediate_size"],
-            kwargs["num_attention_heads"], kwargs["num_key_value_heads"], kwargs["vocab_size"],
-            kwargs["max_position_embeddings"]) == (8, 512, 1408, 8, 4, 32000, 2048)
+    assert (
+        kwargs["num_hidden_layers"],
+        kwargs["hidden_size"],
+        kwargs["intermediate_size"],
+        kwargs["num_attention_heads"],
+        kwargs["num_key_value_heads"],
+        kwargs["vocab_size"],
+        kwargs["max_position_embeddings"],
+    ) == (8, 512, 1408, 8, 4, 32000, 2048)
 
 
 def test_bad_preset_and_arch():

@@ -5,6 +5,7 @@ registered with torch.library.custom_op, side by side in one process, interleave
 
 Numbers from this script are in passes/README.md ("Measured").
 """
+
 import statistics
 import sys
 import time
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import passes.ops_prepack as P  # noqa: E402
+
 
 @torch.library.custom_op("pwbench::lin_custom", mutates_args=())
 def lin_custom(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -54,22 +56,29 @@ def main() -> None:
     print("threads", torch.get_num_threads())
     for (n_out, k), n in (((1408, 512), 200), ((32000, 512), 10)):
         x = torch.randn(1, k, dtype=torch.bfloat16)
-        w = torch.randn(n_out, k, dtype=torch.bfloat16) / k ** 0.5
-        cases = [("F.linear", lambda: F.linear(x, w)),
-                 ("prepacked impl (no op)", lambda: P.prepacked_linear_cpu(x, w, None)),
-                 ("prepacked_linear (Library op)", lambda: P.prepacked_linear(x, w, None)),
-                 ("prepacked via custom_op", lambda: torch.ops.pwbench.lin_custom.default(
-                     x, w, None))]
+        w = torch.randn(n_out, k, dtype=torch.bfloat16) / k**0.5
+        cases = [
+            ("F.linear", lambda: F.linear(x, w)),
+            ("prepacked impl (no op)", lambda: P.prepacked_linear_cpu(x, w, None)),
+            ("prepacked_linear (Library op)", lambda: P.prepacked_linear(x, w, None)),
+            ("prepacked via custom_op", lambda: torch.ops.pwbench.lin_custom.default(x, w, None)),
+        ]
         for name, (med, mn) in run(cases, n).items():
-            print(f"[1,{k}]x[{n_out},{k}] bf16  {name:30s} median {med:8.1f} us  "
-                  f"min {mn:8.1f} us")
+            print(f"[1,{k}]x[{n_out},{k}] bf16  {name:30s} median {med:8.1f} us  min {mn:8.1f} us")
     x, w = torch.randn(1, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16)
-    r = run([("impl", lambda: P.prepacked_linear_cpu(x, w, None)),
-             ("Library op", lambda: P.prepacked_linear(x, w, None)),
-             ("custom_op", lambda: torch.ops.pwbench.lin_custom.default(x, w, None))], 2000)
-    print(f"per-call overhead on a tiny [1,8]x[8,8] call (median over the bare impl): "
-          f"Library op {r['Library op'][0] - r['impl'][0]:.1f} us, "
-          f"custom_op {r['custom_op'][0] - r['impl'][0]:.1f} us")
+    r = run(
+        [
+            ("impl", lambda: P.prepacked_linear_cpu(x, w, None)),
+            ("Library op", lambda: P.prepacked_linear(x, w, None)),
+            ("custom_op", lambda: torch.ops.pwbench.lin_custom.default(x, w, None)),
+        ],
+        2000,
+    )
+    print(
+        f"per-call overhead on a tiny [1,8]x[8,8] call (median over the bare impl): "
+        f"Library op {r['Library op'][0] - r['impl'][0]:.1f} us, "
+        f"custom_op {r['custom_op'][0] - r['impl'][0]:.1f} us"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """A deliberately wrong out-of-tree pass (``broken_pass_example:SwapMulForAdd``), for the tests
 that check ``verify_passes`` names it with its first diverging node on a real model."""
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ custom pass, keeping a snapshot of every graph before and after the passes.
 Its ``uuid()`` is ``None`` so Inductor's FX-graph cache never replays a graph without running
 the passes (the compiled C++ of identical kernels is still reused from Inductor's code cache).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -48,8 +49,11 @@ class TestBackend:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, *passes: Callable[[torch.fx.Graph], None],
-                 inductor_options: Optional[dict[str, Any]] = None):
+    def __init__(
+        self,
+        *passes: Callable[[torch.fx.Graph], None],
+        inductor_options: Optional[dict[str, Any]] = None,
+    ):
         self.passes = passes
         self.inductor_options = dict(inductor_options or {})
         self.graphs_before: list[torch.fx.Graph] = []
@@ -81,8 +85,13 @@ def compile_with(fn: Callable, backend: TestBackend, *args: Any) -> Any:
     return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)(*args)
 
 
-def assert_close_to_eager(actual: Any, expected: Any, dtype: torch.dtype,
-                          quant_step: bool = True, relative_to_max: bool = False) -> None:
+def assert_close_to_eager(
+    actual: Any,
+    expected: Any,
+    dtype: torch.dtype,
+    quant_step: bool = True,
+    relative_to_max: bool = False,
+) -> None:
     """Outputs match eager within the dtype's tolerance; int8 outputs within one step.
 
     ``relative_to_max``: judge float errors against each output's largest magnitude instead of
@@ -93,19 +102,23 @@ def assert_close_to_eager(actual: Any, expected: Any, dtype: torch.dtype,
     assert len(actual) == len(expected)
     tol = TOLERANCE[dtype]
     for i, (a, e) in enumerate(zip(actual, expected)):
-        assert a.dtype == e.dtype and a.shape == e.shape, f"output {i}: {a.dtype} {a.shape} " \
-                                                          f"vs eager {e.dtype} {e.shape}"
+        assert a.dtype == e.dtype and a.shape == e.shape, (
+            f"output {i}: {a.dtype} {a.shape} vs eager {e.dtype} {e.shape}"
+        )
         if e.dtype == torch.int8:
             diff = (a.int() - e.int()).abs()
             assert int(diff.max()) <= (1 if quant_step else 0), f"output {i}: int8 differs"
         elif e.dtype == torch.float8_e4m3fn:  # one e4m3 step: 3 mantissa bits
-            torch.testing.assert_close(a.float(), e.float(), atol=1e-2,
-                                       rtol=0.125 if quant_step else 0)
+            torch.testing.assert_close(
+                a.float(), e.float(), atol=1e-2, rtol=0.125 if quant_step else 0
+            )
         elif relative_to_max:
             err = float((a.float() - e.float()).abs().max())
             scale = float(e.float().abs().max())
-            assert err <= tol * max(scale, 1.0), f"output {i}: max abs error {err:.4g} is " \
-                                                 f"above {tol:g} x max|eager| = {scale:.4g}"
+            assert err <= tol * max(scale, 1.0), (
+                f"output {i}: max abs error {err:.4g} is above {tol:g} x max|eager| = {scale:.4g}"
+            )
         else:
-            torch.testing.assert_close(a.float(), e.float(), atol=tol, rtol=tol,
-                                       msg=lambda m: f"output {i}: {m}")
+            torch.testing.assert_close(
+                a.float(), e.float(), atol=tol, rtol=tol, msg=lambda m: f"output {i}: {m}"
+            )

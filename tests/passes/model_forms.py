@@ -1,5 +1,6 @@
 """The computations the fusion passes must match, written as the models and the quantized
 linears write them (models.layers.RMSNorm, models.decoder.DecoderMLP, passes.quant_schemes)."""
+
 from __future__ import annotations
 
 import torch

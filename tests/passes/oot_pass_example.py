@@ -1,5 +1,6 @@
 """An out-of-tree pass, selected in config by its import path ``oot_pass_example:SubToAddNeg``
 (no registration, no framework edit).  Used by the pass-manager tests."""
+
 from __future__ import annotations
 
 import torch

@@ -1,27 +1,31 @@
 import pytest
 import torch
-
-from framework.core.config import PassConfig
 from graph_test_backend import TestBackend, assert_close_to_eager, compile_with, count_op
 from model_forms import rms_norm
+
+from framework.core.config import PassConfig
 from passes.manager import PassManager
 
 aten, ops = torch.ops.aten, torch.ops.piecewise
 
 
 def two_norms(x, residual, w1, w2):
-    r = x + residual                   # residual add feeding a norm: fused
+    r = x + residual  # residual add feeding a norm: fused
     h = rms_norm(r, w1)
-    r2 = h * 2 + r                     # second add: its sum is used only by the norm
-    return rms_norm(r2, w2, 1e-5), r   # (eps differs: eps is a pattern wildcard)
+    r2 = h * 2 + r  # second add: its sum is used only by the norm
+    return rms_norm(r2, w2, 1e-5), r  # (eps differs: eps is a pattern wildcard)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_add_rmsnorm_fused_per_add(dtype):
     pm = PassManager(PassConfig(passes=["noop_elimination", "fuse_add_rmsnorm"]), dtype=dtype)
     backend = TestBackend(pm)
-    args = [torch.randn(4, 32, dtype=dtype), torch.randn(4, 32, dtype=dtype),
-            torch.randn(32, dtype=dtype), torch.randn(32, dtype=dtype)]
+    args = [
+        torch.randn(4, 32, dtype=dtype),
+        torch.randn(4, 32, dtype=dtype),
+        torch.randn(32, dtype=dtype),
+        torch.randn(32, dtype=dtype),
+    ]
     out = compile_with(two_norms, backend, *args)
     assert count_op(backend.graph_before, aten.rsqrt) == 2
     assert count_op(backend.graph_after, ops.fused_add_rms_norm) == 2

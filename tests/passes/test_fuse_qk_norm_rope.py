@@ -1,8 +1,8 @@
 import torch
-
-from framework.core.config import PassConfig
 from graph_test_backend import TestBackend, assert_close_to_eager, compile_with, count_op
 from model_forms import rms_norm
+
+from framework.core.config import PassConfig
 from models.rotary import RotaryEmbedding
 from passes.manager import PassManager
 
@@ -33,9 +33,14 @@ def test_qk_norm_rope_fused():
     pm = PassManager(PassConfig(passes=["noop_elimination", "fuse_qk_norm_rope"]), dtype=dtype)
     backend = TestBackend(pm)
     rotary = RotaryEmbedding(D, 64, 10000.0, None, dtype)
-    args = [torch.randn(6, (HQ + 2 * HKV) * D, dtype=dtype), torch.tensor([3, 9, 0, 1, 2, 40]),
-            torch.randn(D, dtype=dtype), torch.randn(D, dtype=dtype), rotary.cos_cache,
-            rotary.sin_cache]
+    args = [
+        torch.randn(6, (HQ + 2 * HKV) * D, dtype=dtype),
+        torch.tensor([3, 9, 0, 1, 2, 40]),
+        torch.randn(D, dtype=dtype),
+        torch.randn(D, dtype=dtype),
+        rotary.cos_cache,
+        rotary.sin_cache,
+    ]
     out = compile_with(qk_norm_rope, backend, *args)
     assert count_op(backend.graph_before, aten.rsqrt) == 2
     assert count_op(backend.graph_after, ops.qk_norm_rope) == 1

@@ -6,10 +6,10 @@ import textwrap
 
 import pytest
 import torch
-
-from framework.core.config import PassConfig
 from graph_test_backend import TestBackend, compile_with, count_op
 from oot_pass_example import SubToAddNeg
+
+from framework.core.config import PassConfig
 from passes.manager import PassManager
 
 aten = torch.ops.aten
@@ -25,18 +25,25 @@ def test_uuid_is_stable_for_the_same_config():
     b = manager("noop_elimination", "fuse_add_rmsnorm", dtype=torch.bfloat16)
     assert a.uuid() == b.uuid() == a.cache_uuid()
     # Flags that do not change the produced graph do not change the key.
-    c = PassManager(PassConfig(passes=["noop_elimination", "fuse_add_rmsnorm"],
-                               warn_on_no_match=False), dtype=torch.bfloat16)
+    c = PassManager(
+        PassConfig(passes=["noop_elimination", "fuse_add_rmsnorm"], warn_on_no_match=False),
+        dtype=torch.bfloat16,
+    )
     assert c.uuid() == a.uuid()
 
 
 def test_uuid_changes_with_pass_list_and_config():
     base = manager("noop_elimination", "fuse_add_rmsnorm", dtype=torch.bfloat16)
     assert manager("noop_elimination", dtype=torch.bfloat16).uuid() != base.uuid()
-    assert manager("noop_elimination", "fuse_add_rmsnorm",
-                   dtype=torch.float32).uuid() != base.uuid()
-    assert manager("noop_elimination", "fuse_add_rmsnorm", dtype=torch.bfloat16,
-                   quant_config_hash="abc").uuid() != base.uuid()
+    assert (
+        manager("noop_elimination", "fuse_add_rmsnorm", dtype=torch.float32).uuid() != base.uuid()
+    )
+    assert (
+        manager(
+            "noop_elimination", "fuse_add_rmsnorm", dtype=torch.bfloat16, quant_config_hash="abc"
+        ).uuid()
+        != base.uuid()
+    )
 
 
 def test_uuid_follows_the_code_that_runs_not_the_file(tmp_path, monkeypatch):
@@ -44,13 +51,15 @@ def test_uuid_follows_the_code_that_runs_not_the_file(tmp_path, monkeypatch):
     (else artifacts built by the old code would be stored under the new code's key); the
     reloaded module gets a new uuid; a comment-only edit changes no code and no uuid."""
     src = tmp_path / "my_tmp_pass_mod.py"
-    src.write_text(textwrap.dedent("""
+    src.write_text(
+        textwrap.dedent("""
         from passes.base import GraphPass
 
         class MyPass(GraphPass):
             def __call__(self, graph):
                 self.match_count = 0
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         first = manager("my_tmp_pass_mod:MyPass").uuid()
@@ -98,13 +107,16 @@ def test_records_per_piece_dump_and_eager_path(tmp_path):
     for piece in ("submod_0", "submod_2"):
         pm.set_current_piece(piece, _Range(1, 16))
         gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: (a - b) * 2)(
-            torch.randn(3), torch.randn(3))
+            torch.randn(3), torch.randn(3)
+        )
         gm = pm.run_on_graph_module(gm)
         a, b = torch.randn(3), torch.randn(3)
         torch.testing.assert_close(gm(a, b), (a - b) * 2)
     pieces = pm.stats()[OOT]["pieces"]
-    assert [(p["piece"], p["compile_range"], p["matches"]) for p in pieces] == \
-        [("submod_0", (1, 16), 1), ("submod_2", (1, 16), 1)]
+    assert [(p["piece"], p["compile_range"], p["matches"]) for p in pieces] == [
+        ("submod_0", (1, 16), 1),
+        ("submod_2", (1, 16), 1),
+    ]
     dump = tmp_path / "passes" / "submod_2" / "range_1-16"
     files = sorted(os.listdir(dump))
     assert files == ["00_before_passes.txt", "01_after_oot_pass_example_SubToAddNeg.txt"]
@@ -121,17 +133,20 @@ def test_is_applicable_skips_a_pass_for_a_range():
     pm = manager(f"{__name__}:OnlyLarge")
     for rng in (_Range(1, 8), _Range(9, 64)):
         pm.set_current_piece("p", rng)
-        pm.run_on_graph_module(torch.fx.experimental.proxy_tensor.make_fx(
-            lambda a, b: a - b)(torch.randn(2), torch.randn(2)))
-    assert [p["compile_range"] for p in pm.stats()[f"{__name__}:OnlyLarge"]["pieces"]] == \
-        [(9, 64)]
+        pm.run_on_graph_module(
+            torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: a - b)(
+                torch.randn(2), torch.randn(2)
+            )
+        )
+    assert [p["compile_range"] for p in pm.stats()[f"{__name__}:OnlyLarge"]["pieces"]] == [(9, 64)]
 
 
 def test_warn_unmatched_names_the_fusion(caplog):
     pm = manager("noop_elimination", "fuse_add_rmsnorm", dtype=torch.float32)
     assert pm.warn_unmatched() == []  # nothing ran yet (e.g. every piece came from the cache)
-    pm.run_on_graph_module(torch.fx.experimental.proxy_tensor.make_fx(
-        lambda a: a * 2)(torch.randn(2)))
+    pm.run_on_graph_module(
+        torch.fx.experimental.proxy_tensor.make_fx(lambda a: a * 2)(torch.randn(2))
+    )
     with caplog.at_level(logging.WARNING, logger="passes.manager"):
         assert pm.warn_unmatched() == ["fuse_add_rmsnorm"]  # noop_elimination is no fusion
     assert "fuse_add_rmsnorm is enabled but matched nothing" in caplog.text

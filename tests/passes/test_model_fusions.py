@@ -1,26 +1,38 @@
 """Fusion passes on a whole tiny Llama-style model through the piecewise backend: expected
 match counts per layer for each quantization, and outputs unchanged by the passes."""
+
 import pytest
 
 from framework import LLM, CompilationConfig
 
-FUSIONS = ["noop_elimination", "fuse_add_rmsnorm", "fuse_rmsnorm_quant", "fuse_silu_mul_quant",
-           "fix_functionalization"]
+FUSIONS = [
+    "noop_elimination",
+    "fuse_add_rmsnorm",
+    "fuse_rmsnorm_quant",
+    "fuse_silu_mul_quant",
+    "fix_functionalization",
+]
 PROMPTS = [[3, 17, 42, 9, 100, 7], [8, 1, 250]]
 
 
 def _run(path, quantization, passes, cache_dir, backend="inductor"):
-    cc = CompilationConfig(level=1, backend=backend, progress_bar=False,
-                           pass_config={"passes": passes})
-    llm = LLM(str(path), compilation_config=cc, quantization=quantization, max_num_seqs=2,
-              max_model_len=64, cache_dir=cache_dir)
+    cc = CompilationConfig(
+        level=1, backend=backend, progress_bar=False, pass_config={"passes": passes}
+    )
+    llm = LLM(
+        str(path),
+        compilation_config=cc,
+        quantization=quantization,
+        max_num_seqs=2,
+        max_model_len=64,
+        cache_dir=cache_dir,
+    )
     return llm, llm.generate(PROMPTS, 8, ignore_eos=True)
 
 
 @pytest.mark.parametrize("quantization", ["int8_per_token", "fp8_per_token"])
 def test_fusions_match_per_layer(quantization, llama_checkpoint, compile_cache_dir):
-    llm, fused = _run(llama_checkpoint, quantization, FUSIONS, compile_cache_dir,
-                      backend="eager")
+    llm, fused = _run(llama_checkpoint, quantization, FUSIONS, compile_cache_dir, backend="eager")
     layers = llm.model_config.num_layers
     matches = {name: rec["total_matches"] for name, rec in llm.stats["passes"].items()}
     # residual add + RMSNorm: post-attention norm of every layer and the input norm of every
@@ -40,8 +52,9 @@ def test_fusions_under_inductor_keep_outputs(llama_checkpoint, tmp_path, monkeyp
     the same pieces) also skips the post-grad passes."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     llm, fused = _run(llama_checkpoint, "int8_per_token", FUSIONS, str(tmp_path / "cache"))
-    ref = LLM(str(llama_checkpoint), quantization="int8_per_token", max_num_seqs=2,
-              max_model_len=64)
+    ref = LLM(
+        str(llama_checkpoint), quantization="int8_per_token", max_num_seqs=2, max_model_len=64
+    )
     assert fused == ref.generate(PROMPTS, 8, ignore_eos=True)
     assert llm.stats["compile_compiles"] > 0 and llm.stats["compile_loads"] == 0
     layers = llm.model_config.num_layers

@@ -1,17 +1,17 @@
 import torch
+from graph_test_backend import TestBackend, compile_with, count_op
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from framework.core.config import PassConfig
-from graph_test_backend import TestBackend, compile_with, count_op
 from passes.manager import PassManager
 
 aten = torch.ops.aten
 
 
 def redundant(x, w):
-    v = x.view(-1, 8, 16).reshape(-1, 128)      # chain back to x's own shape
-    s = v[:, 0:9223372036854775807]             # full slice
-    return s.reshape(x.shape[0], 128) * w       # same-shape reshape
+    v = x.view(-1, 8, 16).reshape(-1, 128)  # chain back to x's own shape
+    s = v[:, 0:9223372036854775807]  # full slice
+    return s.reshape(x.shape[0], 128) * w  # same-shape reshape
 
 
 def _eager_piece(mode):

@@ -1,9 +1,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_test_backend import TestBackend, assert_close_to_eager, compile_with, count_op
 
 from framework.core.config import PassConfig
-from graph_test_backend import TestBackend, assert_close_to_eager, compile_with, count_op
 from passes.manager import PassManager
 from passes.ops_prepack import _PACKED, clear_packed_weights, mkldnn_available
 
@@ -13,8 +13,11 @@ pytestmark = pytest.mark.skipif(not mkldnn_available(), reason="needs oneDNN (mk
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_opcheck_and_numerics(dtype):
-    x, w, b = torch.randn(3, 64, dtype=dtype), torch.randn(48, 64, dtype=dtype), \
-        torch.randn(48, dtype=dtype)
+    x, w, b = (
+        torch.randn(3, 64, dtype=dtype),
+        torch.randn(48, 64, dtype=dtype),
+        torch.randn(48, dtype=dtype),
+    )
     for bias in (None, b):
         torch.library.opcheck(torch.ops.piecewise.prepacked_linear.default, (x, w, bias))
         out = torch.ops.piecewise.prepacked_linear(x, w, bias)
@@ -40,13 +43,17 @@ def test_linears_with_weight_inputs_are_rewritten():
     backend = TestBackend(pm)
 
     def f(x, w1, b1, w2, w_int):
-        h = F.linear(x, w1, b1)                       # addmm
-        y = F.linear(torch.relu(h), w2)               # mm
-        return y, x.float() @ w_int.float().t()       # not a weight placeholder: kept
+        h = F.linear(x, w1, b1)  # addmm
+        y = F.linear(torch.relu(h), w2)  # mm
+        return y, x.float() @ w_int.float().t()  # not a weight placeholder: kept
 
-    args = [torch.randn(2, 32, dtype=dtype), torch.randn(48, 32, dtype=dtype),
-            torch.randn(48, dtype=dtype), torch.randn(16, 48, dtype=dtype),
-            torch.randint(-3, 3, (8, 32), dtype=torch.int8)]
+    args = [
+        torch.randn(2, 32, dtype=dtype),
+        torch.randn(48, 32, dtype=dtype),
+        torch.randn(48, dtype=dtype),
+        torch.randn(16, 48, dtype=dtype),
+        torch.randint(-3, 3, (8, 32), dtype=torch.int8),
+    ]
     out = compile_with(f, backend, *args)
     after = backend.graph_after
     assert count_op(after, torch.ops.piecewise.prepacked_linear) == 2
@@ -61,10 +68,13 @@ def test_addmm_with_a_residual_input_becomes_linear_plus_add():
     backend = TestBackend(pm)
 
     def f(x, w, r):
-        return torch.addmm(r, x, w.t())                # residual folded into the matmul
+        return torch.addmm(r, x, w.t())  # residual folded into the matmul
 
-    args = [torch.randn(3, 32, dtype=dtype), torch.randn(16, 32, dtype=dtype),
-            torch.randn(3, 16, dtype=dtype)]
+    args = [
+        torch.randn(3, 32, dtype=dtype),
+        torch.randn(16, 32, dtype=dtype),
+        torch.randn(3, 16, dtype=dtype),
+    ]
     out = compile_with(f, backend, *args)
     assert count_op(backend.graph_after, torch.ops.piecewise.prepacked_linear) == 1
     assert count_op(backend.graph_after, aten.addmm) == 0
@@ -73,6 +83,7 @@ def test_addmm_with_a_residual_input_becomes_linear_plus_add():
 
 def test_packed_copy_dies_with_its_weight():
     import gc
+
     clear_packed_weights()
     w = torch.randn(16, 32, dtype=torch.bfloat16)
     torch.ops.piecewise.prepacked_linear(torch.randn(2, 32, dtype=torch.bfloat16), w, None)

@@ -1,4 +1,5 @@
 """The quantization pass: scheme registry, weights quantized once, ops in the graph."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -42,7 +43,7 @@ class ToyModel(nn.Module):
         self.lm_head = Linear(H, V)
         for m in self.modules():
             if isinstance(m, Linear):
-                nn.init.normal_(m.weight, std=H ** -0.5)
+                nn.init.normal_(m.weight, std=H**-0.5)
                 if m.bias is not None:
                     nn.init.normal_(m.bias, std=0.1)
         self.to(dtype)
@@ -54,8 +55,11 @@ class ToyModel(nn.Module):
         return self.lm_head(x)
 
 
-LINEARS = [f"model.layers.{i}.{n}" for i in range(2) for n in
-           ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+LINEARS = [
+    f"model.layers.{i}.{n}"
+    for i in range(2)
+    for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+]
 IDS = torch.tensor([1, 5, 9, 33, 64, 100, 127, 2])
 
 
@@ -81,11 +85,14 @@ def test_quantize_model_twice_is_an_error():
         qs.quantize_model(model, "int8_per_token")
 
 
-@pytest.mark.parametrize("shorthand,scheme,max_rel", [
-    ("int8_per_token", "int8_dynamic_per_token", 0.03),
-    ("int8_per_channel_weight_only", "int8_weight_only", 0.02),
-    ("fp8_per_token", "fp8_dynamic_per_token", 0.08),
-])
+@pytest.mark.parametrize(
+    "shorthand,scheme,max_rel",
+    [
+        ("int8_per_token", "int8_dynamic_per_token", 0.03),
+        ("int8_per_channel_weight_only", "int8_weight_only", 0.02),
+        ("fp8_per_token", "fp8_dynamic_per_token", 0.08),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_model_tracks_float_model(shorthand, scheme, max_rel, dtype):
     ref_model = ToyModel(dtype)
@@ -100,12 +107,21 @@ def test_quantized_model_tracks_float_model(shorthand, scheme, max_rel, dtype):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
 
 
-@pytest.mark.parametrize("shorthand,scheme", [
-    ("fp8_per_tensor", "fp8_static_per_tensor"),
-    ({"linear": {"shorthand": "int8_per_token",
-                 "activation": {"scale": "static", "group": "per_tensor"}}},
-     "int8_static_per_tensor"),
-])
+@pytest.mark.parametrize(
+    "shorthand,scheme",
+    [
+        ("fp8_per_tensor", "fp8_static_per_tensor"),
+        (
+            {
+                "linear": {
+                    "shorthand": "int8_per_token",
+                    "activation": {"scale": "static", "group": "per_tensor"},
+                }
+            },
+            "int8_static_per_tensor",
+        ),
+    ],
+)
 def test_static_activation_scales_need_calibration(shorthand, scheme):
     ref_model = ToyModel()
     with torch.no_grad():
@@ -136,8 +152,10 @@ def test_graph_carries_quant_op_then_scaled_mm():
     torch._dynamo.reset()
     torch.compile(model.model.layers[0], backend=capture, fullgraph=True)(torch.randn(4, H))
     calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-    targets = [getattr(t, "__name__", str(t)) if not isinstance(t, torch._ops.OpOverloadPacket)
-               else str(t) for t in calls]
+    targets = [
+        getattr(t, "__name__", str(t)) if not isinstance(t, torch._ops.OpOverloadPacket) else str(t)
+        for t in calls
+    ]
     assert targets.count("piecewise.dynamic_per_token_quant") == 4
     assert targets.count("piecewise.int8_scaled_mm") == 4
     assert not any(t.endswith("linear") or t.endswith("matmul") for t in targets)
@@ -147,22 +165,32 @@ def test_graph_carries_quant_op_then_scaled_mm():
 
 def test_ignore_and_targets_select_layers():
     model = ToyModel()
-    result = qs.quantize_model(model, {"linear": "int8_per_token",
-                                       "ignore": ["*.down_proj", "model.layers.1.*"]})
-    assert set(result) == {f"model.layers.0.{n}" for n in
-                           ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj")}
+    result = qs.quantize_model(
+        model, {"linear": "int8_per_token", "ignore": ["*.down_proj", "model.layers.1.*"]}
+    )
+    assert set(result) == {
+        f"model.layers.0.{n}"
+        for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj")
+    }
     model = ToyModel()
-    result = qs.quantize_model(model, {"targets": {
-        "re:model\\.layers\\.\\d+\\.mlp\\..*": "int8_per_channel_weight_only",
-        "model.layers.0.self_attn.o_proj": "int8_per_token",
-        "lm_head": "int8_per_channel_weight_only"}})
+    result = qs.quantize_model(
+        model,
+        {
+            "targets": {
+                "re:model\\.layers\\.\\d+\\.mlp\\..*": "int8_per_channel_weight_only",
+                "model.layers.0.self_attn.o_proj": "int8_per_token",
+                "lm_head": "int8_per_channel_weight_only",
+            }
+        },
+    )
     assert result == {
         "model.layers.0.self_attn.o_proj": "int8_dynamic_per_token",
         "model.layers.0.mlp.gate_up_proj": "int8_weight_only",
         "model.layers.0.mlp.down_proj": "int8_weight_only",
         "model.layers.1.mlp.gate_up_proj": "int8_weight_only",
         "model.layers.1.mlp.down_proj": "int8_weight_only",
-        "lm_head": "int8_weight_only"}
+        "lm_head": "int8_weight_only",
+    }
 
 
 def test_tied_lm_head_keeps_embedding_float():
@@ -175,10 +203,12 @@ def test_tied_lm_head_keeps_embedding_float():
 
 def test_unsupported_spec_names_layer_and_touches_nothing():
     model = ToyModel()
-    spec = {"weight": {"dtype": "int8", "scale": "static", "group": "per_group",
-                       "group_size": 32}}
-    with pytest.raises(ValueError, match=r"layer 'model\.layers\.0\.self_attn\.qkv_proj'.*"
-                                         r"no linear scheme.*int8_dynamic_per_token"):
+    spec = {"weight": {"dtype": "int8", "scale": "static", "group": "per_group", "group_size": 32}}
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'model\.layers\.0\.self_attn\.qkv_proj'.*"
+        r"no linear scheme.*int8_dynamic_per_token",
+    ):
         qs.quantize_model(model, {"linear": spec})
     assert all(m.linear_method is None for _, m in qs.linear_layers(model))
 
@@ -194,7 +224,8 @@ def test_scheme_registry_matches_by_pattern():
         qs.scheme_for(QuantSpec(i8w, QuantKey("int8", "dynamic", "per_token", symmetric=False)))
     with pytest.raises(ValueError, match="already registered"):
         qs.register_scheme("int8_weight_only", weight={}, activation=qs.WEIGHT_ONLY)(
-            type("Dup", (qs.LinearScheme,), {}))
+            type("Dup", (qs.LinearScheme,), {})
+        )
 
 
 def test_quantize_weight_per_tensor_and_fp8():

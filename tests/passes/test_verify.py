@@ -34,8 +34,9 @@ def _f(x, w):
 
 
 def test_broken_pass_fails_naming_pass_and_first_diverging_node():
-    pm = PassManager(PassConfig(passes=["noop_elimination", f"{__name__}:MulToAdd"],
-                                verify_passes=True))
+    pm = PassManager(
+        PassConfig(passes=["noop_elimination", f"{__name__}:MulToAdd"], verify_passes=True)
+    )
     assert pm.uuid() != pm.uuid()  # verifying: Inductor's cache must not skip the passes
     pm.set_current_piece("submod_0", _Range(1, 64))
     gm = _traced(_f, torch.randn(5, 8), torch.randn(8))
@@ -67,8 +68,9 @@ def test_broken_replacement_is_named_by_the_inserted_node():
 
 
 def test_correct_passes_report_their_error():
-    pm = PassManager(PassConfig(passes=["noop_elimination", "oot_pass_example:SubToAddNeg"],
-                                verify_passes=True))
+    pm = PassManager(
+        PassConfig(passes=["noop_elimination", "oot_pass_example:SubToAddNeg"], verify_passes=True)
+    )
     pm.set_current_piece("submod_0", _Range(1, 64))
     pm.run_on_graph_module(_traced(_f, torch.randn(5, 8), torch.randn(8)))
     rec = pm.stats()["oot_pass_example:SubToAddNeg"]["pieces"][0]
@@ -77,18 +79,24 @@ def test_correct_passes_report_their_error():
 
 def test_random_inputs_bind_the_token_count_from_the_range():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
-                                                       StatelessSymbolicContext)
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
+
     def fake(t, *dims):  # only the token dimension is symbolic, as in a piece
-        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
-            dynamic_sizes=[DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dims]))
+        return mode.from_tensor(
+            t,
+            symbolic_context=StatelessSymbolicContext(
+                dynamic_sizes=[DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dims]
+            ),
+        )
 
     graph = torch.fx.Graph()
-    for name, val in (("x", fake(torch.randn(5, 8, dtype=torch.bfloat16), True, False)),
-                      ("pos", fake(torch.arange(5), True)),
-                      ("w", fake(torch.randn(8), False))):
+    for name, val in (
+        ("x", fake(torch.randn(5, 8, dtype=torch.bfloat16), True, False)),
+        ("pos", fake(torch.arange(5), True)),
+        ("w", fake(torch.randn(8), False)),
+    ):
         graph.placeholder(name).meta["val"] = val
     x, pos, w = random_inputs(graph, size=concrete_size(_Range(3, 3)))
     assert x.shape == (3, 8) and x.dtype == torch.bfloat16 and w.shape == (8,)
@@ -98,7 +106,7 @@ def test_random_inputs_bind_the_token_count_from_the_range():
 
 def test_compare_allows_one_quant_step_and_dtype_tolerance():
     a = torch.tensor([1, 2, 3], dtype=torch.int8)
-    assert compare(a, a + 2, 1e-4)[2]   # removed rounding of the value and of the scale
+    assert compare(a, a + 2, 1e-4)[2]  # removed rounding of the value and of the scale
     assert not compare(a, a + 3, 1e-4)[2]
     b = torch.tensor([0.001, 4.0], dtype=torch.bfloat16)
     assert compare(b, b * 1.01, 5e-2)[2]
@@ -120,12 +128,13 @@ def test_uninitialised_outputs_are_not_compared_written_ones_are():
     gm = _traced(_with_buffer, torch.randn(5, 8), torch.randn(8))
     undefined = undefined_nodes(gm.graph)
     outs = gm.graph.output_node().args[0]
-    assert outs[1].name in undefined          # view of an empty nobody writes
-    assert outs[2].name not in undefined      # zero_() defined it
+    assert outs[1].name in undefined  # view of an empty nobody writes
+    assert outs[2].name not in undefined  # zero_() defined it
     assert outs[0].name not in undefined
     # A correct pass on such a piece passes, whatever garbage the buffer holds each run.
-    pm = PassManager(PassConfig(passes=["noop_elimination", "oot_pass_example:SubToAddNeg"],
-                                verify_passes=True))
+    pm = PassManager(
+        PassConfig(passes=["noop_elimination", "oot_pass_example:SubToAddNeg"], verify_passes=True)
+    )
     pm.set_current_piece("submod_0", _Range(1, 64))
     pm.run_on_graph_module(gm)
     assert pm.stats()["oot_pass_example:SubToAddNeg"]["pieces"][0]["matches"] == 1

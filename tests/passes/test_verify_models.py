@@ -1,6 +1,7 @@
 """``verify_passes`` on real models: every built-in pass at every level passes on the tiny
 families (no false positives, split or whole-graph), and a wrong out-of-tree pass is named
 with its first diverging node, through ``LLM`` and through Hydra."""
+
 import os
 import re
 import subprocess
@@ -8,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from checkpoints import FAMILIES
+
 from framework import LLM, CompilationConfig, PassConfig
 from models.tiny import ensure_tiny_model
 
@@ -18,10 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _llm(path, level, cache_dir, dtype="float32", quantization=None, **compile_kw):
-    return LLM(str(path), dtype=dtype, max_model_len=64, optimization_level=level,
-               quantization=quantization,
-               compilation_config=CompilationConfig(progress_bar=False, cache_dir=cache_dir,
-                                                    **compile_kw))
+    return LLM(
+        str(path),
+        dtype=dtype,
+        max_model_len=64,
+        optimization_level=level,
+        quantization=quantization,
+        compilation_config=CompilationConfig(progress_bar=False, cache_dir=cache_dir, **compile_kw),
+    )
 
 
 def _check_all_verified(llm):
@@ -36,17 +41,21 @@ def _check_all_verified(llm):
 @pytest.mark.parametrize("splitting_ops", [None, []], ids=["split", "whole_graph"])
 def test_builtin_passes_verify_at_O2(llama_checkpoint, compile_cache_dir, splitting_ops):
     kw = {} if splitting_ops is None else {"splitting_ops": splitting_ops}
-    llm = _llm(llama_checkpoint, 2, compile_cache_dir,
-               pass_config=PassConfig(verify_passes=True), **kw)
+    llm = _llm(
+        llama_checkpoint, 2, compile_cache_dir, pass_config=PassConfig(verify_passes=True), **kw
+    )
     _check_all_verified(llm)
     assert llm.generate([[1, 2, 3]], max_new_tokens=2)[0]
 
 
-def test_wrong_oot_pass_is_named_with_its_first_diverging_node(llama_checkpoint,
-                                                               compile_cache_dir):
+def test_wrong_oot_pass_is_named_with_its_first_diverging_node(llama_checkpoint, compile_cache_dir):
     with pytest.raises(Exception) as info:
-        _llm(llama_checkpoint, 2, compile_cache_dir,
-             pass_config=PassConfig(enable=[BROKEN], verify_passes=True))
+        _llm(
+            llama_checkpoint,
+            2,
+            compile_cache_dir,
+            pass_config=PassConfig(enable=[BROKEN], verify_passes=True),
+        )
     msg = str(info.value)
     assert f"pass {BROKEN!r} changed the piece beyond tolerance" in msg
     # the pass kept the node (name mul_N) and changed its target
@@ -54,18 +63,27 @@ def test_wrong_oot_pass_is_named_with_its_first_diverging_node(llama_checkpoint,
 
 
 @pytest.mark.slow(reason="5 models x 3 levels x 2 splittings x 3 dtypes of Inductor compiles")
-@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None),
-                                                ("bfloat16", "int8_per_token")])
+@pytest.mark.parametrize(
+    "dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "int8_per_token")]
+)
 @pytest.mark.parametrize("family", ("default",) + FAMILIES)
-def test_every_level_verifies_on_every_family(tiny_checkpoint, tmp_path, family, dtype,
-                                              quantization):
+def test_every_level_verifies_on_every_family(
+    tiny_checkpoint, tmp_path, family, dtype, quantization
+):
     """``default`` is the tiny model of ``make run`` (8 layers, hidden 512); int8 quantization
     gives the quant fusions of O3 something to match."""
     path = ensure_tiny_model() if family == "default" else tiny_checkpoint(family)
     for level in (1, 2, 3):
         for kw in ({}, {"splitting_ops": []}):
-            llm = _llm(path, level, str(tmp_path), dtype=dtype, quantization=quantization,
-                       pass_config=PassConfig(verify_passes=True), **kw)
+            llm = _llm(
+                path,
+                level,
+                str(tmp_path),
+                dtype=dtype,
+                quantization=quantization,
+                pass_config=PassConfig(verify_passes=True),
+                **kw,
+            )
             _check_all_verified(llm)
 
 
@@ -86,12 +104,26 @@ def test_hydra_run_names_the_wrong_pass_from_an_experiment_outside_the_repo(tmp_
     conf = tmp_path / "my_conf"
     (conf / "experiment").mkdir(parents=True)
     (conf / "experiment" / "verify_broken.yaml").write_text(EXTERNAL_EXPERIMENT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests" / "passes"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "experiments.run", f"hydra.searchpath=[file://{conf}]",
-           "experiment=verify_broken", "model.preset=test-llama", "workload.num_prompts=1",
-           "workload.max_new_tokens=2", "check_agreement=false", "measure_warm_start=false",
-           f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(ROOT / "tests" / "passes"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        f"hydra.searchpath=[file://{conf}]",
+        "experiment=verify_broken",
+        "model.preset=test-llama",
+        "workload.num_prompts=1",
+        "workload.max_new_tokens=2",
+        "check_agreement=false",
+        "measure_warm_start=false",
+        f"cache_dir={tmp_path / 'cache'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]

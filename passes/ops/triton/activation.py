@@ -4,6 +4,7 @@ optionally with a static or dynamic per-token quantized output.
 One program per row, looping over the row in BLOCK chunks (rows can be wider than registers);
 dynamic quant makes two passes: absmax first, then quantize (recomputing SiLU is cheaper than
 a round trip through memory)."""
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,20 @@ def _row_values(x_ptr, row, x_stride, offs, mask, N, GATED: tl.constexpr):
 
 
 @triton.jit
-def _row_kernel(x_ptr, out_ptr, scale_ptr, N, x_stride, out_stride, BLOCK: tl.constexpr,
-                GATED: tl.constexpr, QUANT: tl.constexpr, IS_INT8: tl.constexpr,
-                QMAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+def _row_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    N,
+    x_stride,
+    out_stride,
+    BLOCK: tl.constexpr,
+    GATED: tl.constexpr,
+    QUANT: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    QMAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
     row = tl.program_id(0)
     base = tl.arange(0, BLOCK)
     if QUANT == 1:
@@ -38,8 +50,9 @@ def _row_kernel(x_ptr, out_ptr, scale_ptr, N, x_stride, out_stride, BLOCK: tl.co
         for start in range(0, N, BLOCK):
             offs = start + base
             mask = offs < N
-            absmax = tl.maximum(absmax, tl.abs(_row_values(x_ptr, row, x_stride, offs, mask, N,
-                                                           GATED)))
+            absmax = tl.maximum(
+                absmax, tl.abs(_row_values(x_ptr, row, x_stride, offs, mask, N, GATED))
+            )
         scale = tl.maximum(tl.max(absmax, axis=0) / QMAX, MIN_SCALE)
         tl.store(scale_ptr + row, scale)
     for start in range(0, N, BLOCK):
@@ -60,9 +73,19 @@ def _launch(out, x, scale, gated: bool, quant: int, block: int = 1024) -> None:
     if quant == DYNAMIC and not scale.is_contiguous():
         raise ValueError(f"{name}: scales must be contiguous [T, 1], got strides {scale.stride()}")
     qp = quant_params(out) if quant != NO_QUANT else dict(IS_INT8=False, QMAX=1.0)
-    _row_kernel[(rows,)](x2, o2, scale if scale is not None else x2, n, x2.stride(0),
-                         o2.stride(0), BLOCK=min(block, triton.next_power_of_2(n)), GATED=gated,
-                         QUANT=quant, MIN_SCALE=MIN_DYNAMIC_SCALE, **qp)
+    _row_kernel[(rows,)](
+        x2,
+        o2,
+        scale if scale is not None else x2,
+        n,
+        x2.stride(0),
+        o2.stride(0),
+        BLOCK=min(block, triton.next_power_of_2(n)),
+        GATED=gated,
+        QUANT=quant,
+        MIN_SCALE=MIN_DYNAMIC_SCALE,
+        **qp,
+    )
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:

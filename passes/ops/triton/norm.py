@@ -1,5 +1,6 @@
 """One Triton kernel for the RMSNorm family: optional residual add, optional static or dynamic
 quantized output.  One program per row; the whole row sits in registers (BLOCK >= hidden)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -14,10 +15,24 @@ NO_QUANT, STATIC, DYNAMIC = 0, 1, 2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, H, x_stride, res_stride,
-                     out_stride, eps, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     QUANT: tl.constexpr, IS_INT8: tl.constexpr, QMAX: tl.constexpr,
-                     MIN_SCALE: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    scale_ptr,
+    H,
+    x_stride,
+    res_stride,
+    out_stride,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    QMAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -56,9 +71,22 @@ def _launch(out, x, residual, weight, scale, eps, quant):
     if quant == DYNAMIC and not scale.is_contiguous():
         raise ValueError(f"{name}: scales must be contiguous [T, 1], got strides {scale.stride()}")
     _rms_norm_kernel[(rows,)](
-        x2, r2, weight, o2, scale if scale is not None else x2, hidden, x2.stride(0),
-        r2.stride(0), o2.stride(0), eps, BLOCK=triton.next_power_of_2(hidden),
-        HAS_RESIDUAL=residual is not None, QUANT=quant, MIN_SCALE=MIN_DYNAMIC_SCALE, **qp)
+        x2,
+        r2,
+        weight,
+        o2,
+        scale if scale is not None else x2,
+        hidden,
+        x2.stride(0),
+        r2.stride(0),
+        o2.stride(0),
+        eps,
+        BLOCK=triton.next_power_of_2(hidden),
+        HAS_RESIDUAL=residual is not None,
+        QUANT=quant,
+        MIN_SCALE=MIN_DYNAMIC_SCALE,
+        **qp,
+    )
 
 
 def rms_norm(out, x, weight, eps: float) -> None:
@@ -77,6 +105,7 @@ def fused_add_rms_norm_static_quant(out, x, residual, weight, scale, eps: float)
     _launch(out, x, residual, weight, scale, eps, STATIC)
 
 
-def rms_norm_dynamic_quant(out, x, weight, scales, eps: float,
-                           residual: Optional[torch.Tensor]) -> None:
+def rms_norm_dynamic_quant(
+    out, x, weight, scales, eps: float, residual: Optional[torch.Tensor]
+) -> None:
     _launch(out, x, residual, weight, scales, eps, DYNAMIC)

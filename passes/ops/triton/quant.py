@@ -1,5 +1,6 @@
 """Quantization helpers shared by the Triton kernels (same arithmetic as
 :mod:`passes.ops.quant_utils`)."""
+
 from __future__ import annotations
 
 import torch
@@ -36,5 +37,7 @@ def rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError:
-        raise ValueError(f"{name}: cannot view shape {tuple(t.shape)} with strides "
-                         f"{t.stride()} as rows; pass a contiguous tensor") from None
+        raise ValueError(
+            f"{name}: cannot view shape {tuple(t.shape)} with strides "
+            f"{t.stride()} as rows; pass a contiguous tensor"
+        ) from None

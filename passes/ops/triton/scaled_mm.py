@@ -2,6 +2,7 @@
 fp8 x fp8 (fp32 accumulate), and weight-only int8 (weights upcast to the activation dtype in
 registers, so the int8 weight is read from memory once).  Scales and bias are applied in the
 epilogue in fp32."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -14,11 +15,31 @@ SCALE_NONE, SCALE_SCALAR, SCALE_VECTOR = 0, 1, 2
 
 
 @triton.jit
-def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
-                      s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
-                      A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      ACC_INT32: tl.constexpr, UPCAST_B: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _scaled_mm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    s_am,
+    s_ak,
+    s_bk,
+    s_bn,
+    s_cm,
+    s_cn,
+    A_SCALE: tl.constexpr,
+    B_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACC_INT32: tl.constexpr,
+    UPCAST_B: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -30,10 +51,16 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak,
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + kk[:, None] * s_bk + rn[None, :] * s_bn,
-                    mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        a = tl.load(
+            a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak,
+            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + kk[:, None] * s_bk + rn[None, :] * s_bn,
+            mask=(kk[:, None] < K) & (rn[None, :] < N),
+            other=0.0,
+        )
         if UPCAST_B:
             b = b.to(a.dtype)
         if ACC_INT32:
@@ -51,8 +78,11 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M
         y = y * tl.load(b_scale_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :] * s_cn, y.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        c_ptr + rm[:, None] * s_cm + rn[None, :] * s_cn,
+        y.to(c_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
 
 
 def _scale_mode(scale: Optional[torch.Tensor]) -> int:
@@ -61,8 +91,9 @@ def _scale_mode(scale: Optional[torch.Tensor]) -> int:
     return SCALE_SCALAR if scale.numel() == 1 else SCALE_VECTOR
 
 
-def _launch(a, b, a_scale, b_scale, bias, out_dtype, acc_int32, upcast_b,
-            block_k: int = 64) -> torch.Tensor:
+def _launch(
+    a, b, a_scale, b_scale, bias, out_dtype, acc_int32, upcast_b, block_k: int = 64
+) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` (any strides) with the scaled epilogue."""
     m, k = a.shape
     n = b.shape[1]
@@ -71,17 +102,37 @@ def _launch(a, b, a_scale, b_scale, bias, out_dtype, acc_int32, upcast_b,
         return c
     for label, s in (("a_scale", a_scale), ("b_scale", b_scale)):
         if s is not None and s.numel() > 1 and not s.is_contiguous():
-            raise ValueError(f"triton scaled_mm: {label} must be contiguous, got strides "
-                             f"{s.stride()}")
+            raise ValueError(
+                f"triton scaled_mm: {label} must be contiguous, got strides {s.stride()}"
+            )
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _scaled_mm_kernel[grid](
-        a, b, c, a_scale if a_scale is not None else c, b_scale if b_scale is not None else c,
-        bias if bias is not None else c, m, n, k, a.stride(0), a.stride(1), b.stride(0),
-        b.stride(1), c.stride(0), c.stride(1), A_SCALE=_scale_mode(a_scale),
-        B_SCALE=_scale_mode(b_scale), HAS_BIAS=bias is not None, ACC_INT32=acc_int32,
-        UPCAST_B=upcast_b, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        a,
+        b,
+        c,
+        a_scale if a_scale is not None else c,
+        b_scale if b_scale is not None else c,
+        bias if bias is not None else c,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
+        A_SCALE=_scale_mode(a_scale),
+        B_SCALE=_scale_mode(b_scale),
+        HAS_BIAS=bias is not None,
+        ACC_INT32=acc_int32,
+        UPCAST_B=upcast_b,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
     return c
 
 

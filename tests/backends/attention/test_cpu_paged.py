@@ -1,15 +1,16 @@
 """The fused CPU paged-attention backend against the plain-torch reference backend: mixed
 prefill+decode batches, block boundaries, GQA/MQA, sliding windows, head_dim 32/64/128,
 float32 and bfloat16, contexts 1..4k, padding, the KV write, errors and opcheck."""
+
 import math
 
 import pytest
 import torch
 
 import backends.attention  # noqa: F401  (registers the op and the backends)
-from framework.core.attention_metadata import AttentionMetadata
 from backends.attention.cpu_paged import paged_attention
 from backends.attention.cpu_paged_build import isa, load_library
+from framework.core.attention_metadata import AttentionMetadata
 from framework.core.forward_context import ForwardContext, set_forward_context
 
 
@@ -26,18 +27,26 @@ def make_step(ctx_lens, q_lens, hq, hkv, d, block_size, dtype, pad=0, seed=0):
     slots, qsl = [], [0]
     for i, (L, ql) in enumerate(zip(ctx_lens, q_lens)):
         blocks = [order.pop() for _ in range(nblk[i])]
-        table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(L - ql, L)]
         qsl.append(qsl[-1] + ql)
     n = qsl[-1]
     q = torch.randn(n + pad, hq, d, generator=g).to(dtype)
     k = torch.randn(n + pad, hkv, d, generator=g).to(dtype)
     v = torch.randn(n + pad, hkv, d, generator=g).to(dtype)
-    md = AttentionMetadata("torch", n, len(ctx_lens), max(q_lens), max(ctx_lens),
-                           torch.tensor(qsl, dtype=torch.int32),
-                           torch.tensor(ctx_lens, dtype=torch.int32), table,
-                           torch.tensor(slots + [-1] * pad, dtype=torch.int64), qsl,
-                           list(ctx_lens))
+    md = AttentionMetadata(
+        "torch",
+        n,
+        len(ctx_lens),
+        max(q_lens),
+        max(ctx_lens),
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(ctx_lens, dtype=torch.int32),
+        table,
+        torch.tensor(slots + [-1] * pad, dtype=torch.int64),
+        qsl,
+        list(ctx_lens),
+    )
     out = torch.full_like(q, float("nan"))
     return q, k, v, out, kv, md
 
@@ -50,8 +59,18 @@ def run(backend, q, k, v, out, kv, md, scale, window):
     return out, kv
 
 
-def check(ctx_lens, q_lens, hq=8, hkv=4, d=64, block_size=16, dtype=torch.float32, window=-1,
-          pad=0, seed=0):
+def check(
+    ctx_lens,
+    q_lens,
+    hq=8,
+    hkv=4,
+    d=64,
+    block_size=16,
+    dtype=torch.float32,
+    window=-1,
+    pad=0,
+    seed=0,
+):
     step = make_step(ctx_lens, q_lens, hq, hkv, d, block_size, dtype, pad, seed)
     scale = 1 / math.sqrt(d)
     ref_out, ref_kv = run("torch", *step, scale, window)
@@ -65,7 +84,7 @@ def check(ctx_lens, q_lens, hq=8, hkv=4, d=64, block_size=16, dtype=torch.float3
 
 
 def test_library_builds_for_this_cpu():
-    assert load_library() is load_library()          # built once, cached
+    assert load_library() is load_library()  # built once, cached
     assert isa() in ("avx512", "avx2", "neon", "portable")
 
 
@@ -126,9 +145,19 @@ def test_zero_query_padding_requests_are_skipped():
     qsl = md.query_start_loc_cpu + [2]
     lens = md.seq_lens_cpu + [0]
     table = torch.cat([md.block_table, torch.zeros(1, md.block_table.shape[1], dtype=torch.int32)])
-    md2 = AttentionMetadata("torch", 2, 3, 1, 12, torch.tensor(qsl, dtype=torch.int32),
-                            torch.tensor(lens, dtype=torch.int32), table, md.slot_mapping, qsl,
-                            lens)
+    md2 = AttentionMetadata(
+        "torch",
+        2,
+        3,
+        1,
+        12,
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        table,
+        md.slot_mapping,
+        qsl,
+        lens,
+    )
     ref = run("torch", q, k, v, out, kv, md, 0.125, -1)
     got = run("cpu_paged", q, k, v, out, kv, md2, 0.125, -1)
     torch.testing.assert_close(got[0], ref[0], atol=2e-5, rtol=2e-5)
@@ -139,8 +168,7 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="share one dtype"):
         run("cpu_paged", q.half(), k, v, out, kv, md, 0.1, -1)
     with pytest.raises(ValueError, match="contiguous heads"):
-        run("cpu_paged", q.transpose(1, 2).contiguous().transpose(1, 2), k, v, out, kv, md,
-            0.1, -1)
+        run("cpu_paged", q.transpose(1, 2).contiguous().transpose(1, 2), k, v, out, kv, md, 0.1, -1)
     bad = AttentionMetadata(**{**md.__dict__, "block_table": md.block_table + 100})
     with pytest.raises(ValueError, match="outside the KV cache"):
         run("cpu_paged", q, k, v, out, kv, bad, 0.1, -1)
@@ -150,9 +178,11 @@ def test_opcheck():
     q, k, v, out, kv, md = make_step([20, 6], [4, 1], 8, 4, 32, 4, torch.float32)
     md.backend = "cpu_paged"
     with set_forward_context(ForwardContext({"l": md}, {"l": kv})):
-        torch.library.opcheck(torch.ops.piecewise.attention.default,
-                              (q, k, v, out, "l", 0.125, -1),
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(
+            torch.ops.piecewise.attention.default,
+            (q, k, v, out, "l", 0.125, -1),
+            test_utils=("test_schema", "test_faketensor"),
+        )
 
 
 def test_portable_build_matches_reference(monkeypatch):

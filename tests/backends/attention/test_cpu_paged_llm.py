@@ -1,6 +1,7 @@
 """End to end with the fused CPU attention backend: fp32 greedy tokens equal the O0 run on the
 plain-torch reference backend, for all four families, batched with chunked prefill and mixed
 prefill+decode steps, and through a compiled (O2) model."""
+
 import pytest
 
 from framework import LLM
@@ -10,8 +11,15 @@ NEW_TOKENS = 12
 
 
 def generate(path, backend, level=0, **kw):
-    llm = LLM(str(path), optimization_level=level, max_num_seqs=4, max_model_len=64,
-              max_num_batched_tokens=5, attention_backend=backend, **kw)
+    llm = LLM(
+        str(path),
+        optimization_level=level,
+        max_num_seqs=4,
+        max_model_len=64,
+        max_num_batched_tokens=5,
+        attention_backend=backend,
+        **kw,
+    )
     assert llm.runner.attn_backend == backend
     out = llm.generate(PROMPTS, NEW_TOKENS, ignore_eos=True)
     assert llm.stats.get("mixed_steps", 0) > 0
@@ -26,5 +34,6 @@ def test_fp32_tokens_equal_the_reference_backend_at_o0(family, tiny_checkpoint):
 
 def test_compiled_model_with_cpu_paged_equals_o0(tiny_checkpoint, compile_cache_dir):
     path = tiny_checkpoint("llama")
-    assert generate(path, "cpu_paged", level=2, cache_dir=compile_cache_dir) \
-        == generate(path, "torch")
+    assert generate(path, "cpu_paged", level=2, cache_dir=compile_cache_dir) == generate(
+        path, "torch"
+    )

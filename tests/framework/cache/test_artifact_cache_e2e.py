@@ -1,5 +1,6 @@
 """The artifact cache through the whole stack: warm start in a fresh process, corrupted
 artifacts and index, several processes starting cold on one directory."""
+
 import json
 import os
 import subprocess
@@ -12,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [[3, 17, 42, 9, 100], [8, 1, 250]]
 
-SCRIPT = textwrap.dedent("""
+SCRIPT = textwrap.dedent(
+    """
     import json, os, sys, time, warnings
     warnings.simplefilter("always")
     from framework import LLM, CompilationConfig
@@ -37,16 +39,28 @@ SCRIPT = textwrap.dedent("""
         "pieces": s["compile_num_pieces"], "unique": s["compile_unique_graphs"],
         "shared": s["compile_shared"], "enter": enter, "leave": leave,
         "warnings": [str(w.message) for w in caught]}))
-""" % (PROMPTS,))
+"""
+    % (PROMPTS,)
+)
 
 
 def run_job(path, cache, level=1, background=False, barrier=None, parties=0, cc=None):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-c", SCRIPT, str(path), str(cache), str(level), str(barrier or ""),
-           str(parties), json.dumps(cc or {})]
+    cmd = [
+        sys.executable,
+        "-c",
+        SCRIPT,
+        str(path),
+        str(cache),
+        str(level),
+        str(barrier or ""),
+        str(parties),
+        json.dumps(cc or {}),
+    ]
     if background:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        return subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     return parse(proc.returncode, proc.stdout, proc.stderr)
 
@@ -54,12 +68,13 @@ def run_job(path, cache, level=1, background=False, barrier=None, parties=0, cc=
 def parse(rc, stdout, stderr):
     assert rc == 0, stderr[-3000:]
     line = next(l for l in stdout.splitlines() if l.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    return json.loads(line[len("RESULT") :])
 
 
 @pytest.fixture(scope="module")
 def reference(llama_checkpoint):
     from framework import LLM
+
     llm = LLM(str(llama_checkpoint), optimization_level=0, max_num_seqs=2, max_model_len=64)
     return llm.generate(PROMPTS, 8, ignore_eos=True)
 
@@ -98,8 +113,10 @@ def test_corrupt_artifact_and_index_are_recompiled(llama_checkpoint, reference, 
 def test_concurrent_cold_starts_share_one_artifact_set(llama_checkpoint, reference, tmp_path):
     barrier, cache = tmp_path / "barrier", tmp_path / "cache"
     barrier.mkdir()
-    procs = [run_job(llama_checkpoint, cache, background=True, barrier=barrier, parties=3)
-             for _ in range(3)]
+    procs = [
+        run_job(llama_checkpoint, cache, background=True, barrier=barrier, parties=3)
+        for _ in range(3)
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=900)
@@ -107,9 +124,11 @@ def test_concurrent_cold_starts_share_one_artifact_set(llama_checkpoint, referen
     # the three were inside LLM(...) at the same time (else this tests nothing)
     assert max(r["enter"] for r in results) < min(r["leave"] for r in results), results
     assert all(r["out"] == reference for r in results)
-    assert sum(r["compiles"] for r in results) == max(r["compiles"] for r in results), \
+    assert sum(r["compiles"] for r in results) == max(r["compiles"] for r in results), (
         "exactly one process should compile; the others load"
+    )
     from framework.cache.store import read_index
+
     index_files = list(cache.glob("*/rank_0/*/index.json"))
     assert len(index_files) == 1
     index = read_index(index_files[0])
@@ -124,8 +143,9 @@ def test_eight_layers_compile_three_pieces_and_share_six(tmp_path):
     other middle pieces are identical and share the middle artifact; the warm start in a
     fresh process loads the 3 artifacts and compiles nothing."""
     from checkpoints import build_family_checkpoint
+
     model = build_family_checkpoint(tmp_path / "eight", "llama", num_hidden_layers=8)
-    cc = {"compile_sizes": []}          # one token range: one compile per distinct graph
+    cc = {"compile_sizes": []}  # one token range: one compile per distinct graph
     cold = run_job(model, tmp_path / "cache", cc=cc)
     assert (cold["pieces"], cold["unique"], cold["shared"]) == (9, 3, 6), cold
     assert cold["compiles"] == 3 and cold["loads"] == 0
@@ -135,15 +155,21 @@ def test_eight_layers_compile_three_pieces_and_share_six(tmp_path):
     assert len(artifacts(tmp_path / "cache")) == 3
 
 
-def test_artifact_that_verifies_but_fails_to_load_is_replaced(llama_checkpoint, reference,
-                                                              tmp_path, monkeypatch):
+def test_artifact_that_verifies_but_fails_to_load_is_replaced(
+    llama_checkpoint, reference, tmp_path, monkeypatch
+):
     from backends.compiler import InductorStandalone
     from framework import LLM, CompilationConfig
 
     def build():
-        return LLM(str(llama_checkpoint), optimization_level=1, cache_dir=str(tmp_path),
-                   max_num_seqs=2, max_model_len=64,
-                   compilation_config=CompilationConfig(progress_bar=False))
+        return LLM(
+            str(llama_checkpoint),
+            optimization_level=1,
+            cache_dir=str(tmp_path),
+            max_num_seqs=2,
+            max_model_len=64,
+            compilation_config=CompilationConfig(progress_bar=False),
+        )
 
     build()
 

@@ -1,4 +1,5 @@
 """`python -m framework.cache ls|verify|prune|explain` on a populated temp cache."""
+
 import json
 import os
 import subprocess
@@ -9,14 +10,20 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from framework.cache.store import ArtifactStore
 from framework.cache.cli import main, parse_duration, parse_size
+from framework.cache.store import ArtifactStore
 
 ROOT_DIR = Path(__file__).resolve().parents[3]
-OLD = {"env": {"torch": "2.13.0", "python": "3.11"}, "source": {"models/llama.py": "aaa"},
-       "dtype": "float32"}
-NEW = {"env": {"torch": "2.14.0", "python": "3.11"}, "source": {"models/llama.py": "bbb"},
-       "dtype": "float32"}
+OLD = {
+    "env": {"torch": "2.13.0", "python": "3.11"},
+    "source": {"models/llama.py": "aaa"},
+    "dtype": "float32",
+}
+NEW = {
+    "env": {"torch": "2.14.0", "python": "3.11"},
+    "source": {"models/llama.py": "bbb"},
+    "dtype": "float32",
+}
 
 
 def _write(data: bytes):
@@ -65,8 +72,13 @@ def test_ls_lists_keys_with_counts_sizes_and_ages(cache, capsys):
 
 def test_module_entry_point_runs_as_python_dash_m(cache):
     root, old, _ = cache
-    proc = subprocess.run([sys.executable, "-m", "framework.cache", "ls", str(root)],
-                          cwd=ROOT_DIR, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "framework.cache", "ls", str(root)],
+        cwd=ROOT_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert old.key in proc.stdout
 

@@ -1,10 +1,11 @@
 """`python -m framework.cache explain` names the pass whose uuid differs between two keys."""
+
 import importlib
 import sys
 import textwrap
 
-from framework.cache.store import ArtifactStore
 from framework.cache.cli import main
+from framework.cache.store import ArtifactStore
 from framework.core.config import PassConfig
 from passes.manager import PassManager
 
@@ -38,8 +39,10 @@ def test_explain_names_the_pass_whose_code_differs(tmp_path, monkeypatch, capsys
     assert main(["explain", str(tmp_path / "cache"), old.key, new.key]) == 0
     out = capsys.readouterr().out
     assert "1 factor(s) differ" in out
-    assert ("passes.uuid.explain_edited_pass:Edited (pass 'explain_edited_pass:Edited': its "
-            "code or its config differs)") in out
+    assert (
+        "passes.uuid.explain_edited_pass:Edited (pass 'explain_edited_pass:Edited': its "
+        "code or its config differs)"
+    ) in out
     assert "noop_elimination" not in out  # the unchanged passes are not blamed
 
     assert main(["explain", str(tmp_path / "cache"), new.key, added.key]) == 0

@@ -1,4 +1,5 @@
 """Cache key factors: every factor moves the key, locations never do."""
+
 import copy
 import json
 import sys
@@ -9,8 +10,13 @@ import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from framework.cache.key import (compute_cache_key, env_factors, flatten_factors,
-                                 inductor_factors, source_factors)
+from framework.cache.key import (
+    compute_cache_key,
+    env_factors,
+    flatten_factors,
+    inductor_factors,
+    source_factors,
+)
 from framework.core.config import CompilationConfig
 
 
@@ -26,8 +32,13 @@ class _NamedPass(CustomGraphPass):
 
 
 def _key(**overrides):
-    factors = {"compilation_config": "c0", "pass_manager": "p0", "model_config": "m0",
-               "dtype": "float32", "quantization": None}
+    factors = {
+        "compilation_config": "c0",
+        "pass_manager": "p0",
+        "model_config": "m0",
+        "dtype": "float32",
+        "quantization": None,
+    }
     factors.update(overrides)
     return compute_cache_key(factors)[0]
 
@@ -39,10 +50,17 @@ def test_key_is_16_hex_and_independent_of_dict_order():
     assert normalized == {"a": "v", "b": {"x": [1, 2], "y": 1}}
 
 
-@pytest.mark.parametrize("name,value", [
-    ("compilation_config", "c1"), ("pass_manager", "p1"), ("model_config", "m1"),
-    ("dtype", "bfloat16"), ("quantization", "fp8"), ("extra", 1),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("compilation_config", "c1"),
+        ("pass_manager", "p1"),
+        ("model_config", "m1"),
+        ("dtype", "bfloat16"),
+        ("quantization", "fp8"),
+        ("extra", 1),
+    ],
+)
 def test_each_caller_factor_changes_the_key(name, value):
     assert _key(**{name: value}) != _key()
 
@@ -71,11 +89,14 @@ def test_env_factors_are_deterministic_and_track_versions_and_cpu(monkeypatch):
     assert compute_cache_key({"env": env_factors()})[0] != base
 
 
-@pytest.mark.parametrize("module,name,value", [
-    (inductor_config, "freezing", True),
-    (inductor_config, "max_autotune", True),
-    (functorch_config, "donated_buffer", False),
-])
+@pytest.mark.parametrize(
+    "module,name,value",
+    [
+        (inductor_config, "freezing", True),
+        (inductor_config, "max_autotune", True),
+        (functorch_config, "donated_buffer", False),
+    ],
+)
 def test_compiler_config_changes_the_key(module, name, value):
     # torch config modules must be changed through patch(): monkeypatch's undo deletes the
     # entry from the config module instead of restoring it.
@@ -97,16 +118,18 @@ def test_custom_post_grad_pass_enters_by_uuid():
 
 def test_compiler_config_paths_do_not_change_the_key(tmp_path):
     before = inductor_factors()
-    with inductor_config.patch({"global_cache_dir": str(tmp_path / "x"),
-                                "aot_inductor.output_path": str(tmp_path / "y")}):
+    with inductor_config.patch(
+        {"global_cache_dir": str(tmp_path / "x"), "aot_inductor.output_path": str(tmp_path / "y")}
+    ):
         assert inductor_factors() == before
 
 
 def test_compilation_config_paths_do_not_change_its_hash():
     base = CompilationConfig()
     moved = base.replace(cache_dir="/somewhere/else", debug_dump_path="/tmp/dump")
-    assert _key(compilation_config=moved.compute_hash()) == \
-        _key(compilation_config=base.compute_hash())
+    assert _key(compilation_config=moved.compute_hash()) == _key(
+        compilation_config=base.compute_hash()
+    )
 
 
 def _checkout(root, body):
@@ -119,23 +142,29 @@ def _checkout(root, body):
 def test_source_factors_track_content_not_location(tmp_path, monkeypatch):
     file_a = _checkout(tmp_path / "checkout_a", "x = 1\n")
     file_b = _checkout(tmp_path / "elsewhere" / "checkout_b", "x = 1\n")
-    monkeypatch.setattr(sys, "path", [str(tmp_path / "checkout_a"),
-                                      str(tmp_path / "elsewhere" / "checkout_b")] + sys.path)
+    monkeypatch.setattr(
+        sys,
+        "path",
+        [str(tmp_path / "checkout_a"), str(tmp_path / "elsewhere" / "checkout_b")] + sys.path,
+    )
     src_a, src_b = source_factors([file_a]), source_factors([file_b])
     assert list(src_a) == ["mymodels/llama.py"]
     assert src_a == src_b
     with open(file_b, "w") as f:
         f.write("x = 2\n")
     assert source_factors([file_b]) != src_a
-    assert compute_cache_key({"source": source_factors([file_b])})[0] != \
-        compute_cache_key({"source": src_a})[0]
+    assert (
+        compute_cache_key({"source": source_factors([file_b])})[0]
+        != compute_cache_key({"source": src_a})[0]
+    )
 
 
 def test_source_factors_skip_pseudo_files(tmp_path):
     real = tmp_path / "m.py"
     real.write_text("pass\n")
-    out = source_factors(["<string>", "<eval_with_key>.3", str(tmp_path / "gone.py"),
-                          str(real), str(real)])
+    out = source_factors(
+        ["<string>", "<eval_with_key>.3", str(tmp_path / "gone.py"), str(real), str(real)]
+    )
     assert list(out.values()) == [source_factors([str(real)])["m.py"]]
 
 

@@ -1,6 +1,7 @@
 """The artifact-cache key follows the code that runs: a pass edited on disk inside a running
 process (no reload) keeps its old key, so nothing built by the old code is stored under the
 key a fresh process computes for the new code."""
+
 import json
 import os
 import subprocess
@@ -47,15 +48,23 @@ print(json.dumps({"dir": s["cache_dir"], "loads": s["compile_loads"],
 
 
 def _build(checkpoint, cache_dir):
-    return LLM(str(checkpoint), max_model_len=64, optimization_level=2,
-               compilation_config=CompilationConfig(progress_bar=False, cache_dir=cache_dir,
-                                                    pass_config=PassConfig(enable=[PASS])))
+    return LLM(
+        str(checkpoint),
+        max_model_len=64,
+        optimization_level=2,
+        compilation_config=CompilationConfig(
+            progress_bar=False, cache_dir=cache_dir, pass_config=PassConfig(enable=[PASS])
+        ),
+    )
 
 
-@pytest.mark.slow(reason="two Inductor builds and a fresh interpreter (~1-2 min); the uuid "
-                         "rule itself is tested fast in tests/passes/test_manager.py")
-def test_pass_edited_in_process_never_stores_under_the_new_code_key(llama_checkpoint,
-                                                                     tmp_path, monkeypatch):
+@pytest.mark.slow(
+    reason="two Inductor builds and a fresh interpreter (~1-2 min); the uuid "
+    "rule itself is tested fast in tests/passes/test_manager.py"
+)
+def test_pass_edited_in_process_never_stores_under_the_new_code_key(
+    llama_checkpoint, tmp_path, monkeypatch
+):
     src_dir = tmp_path / "src"
     src_dir.mkdir()
     src = src_dir / "edited_pass_mod.py"
@@ -78,10 +87,18 @@ def test_pass_edited_in_process_never_stores_under_the_new_code_key(llama_checkp
     assert len(keys) == 1
 
     # A fresh process imports v2: a different key, nothing to load, v2's own numerics.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(src_dir), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", FRESH, str(llama_checkpoint), cache, PASS],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(src_dir), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH, str(llama_checkpoint), cache, PASS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     fresh = json.loads(proc.stdout.strip().splitlines()[-1])
     assert fresh["dir"] != first.stats["cache_dir"]

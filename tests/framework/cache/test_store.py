@@ -1,4 +1,5 @@
 """ArtifactStore: layout, atomic writes, dedup, corruption handling, blobs, concurrent writers."""
+
 import json
 import os
 import subprocess
@@ -10,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from framework.cache.store import (ArtifactStore, CacheCorruptionWarning, compute_cache_key,
-                             record_problem)
+from framework.cache.store import (
+    ArtifactStore,
+    CacheCorruptionWarning,
+    compute_cache_key,
+    record_problem,
+)
 
 FACTORS = {"env": {"torch": "x"}, "compilation_config": "abc", "dtype": "float32"}
 ROOT_DIR = Path(__file__).resolve().parents[3]
@@ -22,6 +27,7 @@ def _writer(data: bytes, calls: list | None = None):
         if calls is not None:
             calls.append(path)
         path.write_bytes(data)
+
     return write
 
 
@@ -84,8 +90,10 @@ def test_identical_pieces_share_one_artifact(store):
     assert len(calls) == 2
     assert _files(store.dir / "artifacts") == ["other.bin", "same.bin"]
     assert store.stats.dedup_reuses == 2 and store.stats.writes == 2
-    assert {r["artifact"] for r in store.entries().values()} == {"artifacts/same.bin",
-                                                                 "artifacts/other.bin"}
+    assert {r["artifact"] for r in store.entries().values()} == {
+        "artifacts/same.bin",
+        "artifacts/other.bin",
+    }
 
 
 def test_lookup_with_graph_hash_links_identical_pieces_without_compiling(store):
@@ -128,8 +136,7 @@ def test_damaged_artifact_warns_by_name_and_recompiles(store, damage):
     assert calls and store.lookup("piece_0").read_bytes() == b"0123456789"
 
 
-@pytest.mark.parametrize("garbage", [b"{not json", b"\xff\xfe", b'{"format": 1}', b"[]",
-                                     b""])
+@pytest.mark.parametrize("garbage", [b"{not json", b"\xff\xfe", b'{"format": 1}', b"[]", b""])
 def test_garbage_index_warns_by_name_and_recompiles(store, garbage):
     store.store("e", "g", _writer(b"x"))
     store.index_path.write_bytes(garbage)
@@ -152,8 +159,11 @@ def test_discard_drops_an_entry_that_would_not_load(store):
 def test_malformed_record_never_touches_files_outside(store, tmp_path):
     outside = tmp_path / "precious.txt"
     outside.write_text("keep me")
-    index = {"format": 1, "blobs": {}, "entries": {
-        "e": {"artifact": "../../../../precious.txt", "sha256": "0" * 64, "size": 7}}}
+    index = {
+        "format": 1,
+        "blobs": {},
+        "entries": {"e": {"artifact": "../../../../precious.txt", "sha256": "0" * 64, "size": 7}},
+    }
     store.index_path.write_text(json.dumps(index))
     with pytest.warns(CacheCorruptionWarning, match="bad 'artifact'"):
         assert store.lookup("e") is None
@@ -186,8 +196,9 @@ def test_lock_is_reentrant_and_shared_by_stores_on_one_dir(store, tmp_path):
     # another thread must wait for the holder
     order = []
     with store.lock():
-        t = threading.Thread(target=lambda: (twin.lock().acquire(), order.append("thread"),
-                                             twin.lock().release()))
+        t = threading.Thread(
+            target=lambda: (twin.lock().acquire(), order.append("thread"), twin.lock().release())
+        )
         t.start()
         time.sleep(0.2)
         order.append("main")
@@ -246,10 +257,25 @@ def test_three_concurrent_cold_processes_end_with_one_complete_set(tmp_path, out
     root = tmp_path / "cache"
     start = time.time() + 1.0  # all three begin together, after their imports
     env = dict(os.environ, PYTHONPATH=str(ROOT_DIR))
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", _CONCURRENT_WORKER, str(root), json.dumps(FACTORS), str(start),
-         "1" if outer_lock else "0", str(tmp_path / f"report{i}.json")],
-        cwd=ROOT_DIR, env=env, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _CONCURRENT_WORKER,
+                str(root),
+                json.dumps(FACTORS),
+                str(start),
+                "1" if outer_lock else "0",
+                str(tmp_path / f"report{i}.json"),
+            ],
+            cwd=ROOT_DIR,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
@@ -260,8 +286,13 @@ def test_three_concurrent_cold_processes_end_with_one_complete_set(tmp_path, out
     assert sorted(entries) == [f"range_1_64/piece_{i}/inductor" for i in range(6)]
     for record in entries.values():
         assert record_problem(store.dir, record) is None
-    assert _files(store.dir) == [".lock", "artifacts/g0.bin", "artifacts/g1.bin",
-                                 "artifacts/g2.bin", "index.json"]
+    assert _files(store.dir) == [
+        ".lock",
+        "artifacts/g0.bin",
+        "artifacts/g1.bin",
+        "artifacts/g2.bin",
+        "index.json",
+    ]
     assert sum(len(r["written"]) for r in reports) == 3  # one artifact write per graph
     compiles = sum(len(r["compiled"]) for r in reports)
     if outer_lock:
@@ -282,8 +313,7 @@ def test_inductor_standalone_artifact_roundtrip(tmp_path):
     store = ArtifactStore.open(tmp_path, FACTORS)
     with store.lock():
         assert store.lookup("e", "g") is None
-        compiled = torch._inductor.standalone_compile(gm, [x],
-                                                      dynamic_shapes="from_example_inputs")
+        compiled = torch._inductor.standalone_compile(gm, [x], dynamic_shapes="from_example_inputs")
         path = store.store("e", "g", lambda tmp: compiled.save(path=str(tmp), format="binary"))
     assert store.lookup("e", "g") == path
     loaded = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")

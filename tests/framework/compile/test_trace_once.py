@@ -1,4 +1,5 @@
 """TraceOnce: Dynamo runs once, later calls bypass it, recompiles are errors."""
+
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ def _counting_backend():
     def backend(gm, example_inputs):
         seen.append(gm)
         return gm.forward
+
     return backend, seen
 
 

@@ -1,30 +1,41 @@
 """Strict configs: one ValueError naming the field, level defaults only for unset fields,
 hashes that ignore paths and logging."""
+
 import pytest
 
-from framework.core.config import (CompilationConfig, CompilationMode, PassConfig,
-                              default_capture_sizes, level_passes)
+from framework.core.config import (
+    CompilationConfig,
+    CompilationMode,
+    PassConfig,
+    default_capture_sizes,
+    level_passes,
+)
 from framework.core.forward_context import CUDAGraphMode
 
 
-@pytest.mark.parametrize("data,field", [
-    ({"levle": 2}, "levle"),
-    ({"pass_config": {"pases": []}}, "pases"),
-    ({"level": 7}, "CompilationConfig.level"),
-    ({"compile_sizes": [4, -1]}, "CompilationConfig.compile_sizes"),
-    ({"compile_sizes": [4, 4]}, "CompilationConfig.compile_sizes"),
-    ({"cudagraph_capture_sizes": [1, 2, 2]}, "CompilationConfig.cudagraph_capture_sizes"),
-    ({"max_num_tokens": 64, "cudagraph_capture_sizes": [1, 128]},
-     "CompilationConfig.cudagraph_capture_sizes"),
-    ({"max_num_tokens": 64, "compile_sizes": [65]}, "CompilationConfig.compile_sizes"),
-    ({"compile_ranges_endpoints": [64, 8]}, "CompilationConfig.compile_ranges_endpoints"),
-    ({"cudagraph_mode": "SOMETIMES"}, "CompilationConfig.cudagraph_mode"),
-    ({"mode": "JIT"}, "CompilationConfig.mode"),
-    ({"backend": "tvm"}, "CompilationConfig.backend"),
-    ({"splitting_ops": ["attention"]}, "CompilationConfig.splitting_ops"),
-    ({"pass_config": {"passes": ["a", "a"]}}, "PassConfig.passes"),
-    ({"max_num_tokens": 0}, "CompilationConfig.max_num_tokens"),
-])
+@pytest.mark.parametrize(
+    "data,field",
+    [
+        ({"levle": 2}, "levle"),
+        ({"pass_config": {"pases": []}}, "pases"),
+        ({"level": 7}, "CompilationConfig.level"),
+        ({"compile_sizes": [4, -1]}, "CompilationConfig.compile_sizes"),
+        ({"compile_sizes": [4, 4]}, "CompilationConfig.compile_sizes"),
+        ({"cudagraph_capture_sizes": [1, 2, 2]}, "CompilationConfig.cudagraph_capture_sizes"),
+        (
+            {"max_num_tokens": 64, "cudagraph_capture_sizes": [1, 128]},
+            "CompilationConfig.cudagraph_capture_sizes",
+        ),
+        ({"max_num_tokens": 64, "compile_sizes": [65]}, "CompilationConfig.compile_sizes"),
+        ({"compile_ranges_endpoints": [64, 8]}, "CompilationConfig.compile_ranges_endpoints"),
+        ({"cudagraph_mode": "SOMETIMES"}, "CompilationConfig.cudagraph_mode"),
+        ({"mode": "JIT"}, "CompilationConfig.mode"),
+        ({"backend": "tvm"}, "CompilationConfig.backend"),
+        ({"splitting_ops": ["attention"]}, "CompilationConfig.splitting_ops"),
+        ({"pass_config": {"passes": ["a", "a"]}}, "PassConfig.passes"),
+        ({"max_num_tokens": 0}, "CompilationConfig.max_num_tokens"),
+    ],
+)
 def test_bad_values_name_the_field(data, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         CompilationConfig.from_dict(data)
@@ -39,8 +50,12 @@ def test_levels_fill_only_unset_fields():
     assert o2.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
     assert o2.cudagraph_capture_sizes == default_capture_sizes(256)
     assert o2.pass_config.passes == level_passes(2, "cuda")
-    explicit = CompilationConfig(level=2, cudagraph_mode="PIECEWISE", backend="eager",
-                                 pass_config=PassConfig(passes=["noop_elimination"]))
+    explicit = CompilationConfig(
+        level=2,
+        cudagraph_mode="PIECEWISE",
+        backend="eager",
+        pass_config=PassConfig(passes=["noop_elimination"]),
+    )
     r = explicit.resolve(max_num_tokens=256, has_cuda=True)
     assert r.cudagraph_mode == CUDAGraphMode.PIECEWISE and r.backend == "eager"
     assert r.pass_config.passes == ["noop_elimination"]
@@ -67,18 +82,22 @@ def test_default_capture_sizes():
 
 def test_hash_ignores_paths_and_logging_but_not_compile_factors():
     base = CompilationConfig(level=2)
-    same = base.replace(cache_dir="/elsewhere", debug_dump_path="/dump", progress_bar=False,
-                        use_cache=False)
+    same = base.replace(
+        cache_dir="/elsewhere", debug_dump_path="/dump", progress_bar=False, use_cache=False
+    )
     assert base.compute_hash() == same.compute_hash()
     assert base.compute_hash() != base.replace(compile_sizes=[1, 2]).compute_hash()
-    assert base.compute_hash() != base.replace(
-        pass_config=PassConfig(passes=["noop_elimination"])).compute_hash()
+    assert (
+        base.compute_hash()
+        != base.replace(pass_config=PassConfig(passes=["noop_elimination"])).compute_hash()
+    )
     assert base.compute_hash() != base.replace(inductor_config={"freezing": True}).compute_hash()
 
 
 def test_hydra_schema_rejects_unknown_fields():
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError
+
     schema = OmegaConf.structured(CompilationConfig)
     with pytest.raises(ConfigKeyError):
         OmegaConf.merge(schema, {"levl": 2})

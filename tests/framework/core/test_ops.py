@@ -1,5 +1,6 @@
 """The one op-definition helper: every piecewise op is a torch.library op with one kernel per
 dispatch key; kernel overrides re-register through the same library."""
+
 import importlib.util
 import subprocess
 import sys
@@ -14,11 +15,22 @@ import passes.ops_prepack  # noqa: F401  (defines piecewise::prepacked_linear)
 from framework.core import ops as core_ops
 
 ops = torch.ops.piecewise
-FUSED = {"rms_norm", "fused_add_rms_norm", "rms_norm_static_quant",
-         "fused_add_rms_norm_static_quant", "rms_norm_dynamic_quant", "static_scaled_quant",
-         "dynamic_per_token_quant", "silu_and_mul", "silu_and_mul_static_quant",
-         "silu_and_mul_dynamic_quant", "qk_norm_rope", "int8_scaled_mm", "fp8_scaled_mm",
-         "int8_weight_only_mm"}
+FUSED = {
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rms_norm_static_quant",
+    "fused_add_rms_norm_static_quant",
+    "rms_norm_dynamic_quant",
+    "static_scaled_quant",
+    "dynamic_per_token_quant",
+    "silu_and_mul",
+    "silu_and_mul_static_quant",
+    "silu_and_mul_dynamic_quant",
+    "qk_norm_rope",
+    "int8_scaled_mm",
+    "fp8_scaled_mm",
+    "int8_weight_only_mm",
+}
 
 
 def test_every_op_is_defined_through_the_helper():
@@ -47,8 +59,10 @@ def test_ops_are_library_ops_not_custom_op_wrappers():
 def test_opcheck_of_a_mutating_and_a_functional_op():
     x = torch.randn(3, 8)
     torch.library.opcheck(ops.silu_and_mul.default, (torch.empty(3, 4), x))
-    torch.library.opcheck(ops.int8_weight_only_mm.default,
-                          (x, torch.randint(-5, 5, (6, 8), dtype=torch.int8), torch.rand(6), None))
+    torch.library.opcheck(
+        ops.int8_weight_only_mm.default,
+        (x, torch.randint(-5, 5, (6, 8), dtype=torch.int8), torch.rand(6), None),
+    )
 
 
 def test_override_rebinds_every_caller_and_restores():
@@ -75,13 +89,14 @@ def test_override_rebinds_every_caller_and_restores():
 
 
 def test_lazy_kernel_path_resolves_on_first_call():
-    @core_ops.define_op("piecewise::_test_lazy", fake=lambda x: x.new_empty(x.shape),
-                        cpu="torch:neg")
+    @core_ops.define_op(
+        "piecewise::_test_lazy", fake=lambda x: x.new_empty(x.shape), cpu="torch:neg"
+    )
     def _test_lazy(x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
     x = torch.arange(3.0)
-    torch.testing.assert_close(_test_lazy(x), -x)   # the CPU key wins over the default
+    torch.testing.assert_close(_test_lazy(x), -x)  # the CPU key wins over the default
 
 
 def test_errors_name_the_op():
@@ -97,6 +112,11 @@ def test_errors_name_the_op():
 
 def test_importing_ops_does_not_import_triton():
     code = "import sys, passes.ops; print('triton' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).parents[3])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[3],
+    )
     assert out.stdout.strip() == "False"

@@ -1,5 +1,6 @@
 """The one registry helper: decorator registration, lazy built-ins, one duplicate policy,
 entry-point plugins (a broken one is reported by name and skipped)."""
+
 import logging
 from importlib import metadata
 
@@ -36,10 +37,12 @@ def test_one_duplicate_policy():
         pass
 
     reg.add("f", f)
-    reg.add("f", f)                      # the same object again: fine
+    reg.add("f", f)  # the same object again: fine
     with pytest.raises(ValueError, match="already registered by .*f; cannot register .*g"):
+
         def g():
             pass
+
         reg.add("f", g)
     # A re-import of the same definition (same qualified name, new object) replaces it.
     exec_ns: dict = {}
@@ -72,10 +75,13 @@ class _FakeEntryPoint:
 
 def test_entry_points_load_and_a_broken_plugin_is_skipped(monkeypatch, caplog):
     good = object()
-    eps = [_FakeEntryPoint("good", "pkg.mod:good", good),
-           _FakeEntryPoint("broken", "pkg.bad:x", error=ImportError("no module named pkg.bad"))]
-    monkeypatch.setattr(metadata, "entry_points",
-                        lambda group: eps if group == "piecewise.widgets" else [])
+    eps = [
+        _FakeEntryPoint("good", "pkg.mod:good", good),
+        _FakeEntryPoint("broken", "pkg.bad:x", error=ImportError("no module named pkg.bad")),
+    ]
+    monkeypatch.setattr(
+        metadata, "entry_points", lambda group: eps if group == "piecewise.widgets" else []
+    )
     reg = Registry("widget", entry_point_group="piecewise.widgets")
     with caplog.at_level(logging.WARNING):
         assert reg.get("good") is good

@@ -1,24 +1,38 @@
 """CUDA-graph wrapper: control flow on CPU through EmulatedGraphOps (same code path, graph
 calls emulated), real capture/replay on CUDA."""
+
 import gc
 
 import pytest
 import torch
 
+from framework.core.forward_context import (
+    BatchDescriptor,
+    CUDAGraphMode,
+    ForwardContext,
+    set_forward_context,
+)
 from framework.cudagraph import wrapper as cudagraph
-from framework.cudagraph.wrapper import (CUDAGraphOps, CUDAGraphWrapper, EmulatedGraphOps,
-                                 clear_all_graphs, live_wrappers, total_stats, weak_ref_tensor)
-from framework.core.forward_context import (BatchDescriptor, CUDAGraphMode, ForwardContext,
-                                       set_forward_context)
+from framework.cudagraph.wrapper import (
+    CUDAGraphOps,
+    CUDAGraphWrapper,
+    EmulatedGraphOps,
+    clear_all_graphs,
+    live_wrappers,
+    total_stats,
+    weak_ref_tensor,
+)
 
 FULL, PIECEWISE, NONE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE
 D8, D16 = BatchDescriptor(8), BatchDescriptor(16)
 
 
 def ctx(mode, desc=None):
-    return set_forward_context(ForwardContext(attn_metadata={}, kv_caches={},
-                                              cudagraph_runtime_mode=mode,
-                                              batch_descriptor=desc))
+    return set_forward_context(
+        ForwardContext(
+            attn_metadata={}, kv_caches={}, cudagraph_runtime_mode=mode, batch_descriptor=desc
+        )
+    )
 
 
 class Counting:
@@ -44,7 +58,7 @@ class RecordingOps(EmulatedGraphOps):
 
 @pytest.fixture(autouse=True)
 def fresh_registry():
-    gc.collect()            # wrappers of earlier tests' models (reference cycles) die first
+    gc.collect()  # wrappers of earlier tests' models (reference cycles) die first
     clear_all_graphs()
     yield
     clear_all_graphs()
@@ -58,8 +72,10 @@ def test_calls_through_without_forward_context():
     assert fn.calls == 1 and w.stats.captures == 0 and w.descriptors == []
 
 
-@pytest.mark.parametrize("wrapper_mode,step_mode", [(FULL, NONE), (PIECEWISE, NONE),
-                                                    (FULL, PIECEWISE), (PIECEWISE, FULL)])
+@pytest.mark.parametrize(
+    "wrapper_mode,step_mode",
+    [(FULL, NONE), (PIECEWISE, NONE), (FULL, PIECEWISE), (PIECEWISE, FULL)],
+)
 def test_calls_through_on_none_or_other_mode(wrapper_mode, step_mode):
     fn = Counting()
     w = CUDAGraphWrapper(fn, wrapper_mode, graph_ops=EmulatedGraphOps())
@@ -90,7 +106,7 @@ def test_rejects_none_mode_at_construction():
 def test_one_capture_per_key_and_replay_returns_captured_output():
     fn = Counting()
     w = CUDAGraphWrapper(fn, PIECEWISE, graph_ops=EmulatedGraphOps())
-    x8, x16 = torch.zeros(8), torch.zeros(16)          # the runner's static buffers
+    x8, x16 = torch.zeros(8), torch.zeros(16)  # the runner's static buffers
     with ctx(PIECEWISE, D8):
         captured = w(x8)
     with ctx(PIECEWISE, D16):
@@ -104,8 +120,8 @@ def test_one_capture_per_key_and_replay_returns_captured_output():
     assert set(w.descriptors) == {D8, D16}
     # Every replay returns the same stored object, aliasing the captured output's memory.
     assert r1 is r2 and r1.data_ptr() == captured.data_ptr()
-    assert torch.equal(r1, torch.full((8,), 7.0))       # fresh values from the buffer
-    assert captured is not r1                            # the capture returned the strong one
+    assert torch.equal(r1, torch.full((8,), 7.0))  # fresh values from the buffer
+    assert captured is not r1  # the capture returned the strong one
 
 
 def test_replay_reads_captured_buffers_like_a_graph():
@@ -197,7 +213,7 @@ def test_debug_mode_names_the_moved_argument():
     a, b = torch.zeros(4), torch.zeros(4)
     with ctx(PIECEWISE, D8):
         w(a, b, 4)
-        w(a, b, 4)                                     # same buffers: fine
+        w(a, b, 4)  # same buffers: fine
         with pytest.raises(RuntimeError, match=r"argument 1 address changed"):
             w(a, b.clone(), 4)
         with pytest.raises(RuntimeError, match=r"argument 2 value changed \(captured 4, now 3"):
@@ -227,7 +243,7 @@ def test_registry_clears_every_graph():
     assert all(w.descriptors == [] for w in ws)
     with ctx(PIECEWISE, D8):
         ws[0](torch.zeros(8))
-    assert ws[0].stats.captures == 2                    # captured again after clearing
+    assert ws[0].stats.captures == 2  # captured again after clearing
     doomed = ws.pop()
     del doomed
     gc.collect()
@@ -239,7 +255,7 @@ def test_attribute_passthrough():
     lin = torch.nn.Linear(3, 2)
     w = CUDAGraphWrapper(lin, FULL, graph_ops=EmulatedGraphOps())
     assert w.weight is lin.weight and w.unwrap() is lin
-    assert w.runtime_mode is FULL                       # own attributes win
+    assert w.runtime_mode is FULL  # own attributes win
     with pytest.raises(AttributeError):
         w.no_such_attribute
 
@@ -273,13 +289,13 @@ def test_cuda_capture_and_replay():
     fn = Counting()
     w = CUDAGraphWrapper(fn, FULL, graph_ops=CUDAGraphOps(), debug=True)
     x = torch.zeros(8, device="cuda")
-    fn(x)                                             # warm-up, as the runner does
+    fn(x)  # warm-up, as the runner does
     with ctx(FULL, D8):
         captured = w(x)
         x.fill_(2.0)
         out = w(x)
     torch.cuda.synchronize()
-    assert fn.calls == 2                              # warm-up + capture; replay runs no Python
+    assert fn.calls == 2  # warm-up + capture; replay runs no Python
     assert out.data_ptr() == captured.data_ptr()
     assert torch.equal(out, torch.full((8,), 5.0, device="cuda"))
     assert (w.stats.captures, w.stats.replays) == (1, 1)
@@ -291,7 +307,7 @@ def test_cuda_nested_piecewise_and_full_share_the_pool():
     piece_a, piece_b, model = two_piece_model(debug=True)
     full = CUDAGraphWrapper(model, FULL)
     x = torch.zeros(16, device="cuda")
-    model(x)                                          # warm-up
+    model(x)  # warm-up
     for mode, desc in ((PIECEWISE, D16), (FULL, BatchDescriptor(16, 16, True))):
         with ctx(mode, desc):
             for start in (0.0, -8.0, 3.0):

@@ -1,13 +1,14 @@
 """CUDA-graph integration on CPU through EmulatedGraphOps: the same dispatcher, wrappers,
 padding and capture plan as on a GPU; replay runs the kernels recorded at capture (aten ops,
 Inductor graphs, Triton launches) on the captured static buffers, never the Python."""
+
 import pytest
 import torch
+from triton_interpreter import language_is_interpreted, run_module_in_interpreter
 
 from framework import LLM, CompilationConfig
-from framework.cudagraph.wrapper import EmulatedGraphOps, clear_all_graphs
 from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
-from triton_interpreter import language_is_interpreted, run_module_in_interpreter
+from framework.cudagraph.wrapper import EmulatedGraphOps, clear_all_graphs
 
 INTERPRETED = "triton_interpreted"
 """Marker of the CPU tests that need the Triton interpreter (rerun in a child process)."""
@@ -18,8 +19,13 @@ PROMPTS = [[3, 17, 42, 9, 100, 7], [8, 1, 250], [77, 12, 5, 90]]
 def _llm(path, **kw):
     cc = dict(level=1, backend="eager", pass_config={"passes": []}, progress_bar=False)
     cc.update(kw.pop("cc", {}))
-    return LLM(str(path), compilation_config=CompilationConfig(**cc), max_num_seqs=4,
-               max_model_len=64, **kw)
+    return LLM(
+        str(path),
+        compilation_config=CompilationConfig(**cc),
+        max_num_seqs=4,
+        max_model_len=64,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +50,11 @@ def test_padded_batches_match_unpadded(llama_checkpoint, reference):
 
 def test_piecewise_graphs_capture_once_and_replay(llama_checkpoint, reference):
     clear_all_graphs()
-    llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(),
-               cc={"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8]})
+    llm = _llm(
+        llama_checkpoint,
+        graph_ops=EmulatedGraphOps(),
+        cc={"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8]},
+    )
     assert llm.stats["cudagraph_mode"] == "PIECEWISE"
     assert llm.stats["captures"] == 4 * (llm.model_config.num_layers + 1)
     assert llm.generate(PROMPTS, 10, ignore_eos=True) == reference
@@ -55,32 +64,46 @@ def test_piecewise_graphs_capture_once_and_replay(llama_checkpoint, reference):
 
 
 @pytest.mark.triton_interpreted
-@pytest.mark.skipif(not language_is_interpreted(),
-                    reason="needs the Triton interpreter: test_in_interpreter reruns it")
+@pytest.mark.skipif(
+    not language_is_interpreted(),
+    reason="needs the Triton interpreter: test_in_interpreter reruns it",
+)
 def test_full_and_piecewise_with_graph_safe_backend(llama_checkpoint, reference):
     clear_all_graphs()
-    llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(), attention_backend="triton",
-               cc={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]})
+    llm = _llm(
+        llama_checkpoint,
+        graph_ops=EmulatedGraphOps(),
+        attention_backend="triton",
+        cc={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]},
+    )
     assert llm.stats["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     assert llm.generate(PROMPTS, 6, ignore_eos=True) == [r[:6] for r in reference]
     full = llm.runner.forward
     assert full.stats.captures == 3 and full.stats.replays > 0
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or language_is_interpreted(),
-                    reason="CPU only; runs the interpreter tests of this module")
+@pytest.mark.skipif(
+    torch.cuda.is_available() or language_is_interpreted(),
+    reason="CPU only; runs the interpreter tests of this module",
+)
 def test_in_interpreter(request):
     run_module_in_interpreter(__file__, request, marker=INTERPRETED)
 
 
-def test_piecewise_graphs_capture_inductor_pieces(llama_checkpoint, reference,
-                                                  compile_cache_dir):
+def test_piecewise_graphs_capture_inductor_pieces(llama_checkpoint, reference, compile_cache_dir):
     """Inductor-compiled pieces inside emulated graphs: each piece's capture records the
     compiled graph as one launch, and generation through the replays matches eager."""
     clear_all_graphs()
-    llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(), cache_dir=compile_cache_dir,
-               cc={"backend": "inductor", "cudagraph_mode": "PIECEWISE",
-                   "cudagraph_capture_sizes": [1, 4]})
+    llm = _llm(
+        llama_checkpoint,
+        graph_ops=EmulatedGraphOps(),
+        cache_dir=compile_cache_dir,
+        cc={
+            "backend": "inductor",
+            "cudagraph_mode": "PIECEWISE",
+            "cudagraph_capture_sizes": [1, 4],
+        },
+    )
     assert llm.generate(PROMPTS, 10, ignore_eos=True) == reference
     wrappers = llm.compiled.backend.split_wrappers()
     assert all(w.stats.captures == 2 and w.stats.replays > 0 for w in wrappers)
@@ -90,8 +113,11 @@ def test_piecewise_graphs_capture_inductor_pieces(llama_checkpoint, reference,
 
 
 def test_torch_backend_downgrades_full_to_piecewise(llama_checkpoint):
-    llm = _llm(llama_checkpoint, graph_ops=EmulatedGraphOps(),
-               cc={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2]})
+    llm = _llm(
+        llama_checkpoint,
+        graph_ops=EmulatedGraphOps(),
+        cc={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2]},
+    )
     assert llm.stats["cudagraph_mode"] == "PIECEWISE"
 
 
@@ -100,10 +126,17 @@ def test_torch_backend_downgrades_full_to_piecewise(llama_checkpoint):
 def test_graph_modes_give_identical_tokens_on_gpu(llama_checkpoint):
     outs = {}
     for mode in ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
-        cc = CompilationConfig(level=2, cudagraph_mode=mode, progress_bar=False,
-                               cudagraph_capture_sizes=[1, 2, 4, 8])
-        llm = LLM(str(llama_checkpoint), device="cuda", attention_backend="triton",
-                  compilation_config=cc, max_num_seqs=4, max_model_len=64)
+        cc = CompilationConfig(
+            level=2, cudagraph_mode=mode, progress_bar=False, cudagraph_capture_sizes=[1, 2, 4, 8]
+        )
+        llm = LLM(
+            str(llama_checkpoint),
+            device="cuda",
+            attention_backend="triton",
+            compilation_config=cc,
+            max_num_seqs=4,
+            max_model_len=64,
+        )
         assert llm.stats["cudagraph_mode"] == mode
         outs[mode] = llm.generate(PROMPTS, 10, ignore_eos=True)
         clear_all_graphs()

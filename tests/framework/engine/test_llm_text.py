@@ -1,5 +1,6 @@
 """Text in and out: the model folder's tokenizer (AutoTokenizer), string prompts, output
 text, the chat template; the synthetic addition checkpoint's own tokenizer."""
+
 import shutil
 from pathlib import Path
 
@@ -7,8 +8,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from experiments.synthetic_task import EOS_ID, SYMBOLS, encode
-from experiments.synthetic_tokenizer import (build_tokenizer, check, from_model_notation,
-                                             to_model_notation, write)
+from experiments.synthetic_tokenizer import (
+    build_tokenizer,
+    check,
+    from_model_notation,
+    to_model_notation,
+    write,
+)
 from framework import LLM, SamplingParams
 
 ADDITION = Path(__file__).resolve().parents[3] / "models" / "synthetic" / "addition"
@@ -46,7 +52,7 @@ def test_notation_helpers():
 
 def test_addition_model_answers_text_prompts(addition):
     assert addition.tokenizer is not None
-    assert addition.generate(["321+654="]) == ["9750"]          # 123 + 456 = 0579
+    assert addition.generate(["321+654="]) == ["9750"]  # 123 + 456 = 0579
     answers = addition.generate([to_model_notation(p) for p in ("123+456=", "999+999=")])
     assert [from_model_notation(a) for a in answers] == ["579", "1998"]
     out = addition.generate(["321+654="], return_outputs=True)[0]
@@ -67,8 +73,10 @@ def test_chat_template_is_applied_when_asked(tmp_path, addition):
     folder = tmp_path / "chat"
     shutil.copytree(ADDITION, folder)
     tok = AutoTokenizer.from_pretrained(str(folder))
-    tok.chat_template = ("{% for m in messages %}{{ m['content'] | reverse | join('') }}"
-                         "{% endfor %}{% if add_generation_prompt %}={% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] | reverse | join('') }}"
+        "{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    )
     tok.save_pretrained(str(folder))
     llm = LLM(str(folder), optimization_level=0, max_model_len=32)
     # "456+123" reversed is "321+654", and the generation prompt adds the "=".

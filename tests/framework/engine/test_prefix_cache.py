@@ -1,5 +1,6 @@
 """Prefix caching: hash-chained full blocks shared by reference count, an LRU of
 unreferenced blocks evicted only under pressure, and identical tokens with and without."""
+
 import random
 
 import pytest
@@ -24,16 +25,15 @@ def make(path, caching, blocks=None, **kw):
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.float32, BLOCK)
         kw["kv_cache_memory_bytes"] = blocks * spec.bytes_per_block
     kw.setdefault("max_model_len", 160)
-    return LLM(str(path), optimization_level=0, max_num_seqs=4,
-               enable_prefix_caching=caching, **kw)
+    return LLM(str(path), optimization_level=0, max_num_seqs=4, enable_prefix_caching=caching, **kw)
 
 
 # ---------------------------------------------------------------------- block manager
 def test_hash_chain_depends_on_the_whole_prefix():
     a = chain_hashes(list(range(48)), 16)
     b = chain_hashes([99] + list(range(1, 48)), 16)
-    assert len(a) == 3 and all(x != y for x, y in zip(a, b))   # block 0 differs: all do
-    assert chain_hashes(list(range(40)), 16) == a[:2]           # partial block: no hash
+    assert len(a) == 3 and all(x != y for x, y in zip(a, b))  # block 0 differs: all do
+    assert chain_hashes(list(range(40)), 16) == a[:2]  # partial block: no hash
 
 
 def test_block_manager_shares_caches_and_evicts_lru_first():
@@ -45,12 +45,12 @@ def test_block_manager_shares_caches_and_evicts_lru_first():
     assert bm.lookup([h11, h12, h13, h14]) == blocks
     bm.take(blocks[:2])
     assert bm.ref_count(blocks[0]) == 2
-    bm.free(blocks)                       # request 1 done: block 3 goes to the LRU
+    bm.free(blocks)  # request 1 done: block 3 goes to the LRU
     assert bm.num_free == 3 and bm.lookup([h11, h12, h13]) == blocks
-    bm.free(blocks[:2])                   # request 2 done: all cached, all free
+    bm.free(blocks[:2])  # request 2 done: all cached, all free
     assert bm.num_free == 5 and bm.num_cached == 3
     bm.check()
-    got = bm.allocate(3)                  # 2 from the free list, then the LRU's oldest
+    got = bm.allocate(3)  # 2 from the free list, then the LRU's oldest
     assert bm.stats.evictions == 1 and blocks[2] in got
     assert bm.lookup([h11, h12, h13]) == blocks[:2]
     bm.free(got)
@@ -70,21 +70,21 @@ def test_hits_on_a_shared_prefix_and_none_across_prefixes(llama_checkpoint):
     assert cached.stats["prefix_cache_hit_tokens"] == 0
     assert cached.generate([p2], 8, ignore_eos=True)[0] == want[1]
     s = cached.stats
-    assert s["prefix_cache_hit_tokens"] == 32          # two full blocks of the prefix
+    assert s["prefix_cache_hit_tokens"] == 32  # two full blocks of the prefix
     assert s["prefix_cache_queried_tokens"] == len(p1) + len(p2)
     assert cached.generate([other], 8, ignore_eos=True)[0] == want[2]
-    assert cached.stats["prefix_cache_hit_tokens"] == 32   # a different prefix: no hit
+    assert cached.stats["prefix_cache_hit_tokens"] == 32  # a different prefix: no hit
     assert cached.allocator.num_free == cached.allocator.num_usable
     cached.allocator.check()
 
 
 def test_fully_cached_prompt_recomputes_its_last_token(llama_checkpoint):
-    p = rand_tokens(48, 4)                     # exactly 3 blocks
+    p = rand_tokens(48, 4)  # exactly 3 blocks
     cached, plain = make(llama_checkpoint, True), make(llama_checkpoint, False)
     want = plain.generate([p], 6, ignore_eos=True)[0]
     assert cached.generate([p], 6, ignore_eos=True)[0] == want
     assert cached.generate([p], 6, ignore_eos=True)[0] == want
-    assert cached.stats["prefix_cache_hit_tokens"] == 32   # 2 of 3 blocks: one token left
+    assert cached.stats["prefix_cache_hit_tokens"] == 32  # 2 of 3 blocks: one token left
 
 
 def test_partial_hit_with_chunked_prefill(llama_checkpoint):
@@ -105,10 +105,10 @@ def test_eviction_under_pressure(llama_checkpoint):
     a, b = rand_tokens(60, 6), rand_tokens(100, 7)
     plain = make(llama_checkpoint, False)
     want_a, want_b = (plain.generate([p], 12, ignore_eos=True)[0] for p in (a, b))
-    llm = make(llama_checkpoint, True, blocks=10)       # 9 usable
+    llm = make(llama_checkpoint, True, blocks=10)  # 9 usable
     assert llm.generate([a], 12, ignore_eos=True)[0] == want_a
     assert llm.allocator.num_cached == 4 and llm.stats["prefix_cache_evictions"] == 0
-    assert llm.generate([b], 12, ignore_eos=True)[0] == want_b   # needs 8 blocks
+    assert llm.generate([b], 12, ignore_eos=True)[0] == want_b  # needs 8 blocks
     assert llm.stats["prefix_cache_evictions"] > 0
     assert llm.generate([a], 12, ignore_eos=True)[0] == want_a
     assert llm.allocator.num_free == llm.allocator.num_usable

@@ -1,16 +1,27 @@
 """The batched sampler: masks and penalties equal transformers' logits processors, seeded
 draws do not depend on the batch, temperature sampling has the right distribution."""
+
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper,
-                                                    RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from framework import LLM, SamplingParams
 from framework.engine.request import Request
-from framework.engine.sampler import (Sampler, apply_min_p, apply_penalties, apply_top_k,
-                               apply_top_p, token_counts, uniform_noise)
+from framework.engine.sampler import (
+    Sampler,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    token_counts,
+    uniform_noise,
+)
 
 V = 50
 
@@ -38,8 +49,10 @@ def test_top_p_matches_transformers(logits, p):
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_top_p_after_top_k_sorts_only_the_candidates(logits, p):
     k = apply_top_k(logits, torch.full((4,), 12))
-    same(apply_top_p(k, torch.full((4,), p), max_candidates=12),
-         TopPLogitsWarper(p)(None, TopKLogitsWarper(12)(None, logits.clone())))
+    same(
+        apply_top_p(k, torch.full((4,), p), max_candidates=12),
+        TopPLogitsWarper(p)(None, TopKLogitsWarper(12)(None, logits.clone())),
+    )
 
 
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.9])
@@ -56,17 +69,28 @@ def test_repetition_penalty_matches_transformers(logits, penalty):
     g = torch.Generator().manual_seed(1)
     history = torch.randint(V, (4, 12), generator=g)
     prompt, output = history[:, :7].tolist(), history[:, 7:].tolist()
-    ours = apply_penalties(logits, token_counts(prompt, V, "cpu") > 0,
-                           token_counts(output, V, "cpu"), torch.full((4,), penalty),
-                           torch.zeros(4), torch.zeros(4))
+    ours = apply_penalties(
+        logits,
+        token_counts(prompt, V, "cpu") > 0,
+        token_counts(output, V, "cpu"),
+        torch.full((4,), penalty),
+        torch.zeros(4),
+        torch.zeros(4),
+    )
     same(ours, RepetitionPenaltyLogitsProcessor(penalty)(history, logits.clone()))
 
 
 def test_presence_and_frequency_penalties(logits):
     out = [[3, 3, 5], [], [7], [1, 1, 1]]
     counts = token_counts(out, V, "cpu")
-    got = apply_penalties(logits, torch.zeros(4, V, dtype=torch.bool), counts,
-                          torch.ones(4), torch.full((4,), 0.5), torch.full((4,), 0.25))
+    got = apply_penalties(
+        logits,
+        torch.zeros(4, V, dtype=torch.bool),
+        counts,
+        torch.ones(4),
+        torch.full((4,), 0.5),
+        torch.full((4,), 0.25),
+    )
     want = logits.clone()
     for i, row in enumerate(out):
         for t in set(row):
@@ -75,8 +99,13 @@ def test_presence_and_frequency_penalties(logits):
 
 
 def req(i, params, output=(), prompt=(1, 2, 3)):
-    r = Request(i, list(prompt), params.max_tokens, params=params,
-                seed=params.seed if params.seed is not None else 1000 + i)
+    r = Request(
+        i,
+        list(prompt),
+        params.max_tokens,
+        params=params,
+        seed=params.seed if params.seed is not None else 1000 + i,
+    )
     r.output = list(output)
     return r
 
@@ -102,10 +131,14 @@ def test_seeded_rows_do_not_depend_on_the_batch(logits):
     other = SamplingParams(temperature=0.8, top_k=5, seed=9)
     for s in range(20):
         batch = torch.cat([logits[:2], target, logits[3:]])
-        reqs = [req(1, other, output=[1] * s), req(7, SamplingParams()),
-                req(0, sp, output=[0] * s), req(3, SamplingParams(temperature=2.0))]
+        reqs = [
+            req(1, other, output=[1] * s),
+            req(7, SamplingParams()),
+            req(0, sp, output=[0] * s),
+            req(3, SamplingParams(temperature=2.0)),
+        ]
         assert Sampler()(batch, reqs)[0][2] == alone[s]
-    assert len(set(alone)) > 1           # the step index changes the draw
+    assert len(set(alone)) > 1  # the step index changes the draw
 
 
 def test_noise_is_uniform_and_keyed():
@@ -119,8 +152,11 @@ def test_noise_is_uniform_and_keyed():
 def chi_square_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
     stat = float(((observed - expected) ** 2 / expected).sum())
     df = observed.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
 
 
 def test_chi_square_rejects_a_wrong_distribution():
@@ -153,9 +189,14 @@ def test_seeded_generate_reproducible_across_batch_mixes(llama_checkpoint):
     llm = LLM(str(llama_checkpoint), optimization_level=0, max_num_seqs=4, max_model_len=64)
     sp = SamplingParams(temperature=1.0, top_k=40, seed=7, max_tokens=10, ignore_eos=True)
     alone = llm.generate([[5, 6, 7]], sampling_params=sp)[0]
-    mixed = llm.generate([[9, 9], [5, 6, 7], [1]], sampling_params=[
-        SamplingParams(temperature=0.5, max_tokens=4), sp,
-        SamplingParams(max_tokens=12, repetition_penalty=1.2)])
+    mixed = llm.generate(
+        [[9, 9], [5, 6, 7], [1]],
+        sampling_params=[
+            SamplingParams(temperature=0.5, max_tokens=4),
+            sp,
+            SamplingParams(max_tokens=12, repetition_penalty=1.2),
+        ],
+    )
     assert mixed[1] == alone
     other_seed = llm.generate([[5, 6, 7]], sampling_params=sp.replace(seed=8))[0]
     assert other_seed != alone

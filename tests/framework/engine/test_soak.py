@@ -1,6 +1,7 @@
 """Soak: requests with random prompt lengths and max tokens arrive over time through the
 step API, with a KV budget far below what they need together.  Every request finishes with
 the greedy tokens it gets alone, no block leaks, and the scheduler had to preempt."""
+
 import random
 
 import pytest
@@ -32,24 +33,31 @@ def workload(n: int, seed: int, vocab: int):
         max_tokens = g.randint(1, 24)
         length = g.randint(1, MAX_LEN - max_tokens)
         prompt = [g.randrange(vocab) for _ in range(length)]
-        if g.random() < 0.5:                  # half share a common prefix
+        if g.random() < 0.5:  # half share a common prefix
             prompt = (g.choice(prefixes) + prompt)[:length]
-        reqs.append((prompt, SamplingParams(max_tokens=max_tokens,
-                                            ignore_eos=g.random() < 0.7)))
+        reqs.append((prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=g.random() < 0.7)))
     return reqs
 
 
 def engine(path, blocks: int, caching: bool, **kw) -> LLM:
     mc = ModelConfig.from_hf_dir(str(path))
     spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.float32, BLOCK)
-    return LLM(str(path), optimization_level=0, max_num_seqs=8, max_model_len=MAX_LEN,
-               block_size=BLOCK, kv_cache_memory_bytes=blocks * spec.bytes_per_block,
-               enable_prefix_caching=caching, **kw)
+    return LLM(
+        str(path),
+        optimization_level=0,
+        max_num_seqs=8,
+        max_model_len=MAX_LEN,
+        block_size=BLOCK,
+        kv_cache_memory_bytes=blocks * spec.bytes_per_block,
+        enable_prefix_caching=caching,
+        **kw,
+    )
 
 
 def alone(path, reqs) -> list[list[int]]:
-    llm = LLM(str(path), optimization_level=0, max_num_seqs=1, max_model_len=MAX_LEN,
-              block_size=BLOCK)
+    llm = LLM(
+        str(path), optimization_level=0, max_num_seqs=1, max_model_len=MAX_LEN, block_size=BLOCK
+    )
     return [llm.generate([p], sampling_params=sp)[0] for p, sp in reqs]
 
 
@@ -59,7 +67,7 @@ def soak(llm: LLM, reqs, seed: int) -> dict[int, list[int]]:
     ids, done = {}, {}
     steps = 0
     while pending or llm.has_unfinished():
-        for _ in range(g.choice([0, 0, 1, 1, 2, 3])):     # arrivals over time
+        for _ in range(g.choice([0, 0, 1, 1, 2, 3])):  # arrivals over time
             if pending:
                 i, (p, sp) = pending.pop(0)
                 ids[llm.add_request(p, sp)] = i
@@ -80,7 +88,7 @@ def run_soak(path, n: int, blocks: int, caching: bool, seed: int = 0):
     vocab = ModelConfig.from_hf_dir(str(path)).vocab_size
     reqs = workload(n, seed, vocab)
     key = (str(path), n, seed)
-    if key not in _ALONE:      # shared by the with / without prefix caching runs
+    if key not in _ALONE:  # shared by the with / without prefix caching runs
         _ALONE[key] = alone(path, reqs)
     expected = _ALONE[key]
     llm = engine(path, blocks, caching)

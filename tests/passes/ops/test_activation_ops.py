@@ -1,4 +1,5 @@
 """piecewise::silu_and_mul (+ quant) and plain activation quant vs references, plus opcheck."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ def assert_quant_close(got, want, dtype):
         assert (g - w).abs().max() <= 1
         assert (g != w).float().mean() < 0.02
     else:
-        torch.testing.assert_close(g, w, rtol=0.13, atol=2 ** -9)
+        torch.testing.assert_close(g, w, rtol=0.13, atol=2**-9)
 
 
 def make(t=5, i=48, dtype=torch.bfloat16):
@@ -105,10 +106,14 @@ def _opcheck_cases():
         (ops.silu_and_mul_static_quant.default, (f8, x, s)),
         (ops.silu_and_mul_dynamic_quant.default, (i8, x, torch.empty(3, 1))),
         (ops.static_scaled_quant.default, (torch.empty(3, 32, dtype=torch.int8), x, s)),
-        (ops.dynamic_per_token_quant.default, (torch.empty(3, 32, dtype=torch.int8), x,
-                                               torch.empty(3, 1))),
-        (ops.dynamic_per_token_quant.default, (torch.empty(3, 32, dtype=torch.float8_e4m3fn), x,
-                                               torch.empty(3, 1))),
+        (
+            ops.dynamic_per_token_quant.default,
+            (torch.empty(3, 32, dtype=torch.int8), x, torch.empty(3, 1)),
+        ),
+        (
+            ops.dynamic_per_token_quant.default,
+            (torch.empty(3, 32, dtype=torch.float8_e4m3fn), x, torch.empty(3, 1)),
+        ),
     ]
 
 

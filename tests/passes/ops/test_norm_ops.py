@@ -1,4 +1,5 @@
 """piecewise::rms_norm family vs straightforward references, plus opcheck."""
+
 import pytest
 import torch
 
@@ -28,7 +29,7 @@ def assert_quant_close(got, want, dtype):
         assert (g - w).abs().max() <= 1
         assert (g != w).float().mean() < 0.02
     else:
-        torch.testing.assert_close(g, w, rtol=0.13, atol=2 ** -9)
+        torch.testing.assert_close(g, w, rtol=0.13, atol=2**-9)
 
 
 def make(t=5, h=64, dtype=torch.bfloat16, seed=0):
@@ -126,8 +127,9 @@ def test_fake_rejects_wrong_weight_and_out_shape():
         with pytest.raises(ValueError, match="rms_norm: weight has shape"):
             ops.rms_norm(torch.empty(5, 64), x, torch.empty(32), EPS)
         with pytest.raises(ValueError, match="rms_norm_static_quant: out has shape"):
-            ops.rms_norm_static_quant(torch.empty(5, 32, dtype=torch.int8), x, w,
-                                      torch.empty(1), EPS)
+            ops.rms_norm_static_quant(
+                torch.empty(5, 32, dtype=torch.int8), x, w, torch.empty(1), EPS
+            )
         with pytest.raises(ValueError, match="torch.int8 or torch.float8_e4m3fn"):
             ops.rms_norm_static_quant(torch.empty(5, 64), x, w, torch.empty(1), EPS)
 
@@ -157,8 +159,12 @@ def test_opcheck(case):
 def opcheck_utils(args):
     """All opcheck tests, except that ``test_schema`` is skipped for fp8 tensors: its
     aliasing check multiplies outputs, which CPU torch does not implement for float8."""
-    utils = ["test_schema", "test_autograd_registration", "test_faketensor",
-             "test_aot_dispatch_dynamic"]
+    utils = [
+        "test_schema",
+        "test_autograd_registration",
+        "test_faketensor",
+        "test_aot_dispatch_dynamic",
+    ]
     if any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args):
         utils.remove("test_schema")
     return utils

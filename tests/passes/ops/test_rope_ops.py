@@ -1,4 +1,5 @@
 """piecewise::qk_norm_rope vs an HF-style reference (per-head RMSNorm then rotate_half)."""
+
 import pytest
 import torch
 
@@ -49,32 +50,43 @@ def test_qk_norm_rope_matches_reference(is_neox, dtype):
     q, k, v = qkv.double().split([HQ * D, HKV * D, HKV * D], dim=-1)
     want_q = ref_rope(ref_head_norm(q.unflatten(-1, (HQ, D)), qw), pos, cache, is_neox)
     want_k = ref_rope(ref_head_norm(k.unflatten(-1, (HKV, D)), kw), pos, cache, is_neox)
-    v_before = qkv[:, (HQ + HKV) * D:].clone()
+    v_before = qkv[:, (HQ + HKV) * D :].clone()
     ops.qk_norm_rope(qkv, pos, qw, kw, cache, HQ, HKV, D, EPS, is_neox)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
-    torch.testing.assert_close(qkv[:, :HQ * D].double(), want_q.flatten(1), **tol)
-    torch.testing.assert_close(qkv[:, HQ * D:(HQ + HKV) * D].double(), want_k.flatten(1), **tol)
-    assert torch.equal(qkv[:, (HQ + HKV) * D:], v_before)
+    torch.testing.assert_close(qkv[:, : HQ * D].double(), want_q.flatten(1), **tol)
+    torch.testing.assert_close(qkv[:, HQ * D : (HQ + HKV) * D].double(), want_k.flatten(1), **tol)
+    assert torch.equal(qkv[:, (HQ + HKV) * D :], v_before)
 
 
 def test_position_zero_is_plain_norm():
     qkv, _, qw, kw = make(t=1)
-    q = qkv[:, :HQ * D].double().unflatten(-1, (HQ, D))
+    q = qkv[:, : HQ * D].double().unflatten(-1, (HQ, D))
     ops.qk_norm_rope(qkv, torch.tensor([0]), qw, kw, cos_sin_cache(), HQ, HKV, D, EPS, True)
-    torch.testing.assert_close(qkv[:, :HQ * D].double(), ref_head_norm(q, qw).flatten(1),
-                               atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        qkv[:, : HQ * D].double(), ref_head_norm(q, qw).flatten(1), atol=3e-2, rtol=1e-2
+    )
 
 
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_opcheck(is_neox):
     qkv, pos, qw, kw = make(t=3)
-    torch.library.opcheck(ops.qk_norm_rope.default,
-                          (qkv, pos[:3], qw, kw, cos_sin_cache(), HQ, HKV, D, EPS, is_neox))
+    torch.library.opcheck(
+        ops.qk_norm_rope.default, (qkv, pos[:3], qw, kw, cos_sin_cache(), HQ, HKV, D, EPS, is_neox)
+    )
 
 
 def test_fake_rejects_wrong_packed_width():
     with torch._subclasses.FakeTensorMode():
         with pytest.raises(ValueError, match=r"qkv must be \[T, \(num_heads"):
-            ops.qk_norm_rope(torch.empty(2, 10), torch.zeros(2, dtype=torch.long),
-                             torch.empty(D), torch.empty(D), torch.empty(8, D), HQ, HKV, D,
-                             EPS, True)
+            ops.qk_norm_rope(
+                torch.empty(2, 10),
+                torch.zeros(2, dtype=torch.long),
+                torch.empty(D),
+                torch.empty(D),
+                torch.empty(8, D),
+                HQ,
+                HKV,
+                D,
+                EPS,
+                True,
+            )

@@ -1,4 +1,5 @@
 """piecewise::int8_scaled_mm / fp8_scaled_mm / int8_weight_only_mm vs float64 references."""
+
 import pytest
 import torch
 
@@ -30,15 +31,17 @@ def test_int8_scaled_mm(m, per_token, with_bias):
     bias = torch.randn(40, dtype=torch.bfloat16) if with_bias else None
     y = ops.int8_scaled_mm(x_q, x_scale, w_nk.t(), w_scale, bias, torch.bfloat16)
     assert y.shape == (m, 40) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.double(), ref_scaled_mm(x_q, x_scale, w_nk.t(), w_scale, bias),
-                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        y.double(), ref_scaled_mm(x_q, x_scale, w_nk.t(), w_scale, bias), rtol=1e-2, atol=1e-2
+    )
 
 
 def test_int8_scaled_mm_row_major_weight_and_scalar_weight_scale():
     x_q, w_nk = make_int8(4, 32, 24)
     w_kn = w_nk.t().contiguous()
-    y = ops.int8_scaled_mm(x_q, torch.tensor([0.5]), w_kn, torch.tensor([0.25]), None,
-                           torch.float32)
+    y = ops.int8_scaled_mm(
+        x_q, torch.tensor([0.5]), w_kn, torch.tensor([0.25]), None, torch.float32
+    )
     want = (x_q.double() @ w_kn.double()) * 0.125
     torch.testing.assert_close(y.double(), want)
 
@@ -50,8 +53,9 @@ def test_fp8_scaled_mm(m):
     w_q = (torch.randn(24, 32, generator=g) * 50).to(torch.float8_e4m3fn)
     x_scale, w_scale = torch.rand(m, 1), torch.rand(1, 24)
     y = ops.fp8_scaled_mm(x_q, x_scale, w_q.t(), w_scale, None, torch.float32)
-    torch.testing.assert_close(y.double(), ref_scaled_mm(x_q, x_scale, w_q.t(), w_scale, None),
-                               rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(
+        y.double(), ref_scaled_mm(x_q, x_scale, w_q.t(), w_scale, None), rtol=1e-5, atol=1e-3
+    )
 
 
 @pytest.mark.parametrize("m", [1, 8, 16, 17, 40])
@@ -92,8 +96,7 @@ def test_fake_errors_name_the_tensor():
         with pytest.raises(ValueError, match=r"expected x_q \[T, K\] and w_q \[K, N\]"):
             ops.int8_scaled_mm(x_q, torch.empty(1), w.t(), torch.empty(1), None, torch.float32)
         with pytest.raises(ValueError, match="must be torch.int8"):
-            ops.int8_scaled_mm(x_q.float(), torch.empty(1), w, torch.empty(1), None,
-                               torch.float32)
+            ops.int8_scaled_mm(x_q.float(), torch.empty(1), w, torch.empty(1), None, torch.float32)
 
 
 def _opcheck_cases():
@@ -101,14 +104,22 @@ def _opcheck_cases():
     f8x = torch.randn(5, 32).to(torch.float8_e4m3fn)
     f8w = torch.randn(16, 32).to(torch.float8_e4m3fn)
     return [
-        (ops.int8_scaled_mm.default, (x_q, torch.rand(5, 1), w_nk.t(), torch.rand(1, 16),
-                                      torch.randn(16), torch.bfloat16)),
-        (ops.int8_scaled_mm.default, (x_q, torch.rand(1), w_nk.t(), torch.rand(1), None,
-                                      torch.float32)),
-        (ops.fp8_scaled_mm.default, (f8x, torch.rand(5, 1), f8w.t(), torch.rand(1, 16), None,
-                                     torch.bfloat16)),
-        (ops.int8_weight_only_mm.default, (torch.randn(5, 32, dtype=torch.bfloat16), w_nk,
-                                           torch.rand(16), None)),
+        (
+            ops.int8_scaled_mm.default,
+            (x_q, torch.rand(5, 1), w_nk.t(), torch.rand(1, 16), torch.randn(16), torch.bfloat16),
+        ),
+        (
+            ops.int8_scaled_mm.default,
+            (x_q, torch.rand(1), w_nk.t(), torch.rand(1), None, torch.float32),
+        ),
+        (
+            ops.fp8_scaled_mm.default,
+            (f8x, torch.rand(5, 1), f8w.t(), torch.rand(1, 16), None, torch.bfloat16),
+        ),
+        (
+            ops.int8_weight_only_mm.default,
+            (torch.randn(5, 32, dtype=torch.bfloat16), w_nk, torch.rand(16), None),
+        ),
     ]
 
 

@@ -6,10 +6,18 @@ kernel tests below skip here and ``test_in_interpreter`` reruns them in a child 
 starts with ``TRITON_INTERPRET=1``; ``scripts/gpu_check.sh`` runs them compiled on the GPU
 (``-m triton_kernel``).  Shapes are tiny: the interpreter runs kernels in numpy.
 """
+
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+
+from triton_interpreter import (  # noqa: E402
+    ON_GPU,
+    kernel_test,
+    language_is_interpreted,
+    run_module_in_interpreter,
+)
 
 import passes.ops  # noqa: E402,F401
 from passes.ops import activation as act_ops  # noqa: E402
@@ -21,8 +29,6 @@ from passes.ops.triton import activation as tri_act  # noqa: E402
 from passes.ops.triton import norm as tri_norm  # noqa: E402
 from passes.ops.triton import rope as tri_rope  # noqa: E402
 from passes.ops.triton import scaled_mm as tri_mm  # noqa: E402
-from triton_interpreter import (ON_GPU, kernel_test, language_is_interpreted,  # noqa: E402
-                                run_module_in_interpreter)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
@@ -38,8 +44,9 @@ def dev(*tensors):
     return moved[0] if len(moved) == 1 else moved
 
 
-@pytest.mark.skipif(ON_GPU or language_is_interpreted(),
-                    reason="the kernel tests run in this process")
+@pytest.mark.skipif(
+    ON_GPU or language_is_interpreted(), reason="the kernel tests run in this process"
+)
 def test_in_interpreter(request):
     run_module_in_interpreter(__file__, request)
 
@@ -57,9 +64,13 @@ def _patch_interpreter_float_conversion():
     from triton.runtime import interpreter
 
     tl = triton.language
-    torch_dtypes = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16,
-                    tl.float16: torch.float16, tl.float8e4nv: torch.float8_e4m3fn,
-                    tl.float8e5: torch.float8_e5m2}
+    torch_dtypes = {
+        tl.float32: torch.float32,
+        tl.bfloat16: torch.bfloat16,
+        tl.float16: torch.float16,
+        tl.float8e4nv: torch.float8_e4m3fn,
+        tl.float8e5: torch.float8_e5m2,
+    }
     bits_view = {32: torch.int32, 16: torch.int16, 8: torch.uint8}
     original = interpreter._convert_float
 
@@ -68,14 +79,15 @@ def _patch_interpreter_float_conversion():
         if src is None or dst is None or rounding_mode == ir.ROUNDING_MODE.RTZ:
             return original(data, in_dtype, out_dtype, rounding_mode)
         raw = np.ascontiguousarray(data)
-        t = torch.from_numpy(raw.view(np.dtype(f"uint{raw.dtype.itemsize * 8}"))
-                             .view(f"int{raw.dtype.itemsize * 8}") if raw.dtype.itemsize > 1
-                             else raw.view(np.uint8))
+        t = torch.from_numpy(
+            raw.view(np.dtype(f"uint{raw.dtype.itemsize * 8}")).view(f"int{raw.dtype.itemsize * 8}")
+            if raw.dtype.itemsize > 1
+            else raw.view(np.uint8)
+        )
         out = t.view(src).to(dst).view(bits_view[out_dtype.primitive_bitwidth]).numpy()
         return out.view(np.dtype(f"uint{out_dtype.primitive_bitwidth}"))
 
     interpreter._convert_float = convert
-
 
 
 @pytest.fixture(autouse=True)
@@ -85,6 +97,7 @@ def interpreter_rounds_like_the_gpu():
         yield
         return
     from triton.runtime import interpreter
+
     original = interpreter._convert_float
     _patch_interpreter_float_conversion()
     try:
@@ -102,13 +115,17 @@ def assert_quant_equal_up_to_one_step(got, want):
         assert (got.int() - want.int()).abs().max() <= 1
         assert (got != want).float().mean() < 0.05
     else:
-        torch.testing.assert_close(got.float(), want.float(), rtol=0.13, atol=2 ** -9)
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.13, atol=2**-9)
 
 
 def data(t=3, h=40, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return list(dev(*[torch.randn(t, h, generator=g).to(dtype) for _ in range(2)],
-                    (1 + 0.1 * torch.randn(h, generator=g)).to(dtype)))
+    return list(
+        dev(
+            *[torch.randn(t, h, generator=g).to(dtype) for _ in range(2)],
+            (1 + 0.1 * torch.randn(h, generator=g)).to(dtype),
+        )
+    )
 
 
 @kernel
@@ -234,8 +251,9 @@ def test_int8_scaled_mm_kernel(m, with_bias):
     got = tri_mm.int8_scaled_mm(x_q, xs, w_q, ws, bias, torch.float32)
     want = mm_ops.int8_scaled_mm_torch(x_q, xs, w_q, ws, bias, torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
-    got = tri_mm.int8_scaled_mm(x_q, dev(torch.tensor([0.5])), w_q, dev(torch.tensor([2.0])),
-                                None, torch.float32)
+    got = tri_mm.int8_scaled_mm(
+        x_q, dev(torch.tensor([0.5])), w_q, dev(torch.tensor([2.0])), None, torch.float32
+    )
     assert torch.equal(got, (x_q.double() @ w_q.double()).float())  # exact (int matmul: CPU only)
 
 
