@@ -47,8 +47,8 @@ def test_dry_run_collects_the_gpu_selection_with_compiled_triton(tmp_path):
     assert len(ids) == int(guard.group(1)) > 0
     # the CUDA-graph tests, the GPU-only attention test and the in-place kernel tests ...
     for expected in (
-        "tests/framework/test_cudagraph.py::test_cuda_capture_and_replay",
-        "tests/framework/test_graph_capture.py::test_graph_modes_give_identical_tokens_on_gpu",
+        "tests/framework/cudagraph/test_cudagraph.py::test_cuda_capture_and_replay",
+        "tests/framework/cudagraph/test_graph_capture.py::test_graph_modes_give_identical_tokens_on_gpu",
         "tests/backends/attention/test_triton_paged.py::"
         "test_full_cuda_graph_replays_a_different_mix",
         "tests/passes/ops/test_triton_kernels.py::test_rms_norm_kernel",
