@@ -26,20 +26,17 @@ import torch
 from backends.attention.selector import default_backend
 from framework.compile.build import CompiledForward, build_forward
 from framework.core.config import CompilationConfig, CompilationMode
+from framework.cudagraph.emulation import EmulatedGraphOps
 from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
-from framework.engine.capture import capture_graphs
+from framework.engine.capture import capture_graphs, dummy_batch
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from framework.engine.outputs import RequestOutput
-from framework.engine.request import (
-    Request,
-    ScheduledChunk,
-    validate_max_tokens,
-    validate_token_ids,
-)
+from framework.engine.request import Request, validate_max_tokens, validate_token_ids
 from framework.engine.runner import ModelRunner
 from framework.engine.sampling_params import SamplingParams
 from framework.engine.scheduler import Scheduler
+from framework.engine.stats import StartupStats
 from framework.engine.tokenizer import decode, encode_prompt, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,6 +48,16 @@ class LLM:
     ``optimization_level`` (0–3) fills every field the ``compilation_config`` leaves unset;
     when both are None the level is 0 (eager).  ``attention_backend`` None picks the device's
     default (:func:`backends.attention.selector.default_backend`).
+    ``emulate_cuda_graphs``: run the CUDA-graph machinery (graph modes resolve as on a GPU,
+    dispatcher, capture at start-up, replay) through
+    :class:`framework.cudagraph.emulation.EmulatedGraphOps` on any device, so graph-capture
+    bugs (stale host values, outputs overwritten by another graph's replay) reproduce
+    without a GPU; slower than plain execution, for debugging.
+
+    Construction runs three steps, each its own method: :meth:`_load` (weights,
+    quantization, tokenizer, KV cache, scheduler), :meth:`_compile` (graph set-up, the
+    compiled forward, the runner, calibration, the warm-up forward) and :meth:`_capture`
+    (CUDA graphs).  Their timings land in :attr:`startup` (typed) and :attr:`stats`.
     """
 
     def __init__(
@@ -71,12 +78,9 @@ class LLM:
         kv_cache_memory_bytes: Optional[int] = None,
         device: Optional[str] = None,
         model_tag: Optional[str] = None,
-        graph_ops: Any = None,
         enable_prefix_caching: bool = False,
+        emulate_cuda_graphs: bool = False,
     ):
-        from models.config import parse_dtype
-        from models.loader import load_model
-
         t_start = time.perf_counter()
         torch.manual_seed(seed)
         for name, v in (
@@ -86,7 +90,70 @@ class LLM:
         ):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"LLM.{name}: must be a positive int, got {v!r}")
+        for name, v in (
+            ("enable_prefix_caching", enable_prefix_caching),
+            ("emulate_cuda_graphs", emulate_cuda_graphs),
+        ):
+            if not isinstance(v, bool):
+                raise ValueError(f"LLM.{name}: must be a bool, got {v!r}")
         self.device = torch.device(device or "cpu")
+        self.max_model_len = max_model_len
+        self.startup = StartupStats()
+        """Typed timings and counts of construction (per instance)."""
+        self._next_id = 0
+        self._rng = random.Random(seed)
+        self._requests: dict[int, Request] = {}
+        self._streaming: set[int] = set()
+        self._first_logits: dict[int, Optional[torch.Tensor]] = {}
+
+        quant_hash = self._load(
+            model,
+            dtype,
+            quantization,
+            compilation_config,
+            optimization_level=optimization_level,
+            cache_dir=cache_dir,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_prefix_caching=enable_prefix_caching,
+            has_graphs=self.device.type == "cuda" or emulate_cuda_graphs,
+        )
+        self._compile(
+            quant_hash,
+            attention_backend=attention_backend or default_backend(self.device),
+            max_num_seqs=max_num_seqs,
+            model_tag=model_tag,
+            graph_ops=EmulatedGraphOps() if emulate_cuda_graphs else None,
+            seed=seed,
+            t_start=t_start,
+        )
+        self._capture()
+        self.startup.startup_s = time.perf_counter() - t_start
+
+    # ------------------------------------------------------------------ setup
+    def _load(
+        self,
+        model: str,
+        dtype,
+        quantization: Any,
+        compilation_config,
+        *,
+        optimization_level: Optional[int],
+        cache_dir: Optional[str],
+        max_num_seqs: int,
+        max_num_batched_tokens: Optional[int],
+        block_size: int,
+        kv_cache_memory_bytes: Optional[int],
+        enable_prefix_caching: bool,
+        has_graphs: bool,
+    ) -> Optional[str]:
+        """Step 1: weights (and quantization), the resolved config, the KV cache, the block
+        manager, the tokenizer and the scheduler.  Returns the quantization hash."""
+        from models.config import parse_dtype
+        from models.loader import load_model
+
         self.dtype = parse_dtype(dtype)
         self.model, self.model_config = load_model(model, self.dtype, self.device)
         self.quant_config, quant_hash = self._quantize(quantization)
@@ -97,41 +164,47 @@ class LLM:
             cc = cc.replace(level=0 if optimization_level is None else optimization_level)
         if cache_dir is not None:
             cc = cc.replace(cache_dir=cache_dir)
-        max_num_tokens = max_num_batched_tokens or cc.max_num_tokens or max_model_len
-        # graph_ops (tests only) supplies emulated CUDA-graph calls, so graph modes resolve
-        # as they would on a GPU.
-        self.config = cc.resolve(
-            max_num_tokens=max_num_tokens,
-            has_cuda=self.device.type == "cuda" or graph_ops is not None,
-        )
-        max_num_tokens = self.config.max_num_tokens
-        self.max_model_len = max_model_len
+        max_num_tokens = max_num_batched_tokens or cc.max_num_tokens or self.max_model_len
+        # Graph modes resolve as on a GPU when graphs can run: CUDA, or emulated graphs.
+        self.config = cc.resolve(max_num_tokens=max_num_tokens, has_cuda=has_graphs)
 
         mc = self.model_config
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, block_size)
         num_blocks = num_blocks_for(
             spec,
-            max_model_len=max_model_len,
+            max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
             memory_bytes=kv_cache_memory_bytes,
         )
         layer_names = self.model.attention_layer_names()
         self.kv_caches = allocate_kv_caches(spec, layer_names, num_blocks, self.device)
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(
-                f"LLM.enable_prefix_caching: must be a bool, got {enable_prefix_caching!r}"
-            )
         self.allocator = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.tokenizer = load_tokenizer(model)
         self.scheduler = Scheduler(
             self.allocator,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
-            max_num_tokens=max_num_tokens,
-            max_model_len=max_model_len,
+            max_num_tokens=self.config.max_num_tokens,
+            max_model_len=self.max_model_len,
         )
+        return quant_hash
+
+    def _compile(
+        self,
+        quant_hash: Optional[str],
+        *,
+        attention_backend: str,
+        max_num_seqs: int,
+        model_tag: Optional[str],
+        graph_ops: Any,
+        seed: int,
+        t_start: float,
+    ) -> None:
+        """Step 2: the CUDA-graph set-up, the compiled forward (trace + compile, or a warm
+        restore), the runner, static-quantization calibration and the warm-up forward that
+        compiles (and saves the program for warm starts)."""
+        mc = self.model_config
         self._prepack_lm_head()
-        attention_backend = attention_backend or default_backend(self.device)
         self.graphs = setup_graphs(
             self.config,
             attention_backend=attention_backend,
@@ -151,29 +224,30 @@ class LLM:
             self.model,
             self.graphs.wrap_forward(self.compiled.forward),
             kv_caches=self.kv_caches,
-            block_size=block_size,
+            block_size=self.scheduler.block_size,
             max_num_seqs=max_num_seqs,
-            max_num_tokens=max_num_tokens,
-            max_model_len=max_model_len,
+            max_num_tokens=self.config.max_num_tokens,
+            max_model_len=self.max_model_len,
             device=self.device,
             attn_backend=attention_backend,
             dispatch=self.graphs.dispatcher.dispatch,
         )
-        self._next_id = 0
-        self._rng = random.Random(seed)
-        self._requests: dict[int, Request] = {}
-        self._streaming: set[int] = set()
-        self._first_logits: dict[int, Optional[torch.Tensor]] = {}
-        self._startup = {"load_s": time.perf_counter() - t_start}
+        self.startup.load_s = time.perf_counter() - t_start
         if self.quant_config is not None:
             self._calibrate(seed)
-        self._warmup()
-        self._startup.update(
-            capture_graphs(self.runner, self.graphs, progress=self.config.progress_bar)
-        )
-        self._startup["startup_s"] = time.perf_counter() - t_start
+        if self.config.mode != CompilationMode.NONE:
+            t0 = time.perf_counter()
+            self.dummy_run(min(self.config.max_num_tokens, 16))
+            if self.compiled.finalize is not None:
+                self.compiled.finalize()
+            self.startup.compile_s = time.perf_counter() - t0
 
-    # ------------------------------------------------------------------ setup
+    def _capture(self) -> None:
+        """Step 3: capture the CUDA graphs of every dispatcher key (none on CPU)."""
+        got = capture_graphs(self.runner, self.graphs, progress=self.config.progress_bar)
+        self.startup.captures = int(got["captures"])
+        self.startup.capture_time_s = got["capture_time_s"]
+
     def _quantize(self, quantization: Any) -> tuple[Any, Optional[str]]:
         if quantization is None:
             return None, None
@@ -213,26 +287,16 @@ class LLM:
             self.runner.forward = compiled
 
     def dummy_run(self, num_tokens: int, token_ids: Optional[list[int]] = None) -> None:
-        """One forward over ``num_tokens`` throw-away tokens (traces/compiles on first use)."""
-        req = Request(-1, token_ids or [0] * num_tokens, max_new_tokens=1)
-        self.scheduler._reserve(req, num_tokens)
-        try:
-            self.runner.execute([ScheduledChunk(req, 0, num_tokens)])
-        finally:
-            self.allocator.free(req.block_ids)
-            if self.runner.trace:
-                self.runner.trace.pop()
-        for times in self.runner.step_times.values():
-            times.clear()
-
-    def _warmup(self) -> None:
-        if self.config.mode == CompilationMode.NONE:
-            return
-        t0 = time.perf_counter()
-        self.dummy_run(min(self.config.max_num_tokens, 16))
-        if self.compiled.finalize is not None:
-            self.compiled.finalize()
-        self._startup["compile_s"] = time.perf_counter() - t0
+        """One forward over ``num_tokens`` throw-away tokens in KV blocks of their own, freed
+        afterwards (traces/compiles on first use); recorded in no step time or trace."""
+        with dummy_batch(
+            [num_tokens],
+            self.scheduler.block_size,
+            token_ids=token_ids,
+            allocate=self.allocator.allocate,
+            free=self.allocator.free,
+        ) as chunks:
+            self.runner.execute(chunks, record=False)
 
     # ------------------------------------------------------------------ step API
     def add_request(
@@ -380,9 +444,8 @@ class LLM:
         for i, r in enumerate(reqs):  # all or nothing: none starts when one can never fit
             r.req_id = self._next_id + i
             try:
-                self.scheduler._check_fits(r)
+                self.scheduler.check_fits(r)
             except ValueError as e:
-                self.scheduler.stats.rejections += 1
                 raise ValueError(f"prompt {i}: {e}") from None
         self._next_id += len(reqs)
         for r in reqs:
@@ -432,7 +495,7 @@ class LLM:
             "mode": self.config.mode.name,
             "level": self.config.level,
             "cudagraph_mode": self.graphs.mode.name,
-            **self._startup,
+            **self.startup.as_dict(),
         }
         for kind, times in self.runner.step_times.items():
             if times:
