@@ -96,7 +96,7 @@ class ModelRunner:
         h = self._np
         bs = self.block_size
         ids_np, pos_np, slot_np = h["input_ids"], h["positions"], h["slot_mapping"]
-        if all(c.num_tokens == 1 for c in chunks):
+        if single_token_batch(chunks):
             # One token per request (decode): plain ints, one array write per buffer.
             ids, pos, slots = [], [], []
             for c in chunks:
