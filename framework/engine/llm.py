@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import random
-import statistics
 import time
 from typing import Any, Optional, Sequence
 
@@ -31,13 +30,14 @@ from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
 from framework.engine.capture import capture_graphs, dummy_batch
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-from framework.engine.outputs import RequestOutput
+from framework.engine.model_prep import prepack_lm_head, quantize
+from framework.engine.outputs import RequestOutput, output_of
 from framework.engine.request import Request, validate_max_tokens, validate_token_ids
 from framework.engine.runner import ModelRunner
-from framework.engine.sampling_params import SamplingParams
+from framework.engine.sampling_params import SamplingParams, params_per_prompt
 from framework.engine.scheduler import Scheduler
-from framework.engine.stats import StartupStats
-from framework.engine.tokenizer import decode, encode_prompt, load_tokenizer
+from framework.engine.stats import StartupStats, compile_stats, step_time_stats
+from framework.engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class LLM:
 
         self.dtype = parse_dtype(dtype)
         self.model, self.model_config = load_model(model, self.dtype, self.device)
-        self.quant_config, quant_hash = self._quantize(quantization)
+        self.quant_config, quant_hash, self.quantized_layers = quantize(self.model, quantization)
         cc = compilation_config or CompilationConfig()
         if isinstance(cc, dict):
             cc = CompilationConfig.from_dict(cc)
@@ -204,7 +204,7 @@ class LLM:
         restore), the runner, static-quantization calibration and the warm-up forward that
         compiles (and saves the program for warm starts)."""
         mc = self.model_config
-        self._prepack_lm_head()
+        prepack_lm_head(self.model, self.config)
         self.graphs = setup_graphs(
             self.config,
             attention_backend=attention_backend,
@@ -247,29 +247,6 @@ class LLM:
         got = capture_graphs(self.runner, self.graphs, progress=self.config.progress_bar)
         self.startup.captures = int(got["captures"])
         self.startup.capture_time_s = got["capture_time_s"]
-
-    def _quantize(self, quantization: Any) -> tuple[Any, Optional[str]]:
-        if quantization is None:
-            return None, None
-        from framework.core.quantization import QuantizationConfig
-        from passes.quant_schemes import quantize_model
-
-        qc = QuantizationConfig.parse(quantization)
-        if qc is None:
-            return None, None
-        self.quantized_layers = quantize_model(self.model, qc)
-        return qc, qc.compute_hash()
-
-    def _prepack_lm_head(self) -> None:
-        """The LM head runs outside the compiled graph; give it the prepacked path too when
-        the ``prepack_linear`` pass is on (it is the largest matmul of a small model)."""
-        head = getattr(self.model, "lm_head", None)
-        if head is None or "prepack_linear" not in self.config.pass_config.passes:
-            return
-        from passes.ops_prepack import PrepackedLinearMethod
-
-        if PrepackedLinearMethod.applies_to(head):
-            head.linear_method = PrepackedLinearMethod()
 
     def _calibrate(self, seed: int) -> None:
         """Static activation scales: absmax over one eager forward of seeded random tokens."""
@@ -399,17 +376,7 @@ class LLM:
         return self.scheduler.has_work()
 
     def _output(self, req: Request) -> RequestOutput:
-        text = decode(self.tokenizer, req.output) if self.tokenizer is not None else None
-        return RequestOutput(
-            req.req_id,
-            list(req.prompt),
-            list(req.output),
-            text,
-            list(req.logprobs) if req.logprobs is not None else None,
-            req.finish_reason,
-            req.text_prompt,
-            {"preemptions": req.num_preemptions},
-        )
+        return output_of(req, self.tokenizer)
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -436,7 +403,7 @@ class LLM:
             )
         if max_new_tokens is not None:
             validate_max_tokens(max_new_tokens)
-        params = self._params_per_prompt(sampling_params, len(prompts), max_new_tokens, ignore_eos)
+        params = params_per_prompt(sampling_params, len(prompts), max_new_tokens, ignore_eos)
         reqs = [
             self._make_request(p, sp, chat_template, f"prompt {i}")
             for i, (p, sp) in enumerate(zip(prompts, params))
@@ -470,24 +437,6 @@ class LLM:
             return [self._output(r).text for r in reqs]
         return [list(r.output) for r in reqs]
 
-    @staticmethod
-    def _params_per_prompt(
-        sp, n: int, max_new_tokens: Optional[int], ignore_eos: bool
-    ) -> list[SamplingParams]:
-        if sp is None:
-            sp = SamplingParams(max_tokens=16 if max_new_tokens is None else max_new_tokens)
-        sps = [sp] * n if isinstance(sp, SamplingParams) else list(sp)
-        if len(sps) != n or not all(isinstance(p, SamplingParams) for p in sps):
-            raise ValueError(
-                f"sampling_params: one SamplingParams or a list of {n} (one per prompt)"
-            )
-        changes = {}
-        if max_new_tokens is not None:
-            changes["max_tokens"] = max_new_tokens
-        if ignore_eos:
-            changes["ignore_eos"] = True
-        return [p.replace(**changes) if changes else p for p in sps]
-
     # ------------------------------------------------------------------ stats
     @property
     def stats(self) -> dict[str, Any]:
@@ -497,24 +446,8 @@ class LLM:
             "cudagraph_mode": self.graphs.mode.name,
             **self.startup.as_dict(),
         }
-        for kind, times in self.runner.step_times.items():
-            if times:
-                ms = sorted(t * 1e3 for t in times)
-                out[f"{kind}_steps"] = len(ms)
-                out[f"{kind}_ms_median"] = statistics.median(ms)
-                out[f"{kind}_ms_p90"] = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
-        c = self.compiled
-        if c.trace_once is not None:
-            out["dynamo_time_s"] = c.trace_once.dynamo_time_s
-            out["dynamo_traces"] = c.trace_once.num_traces
-        if c.backend is not None:
-            out.update({f"compile_{k}": v for k, v in c.backend.stats.as_dict().items()})
-        if c.store is not None:
-            out.update({f"cache_{k}": v for k, v in c.store.stats.as_dict().items()})
-            out["cache_dir"] = str(c.store.dir)
-        if c.pass_manager is not None:
-            out["passes"] = c.pass_manager.stats()
-        out.update(c.stats)
+        out.update(step_time_stats(self.runner.step_times))
+        out.update(compile_stats(self.compiled))
         out.update(self.scheduler.stats.as_dict())
         out["kv_blocks_total"] = self.allocator.num_usable
         out["kv_blocks_free"] = self.allocator.num_free
