@@ -2,7 +2,8 @@
 
 Inputs live in buffers sized for ``max_num_tokens`` / ``max_num_seqs`` whose addresses never
 change, so CUDA graphs captured over them replay correctly.  Host-side staging happens in
-numpy mirrors and is copied in with one ``copy_`` per buffer.  Padding (to a capture or
+numpy arrays: on CPU the buffers share their memory (nothing is copied), elsewhere each is
+copied in with one ``copy_``.  Padding (to a capture or
 compile size) fills token ids and positions with 0, the slot mapping with -1 and block-table
 rows with the null block, and clears the padding mask.
 """
@@ -136,7 +137,7 @@ class ModelRunner:
         row = self._np["block_table"][i]
         cached = self._rows[i]
         k = len(blocks)
-        if cached is not None and cached[0] is blocks:
+        if cached is not None and cached[0] is blocks and k >= cached[1]:
             if k > cached[1]:
                 row[cached[1] : k] = blocks[cached[1] :]
                 self._rows[i] = (blocks, k)
