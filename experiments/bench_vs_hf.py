@@ -3,6 +3,7 @@
     python -m experiments.bench_vs_hf --out bench.json                  # the full comparison
     python -m experiments.bench_vs_hf --preset test-llama --steps 4 --rounds 2 --threads 1
     python -m experiments.bench_vs_hf --dtypes bfloat16 --batches 1 --contenders hf_static O2
+    python -m experiments.bench_vs_hf --dtypes bfloat16 --rounds 3 --threads 2   # issue 9's table
 
 Contenders (one process, same model weights, same prompts):
   hf_eager    (a) transformers eager, DynamicCache, manual greedy loop
@@ -14,7 +15,14 @@ Contenders (one process, same model weights, same prompts):
 Workload: one ``--prompt-len`` prompt per sequence, then ``--steps`` decode steps.  A decode
 step is timed the same way for every contender: build the step's inputs, forward, argmax,
 read the tokens back to the host (the project's runner times exactly that per step).  The
-first ``--warmup-steps`` steps of every generation are dropped.
+first ``--warmup-steps`` steps of every generation are dropped.  A second workload,
+``--long-batch`` sequences of ``--long-prompt-len`` tokens (default 32 x 400), measures where
+paged attention matters.  Per generated token through ``LLM.generate`` (host work included):
+(t(``--generate-tokens`` new) - t(8 new)) / (``--generate-tokens`` - 8), batch 1, median of
+the rounds.  The weights' streaming floor of a decode step: every weight but the embedding
+table read once at this machine's measured read bandwidth.  The attention rows come from
+``experiments.bench_attention`` (``--skip-attention`` leaves them out).  Every target
+(``experiments.bench_targets``) is printed with its ratio and met / NOT met.
 
 Measurement hygiene (shared, noisy CPUs): after one untimed warm-up generation per contender,
 ``--rounds`` rounds run every contender once each, round-robin with a rotating start, so all
@@ -26,8 +34,10 @@ multi-threaded timings 10-100x noisy).
 Cold compile (first prefill + first decode; for the project: ``LLM`` construction, which
 compiles, + first prefill + first decode) and warm start are measured in fresh subprocesses:
 cold with a fresh ``TORCHINDUCTOR_CACHE_DIR`` and piecewise cache dir per contender, warm in a
-second process on the same dirs (the project: the process's ``LLM`` construction time and
-whether Dynamo was skipped; (b): first prefill + first decode on the warm Inductor cache).
+second process on the same dirs (the project: the process's ``LLM`` construction time,
+``after_torch_s`` = importing the framework + constructing, measured from right after
+``import torch``, and whether Dynamo was skipped; (b): first prefill + first decode on the
+warm Inductor cache).
 """
 
 from __future__ import annotations
@@ -38,7 +48,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,30 +57,28 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from experiments import bench_targets
+from experiments.bench_measure import (  # noqa: F401  (agreement, percentile: re-exported)
+    SHORT_GENERATION,
+    agreement,
+    make_prompts,
+    measure_attention,
+    measure_latency,
+    measure_per_token,
+    percentile,
+    streaming_floor,
+)
+from experiments.bench_targets import LABELS
 from experiments.contenders import Contender, HFLoop, HFStatic, Piecewise, build_llm, load_hf
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_CONTENDERS = ("hf_eager", "hf_compile", "hf_static")
 LEVELS = {"O0": 0, "O1": 1, "O2": 2}
 ALL_CONTENDERS = HF_CONTENDERS + tuple(LEVELS)
-LABELS = {
-    "hf_eager": "(a) transformers eager",
-    "hf_compile": "(b) torch.compile(hf, dynamic)",
-    "hf_static": "(c) StaticCache+compile+freezing",
-    "O0": "(d) piecewise O0",
-    "O1": "(d) piecewise O1",
-    "O2": "(d) piecewise O2",
-}
 COLD_CONTENDERS = ("hf_compile", "hf_static", "O1", "O2")
 """Contenders whose cold start compiles (the eager ones have nothing to measure)."""
 WARM_CONTENDERS = ("hf_compile", "O1", "O2")
 RESULT_MARK = "BENCH_VS_HF_RESULT "
-
-# Targets (issue 3), all from one run, bf16 batch 1: O2 decode speed-up over each baseline,
-# and startup ratios.
-SPEEDUP_TARGETS = {"hf_compile": 1.7, "hf_static": 1.4, "hf_eager": 2.4}
-COLD_RATIO_TARGET = 1 / 3  # O2 cold compile / (b) cold compile
-WARM_RATIO_TARGET = 0.05  # O2 warm start / O2 cold compile
 
 
 def build_contenders(
@@ -85,13 +92,13 @@ def build_contenders(
         elif n == "hf_compile":
             out.append(HFLoop(n, hf, torch.compile(hf, dynamic=True)))
         elif n == "hf_static":
-            out.append(HFStatic(hf, args.prompt_len + args.steps + 1))
+            out.append(HFStatic(hf))
         else:
             out.append(
                 Piecewise(
                     n,
                     build_llm(
-                        LEVELS[n], path, dtype, cache_dir, max(args.batches), max_model_len(args)
+                        LEVELS[n], path, dtype, cache_dir, max_batch(args), max_model_len(args)
                     ),
                 )
             )
@@ -99,81 +106,27 @@ def build_contenders(
 
 
 def max_model_len(args: argparse.Namespace) -> int:
-    return max(512, args.prompt_len + args.steps + 1)
+    longest = max(args.prompt_len, args.long_prompt_len if args.long_batch else 0)
+    return max(512, longest + args.steps + 1, args.prompt_len + args.generate_tokens + 1)
 
 
-# ----------------------------------------------------------------------------- measurement
-def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab_size, (batch, prompt_len), generator=g).tolist()
+def max_batch(args: argparse.Namespace) -> int:
+    return max(args.batches + [args.long_batch])
 
 
-def timed_generation(c: Contender, prompts, steps) -> tuple[list[list[int]], list[float]]:
-    gc.collect()
-    gc.disable()
-    try:
-        return c.generate(prompts, steps)
-    finally:
-        gc.enable()
-
-
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def agreement(tokens: list[list[int]], ref: list[list[int]]) -> float:
-    pairs = [(a, b) for row, rrow in zip(tokens, ref) for a, b in zip(row, rrow)]
-    return sum(a == b for a, b in pairs) / max(1, len(pairs))
-
-
-def measure_latency(
-    contenders: list[Contender],
-    dtype: str,
-    batch: int,
-    args: argparse.Namespace,
-    vocab_size: int,
-    log: Callable,
-) -> list[dict]:
-    prompts = make_prompts(batch, args.prompt_len, vocab_size)
-    samples: dict[str, list[float]] = {c.name: [] for c in contenders}
-    tokens: dict[str, list[list[int]]] = {}
-    for c in contenders:  # warm-up: compiles, recompiles, caches
-        t0 = time.perf_counter()
-        tokens[c.name], _ = timed_generation(c, prompts, args.steps)
-        log(f"  warm-up {c.name} {dtype} b{batch}: {time.perf_counter() - t0:.1f}s")
-    stable = {c.name: True for c in contenders}
-    for r in range(args.rounds):
-        k = r % len(contenders)
-        for c in contenders[k:] + contenders[:k]:
-            toks, times = timed_generation(c, prompts, args.steps)
-            stable[c.name] &= toks == tokens[c.name]
-            samples[c.name].extend(times[args.warmup_steps :])
-    ref_name = "hf_eager" if "hf_eager" in tokens else contenders[0].name
-    rows = []
-    for c in contenders:
-        ms = [t * 1e3 for t in samples[c.name]]
-        rows.append(
-            {
-                "dtype": dtype,
-                "batch": batch,
-                "contender": c.name,
-                "median_ms": statistics.median(ms),
-                "p90_ms": percentile(ms, 0.9),
-                "min_ms": min(ms),
-                "samples": len(ms),
-                "agreement_ref": ref_name,
-                "token_agreement": agreement(tokens[c.name], tokens[ref_name]),
-                "tokens_stable_across_rounds": stable[c.name],
-                "tokens": tokens[c.name],
-            }
-        )
-    return rows
+def workloads(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(batch, prompt length) of every latency workload."""
+    out = [(b, args.prompt_len) for b in args.batches]
+    if args.long_batch and (args.long_batch, args.long_prompt_len) not in out:
+        out.append((args.long_batch, args.long_prompt_len))
+    return out
 
 
 # ----------------------------------------------------------------------------- startup
-def startup_worker(args: argparse.Namespace) -> dict:
-    """Runs in a fresh process: model load, then compile / first prefill / first decode."""
+def startup_worker(args: argparse.Namespace, t_after_torch: Optional[float] = None) -> dict:
+    """Runs in a fresh process: model load, then compile / first prefill / first decode.
+    ``t_after_torch``: ``perf_counter()`` right after ``import torch`` (before the framework
+    is imported), when the launcher took it."""
     name, dtype, path = args.worker, args.dtypes[0], model_path(args)
     prompt = make_prompts(1, args.prompt_len, _vocab_size(path))
     res: dict[str, Any] = {"contender": name, "dtype": dtype}
@@ -186,6 +139,7 @@ def startup_worker(args: argparse.Namespace) -> dict:
         st = llm.stats
         res.update(
             construct_s=t1 - t0,
+            after_torch_s=(t1 - t_after_torch) if t_after_torch is not None else None,
             first_steps_s=t2 - t1,
             total_s=t2 - t0,
             # load_s: LLM setup before the warm-up forward (weights, and on a warm
@@ -204,7 +158,7 @@ def startup_worker(args: argparse.Namespace) -> dict:
     hf = load_hf(path, dtype)
     t1 = time.perf_counter()
     if name == "hf_static":
-        c: Contender = HFStatic(hf, args.prompt_len + 2)
+        c: Contender = HFStatic(hf)
     else:
         c = HFLoop(name, hf, torch.compile(hf, dynamic=True) if name == "hf_compile" else hf)
     c.generate(prompt, 1)
@@ -216,10 +170,16 @@ def startup_worker(args: argparse.Namespace) -> dict:
 def run_worker(
     name: str, dtype: str, args: argparse.Namespace, inductor_dir: Path, cache_dir: Path
 ) -> dict:
+    # The launcher notes the time right after `import torch`, before this module (and the
+    # framework) is imported: the warm-start target counts from there.
+    launcher = (
+        "import sys, time, torch; t = time.perf_counter(); "
+        "from experiments import bench_vs_hf; bench_vs_hf.main(sys.argv[1:], t_after_torch=t)"
+    )
     cmd = [
         sys.executable,
-        "-m",
-        "experiments.bench_vs_hf",
+        "-c",
+        launcher,
         "--worker",
         name,
         "--dtypes",
@@ -277,59 +237,21 @@ def measure_startup(
 
 
 # ----------------------------------------------------------------------------- report
-def targets(latency: list[dict], startup: list[dict]) -> list[dict]:
-    out = []
-    lat = {(r["dtype"], r["batch"], r["contender"]): r["median_ms"] for r in latency}
-    o2 = lat.get(("bfloat16", 1, "O2"))
-    for base, want in SPEEDUP_TARGETS.items():
-        b = lat.get(("bfloat16", 1, base))
-        if o2 and b:
-            out.append(
-                {
-                    "target": f"O2 bf16 b1 decode speed-up vs {LABELS[base]}",
-                    "want": f">= {want}x",
-                    "got": b / o2,
-                    "met": b / o2 >= want,
-                }
-            )
-    st = {(r["dtype"], r["contender"]): r for r in startup}
-    o2s, bs = st.get(("bfloat16", "O2")), st.get(("bfloat16", "hf_compile"))
-    if o2s and bs:
-        ratio = o2s["cold_s"] / bs["cold_s"]
-        out.append(
-            {
-                "target": "O2 cold compile / (b) cold compile (bf16)",
-                "want": f"<= {COLD_RATIO_TARGET:.3f}",
-                "got": ratio,
-                "met": ratio <= COLD_RATIO_TARGET,
-            }
-        )
-    if o2s and "warm_s" in o2s:
-        ratio = o2s["warm_s"] / o2s["cold_s"]
-        out.append(
-            {
-                "target": "O2 warm start / O2 cold compile (bf16)",
-                "want": f"<= {WARM_RATIO_TARGET}",
-                "got": ratio,
-                "met": ratio <= WARM_RATIO_TARGET,
-            }
-        )
-    return out
-
-
 def markdown(result: dict) -> str:
     lines = [
-        "| dtype | batch | contender | decode median ms | p90 ms | O2 speed-up vs it |"
+        "| dtype | batch | prompt | contender | decode median ms | p90 ms | O2 speed-up vs it |"
         " tokens = ref | stable |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lat = result["latency"]
-    o2 = {(r["dtype"], r["batch"]): r["median_ms"] for r in lat if r["contender"] == "O2"}
+    key = lambda r: (r["dtype"], r["batch"], r.get("prompt_len"))  # noqa: E731
+    o2 = {key(r): r["median_ms"] for r in lat if r["contender"] == "O2"}
     for r in lat:
-        base = o2.get((r["dtype"], r["batch"]))
+        base = o2.get(key(r))
         sp = f"{r['median_ms'] / base:.2f}x" if base else "-"
         lines.append(
-            f"| {r['dtype']} | {r['batch']} | {LABELS[r['contender']]} | "
+            f"| {r['dtype']} | {r['batch']} | {r.get('prompt_len', '-')} | "
+            f"{LABELS[r['contender']]} | "
             f"{r['median_ms']:.3f} | {r['p90_ms']:.3f} | {sp} | "
             f"{100 * r['token_agreement']:.1f}% vs {r['agreement_ref']} | "
             f"{'yes' if r['tokens_stable_across_rounds'] else 'NO'} |"
@@ -347,12 +269,23 @@ def markdown(result: dict) -> str:
                 f"| {r['dtype']} | {LABELS[r['contender']]} | {r['cold_s']:.2f} | "
                 f"{warm_s} | {skipped} | {r['cold']['load_s']:.2f} |"
             )
+    for r in result.get("per_token", []):
+        lines += [
+            "",
+            f"per generated token through LLM.generate, {r['dtype']} b{r['batch']} "
+            f"{LABELS[r['contender']]}: {r['per_token_ms']:.3f} ms "
+            f"((t({r['new_tokens'][1]}) - t({r['new_tokens'][0]})) / "
+            f"{r['new_tokens'][1] - r['new_tokens'][0]})",
+        ]
+    if result.get("floor"):
+        f = result["floor"]
+        lines += [
+            "",
+            f"weights' streaming floor: {f['weight_bytes'] / 1e6:.1f} MB at "
+            f"{f['bandwidth_gb_s']:.1f} GB/s = {f['floor_ms']:.3f} ms",
+        ]
     if result["targets"]:
-        lines += ["", "| target | want | got | met |", "|---|---|---|---|"]
-        for t in result["targets"]:
-            lines.append(
-                f"| {t['target']} | {t['want']} | {t['got']:.3f} | {'yes' if t['met'] else 'NO'} |"
-            )
+        lines += ["", *bench_targets.markdown(result["targets"])]
     fp32 = [r for r in lat if r["dtype"] == "float32"]
     if fp32:
         bad = [f"{r['contender']} b{r['batch']}" for r in fp32 if r["token_agreement"] < 1]
@@ -389,6 +322,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--contenders", nargs="+", default=list(ALL_CONTENDERS), choices=ALL_CONTENDERS)
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument(
+        "--long-batch",
+        type=int,
+        default=32,
+        help="batch of the long-prompt workload (0: skip it)",
+    )
+    p.add_argument("--long-prompt-len", type=int, default=400)
+    p.add_argument(
+        "--generate-tokens",
+        type=int,
+        default=72,
+        help="new tokens of the long generation of the per-token-through-generate figure",
+    )
+    p.add_argument(
+        "--skip-attention", action="store_true", help="skip the attention micro-benchmark"
+    )
     p.add_argument("--steps", type=int, default=32, help="decode steps per generation")
     p.add_argument(
         "--warmup-steps",
@@ -414,6 +363,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--warmup-steps must be in [0, --steps)")
     if any(b <= 0 for b in args.batches):
         p.error("--batches must be positive")
+    if args.long_batch < 0 or args.long_prompt_len <= 0:
+        p.error("--long-batch must be >= 0 and --long-prompt-len positive")
+    if args.generate_tokens <= SHORT_GENERATION:
+        p.error(f"--generate-tokens must be > {SHORT_GENERATION}")
     if args.threads is not None and args.threads <= 0:
         p.error("--threads must be positive")
     return args
@@ -432,14 +385,14 @@ def versions() -> dict[str, str]:
     }
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: Optional[list[str]] = None, t_after_torch: Optional[float] = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if "hf_compile" in args.contenders:
         torch._dynamo.config.recompile_limit = 64  # (b) recompiles per dtype and batch size
     if args.worker:
-        print(RESULT_MARK + json.dumps(startup_worker(args)), flush=True)
+        print(RESULT_MARK + json.dumps(startup_worker(args, t_after_torch)), flush=True)
         return {}
 
     def log(msg: str) -> None:
@@ -457,6 +410,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "model_dir": path,
         "versions": versions(),
         "latency": [],
+        "per_token": [],
+        "attention": [],
+        "floor": None,
         "startup": [],
     }
     order = [c for c in ALL_CONTENDERS if c in args.contenders]
@@ -464,10 +420,19 @@ def main(argv: Optional[list[str]] = None) -> dict:
         for dtype in args.dtypes:
             log(f"[{dtype}] building {order}")
             contenders = build_contenders(order, path, dtype, args, str(work / "piecewise-main"))
-            for batch in args.batches:
-                result["latency"] += measure_latency(contenders, dtype, batch, args, vocab, log)
+            for batch, plen in workloads(args):
+                result["latency"] += measure_latency(
+                    contenders, dtype, batch, args, vocab, log, prompt_len=plen
+                )
+            result["per_token"] += measure_per_token(contenders, dtype, args, vocab)
+            if dtype == "bfloat16":
+                result["floor"] = streaming_floor(contenders, args)
             del contenders
             gc.collect()
+        if not args.skip_attention:
+            for dtype in args.dtypes:
+                log(f"[{dtype}] attention micro-benchmark")
+                result["attention"] += measure_attention(dtype, args)
         if not args.skip_startup:
             for dtype in args.dtypes:
                 result["startup"] += measure_startup(order, dtype, args, work, log)
@@ -478,7 +443,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved_inductor_dir
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    result["targets"] = targets(result["latency"], result["startup"])
+    result["targets"] = bench_targets.targets(
+        result["latency"],
+        result["startup"],
+        per_token=result["per_token"],
+        attention=[r for r in result["attention"] if r["dtype"] == "bfloat16"],
+        floor=result["floor"],
+        long_prompt_len=args.long_prompt_len if args.long_batch else None,
+    )
     result["markdown"] = markdown(result)
     print(result["markdown"])
     if args.out:

@@ -39,6 +39,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from experiments.bandwidth import measure_read_bandwidth
+from framework.engine.request import step_kind
 
 ROWS = ("linears", "attention", "elementwise pieces", "LM head + sampling", "host")
 LINEAR_OPS = frozenset(
@@ -87,7 +88,7 @@ class _Probe:
         self._execute, self._forward = runner.execute, runner.forward
 
         def execute(chunks, *args, **kw):
-            decode = all(c.num_tokens == 1 and c.start > 0 for c in chunks)
+            decode = step_kind(chunks) == "decode"
             self.starts.append((time.perf_counter(), decode))
             with record_function(f"{_EXEC}[{'decode' if decode else 'other'}]"):
                 return self._execute(chunks, *args, **kw)

@@ -1,7 +1,7 @@
 """CUDA-graph semantics on any device: debug graph-capture problems on a laptop.
 
 :class:`EmulatedGraphOps` plugs into :class:`framework.cudagraph.wrapper.CUDAGraphWrapper` (and
-``LLM(..., graph_ops=EmulatedGraphOps())``) in place of real CUDA graphs.  It reproduces what
+``LLM(..., emulate_cuda_graphs=True)``) in place of real CUDA graphs.  It reproduces what
 makes graphs hard, so the bugs show up on CPU exactly as they would on a GPU:
 
 * **Capture records a tape; replay runs the tape, never the Python.**  Capture runs the
@@ -254,7 +254,8 @@ def _new_alias(t: torch.Tensor) -> torch.Tensor:
 
 class EmulatedGraphOps:
     """CUDA-graph semantics without a GPU (module docstring): pass it as ``graph_ops`` to
-    :class:`~framework.cudagraph.wrapper.CUDAGraphWrapper` or :class:`~framework.LLM`."""
+    :class:`~framework.cudagraph.wrapper.CUDAGraphWrapper`; ``LLM(emulate_cuda_graphs=True)``
+    uses it for a whole engine."""
 
     _default_pool: Optional[_EmulatedPool] = None
 

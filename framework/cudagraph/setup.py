@@ -6,13 +6,13 @@ drives the runner, so it lives in the engine (``framework.engine.capture``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from framework.core.config import CompilationConfig, CompilationMode
 from framework.core.forward_context import CUDAGraphMode
 from framework.cudagraph.dispatcher import CudagraphDispatcher
-from framework.cudagraph.wrapper import CUDAGraphWrapper
+from framework.cudagraph.wrapper import CUDAGraphStats, CUDAGraphWrapper, sum_stats
 
 logger = logging.getLogger(__name__)
 
@@ -23,28 +23,31 @@ class GraphSetup:
     dispatcher: CudagraphDispatcher
     graph_ops: Any = None
     debug: bool = False
+    wrappers: list[CUDAGraphWrapper] = field(default_factory=list)
+    """Every wrapper this set-up made: its engine's graphs, and only its engine's."""
+
+    def stats(self) -> CUDAGraphStats:
+        """This set-up's captures, replays and capture time (per engine, not per process)."""
+        return sum_stats(self.wrappers)
+
+    def _wrap(self, runnable: Callable, mode: CUDAGraphMode, name: str) -> CUDAGraphWrapper:
+        w = CUDAGraphWrapper(runnable, mode, debug=self.debug, graph_ops=self.graph_ops, name=name)
+        self.wrappers.append(w)
+        return w
 
     def wrap_piece(self) -> Optional[Callable]:
         if not self.mode.has_piecewise():
             return None
 
         def wrap(runnable, info):
-            return CUDAGraphWrapper(
-                runnable,
-                CUDAGraphMode.PIECEWISE,
-                debug=self.debug,
-                graph_ops=self.graph_ops,
-                name=info.name,
-            )
+            return self._wrap(runnable, CUDAGraphMode.PIECEWISE, info.name)
 
         return wrap
 
     def wrap_forward(self, forward: Callable) -> Callable:
         if not self.mode.has_full():
             return forward
-        return CUDAGraphWrapper(
-            forward, CUDAGraphMode.FULL, debug=self.debug, graph_ops=self.graph_ops, name="model"
-        )
+        return self._wrap(forward, CUDAGraphMode.FULL, "model")
 
 
 def setup_graphs(

@@ -33,7 +33,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -165,9 +165,21 @@ def weak_ref_tensors(obj: Any) -> Any:
 
 @dataclass
 class CUDAGraphStats:
+    """One wrapper's counters (each wrapper owns its own; sum them with :func:`sum_stats`)."""
+
     captures: int = 0
     replays: int = 0
     capture_time_s: float = 0.0
+
+
+def sum_stats(wrappers: "Iterable[CUDAGraphWrapper]") -> CUDAGraphStats:
+    """Captures, replays and capture time summed over ``wrappers``."""
+    total = CUDAGraphStats()
+    for wrapper in wrappers:
+        total.captures += wrapper.stats.captures
+        total.replays += wrapper.stats.replays
+        total.capture_time_s += wrapper.stats.capture_time_s
+    return total
 
 
 @dataclass
@@ -346,10 +358,6 @@ def clear_all_graphs() -> int:
 
 
 def total_stats() -> CUDAGraphStats:
-    """Captures, replays and capture time summed over the live wrappers."""
-    total = CUDAGraphStats()
-    for wrapper in list(_LIVE_WRAPPERS):
-        total.captures += wrapper.stats.captures
-        total.replays += wrapper.stats.replays
-        total.capture_time_s += wrapper.stats.capture_time_s
-    return total
+    """Summed over every live wrapper of the process (a debugging view: an engine reports its
+    own wrappers' counts, :meth:`framework.cudagraph.setup.GraphSetup.stats`)."""
+    return sum_stats(list(_LIVE_WRAPPERS))

@@ -1,35 +1,71 @@
-"""Start-up CUDA-graph capture: run every key of the dispatcher through the runner, largest
+"""Dummy batches (THE one path: warm-up, calibration and CUDA-graph capture all use it) and
+start-up CUDA-graph capture: run every key of the dispatcher through the runner, largest
 first, on dummy requests whose KV lives in the null block."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Callable, Iterator, Optional, Sequence
 
-from framework.core.forward_context import CUDAGraphMode
+from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
 from framework.cudagraph.setup import GraphSetup
-from framework.cudagraph.wrapper import total_stats
 from framework.engine.kv_cache import BlockAllocator
-from framework.engine.scheduler import Request, ScheduledChunk
+from framework.engine.request import Request, ScheduledChunk
 
 
-def _dummy_chunks(desc, block_size: int) -> list[ScheduledChunk]:
-    """Requests whose KV lives in the null block: one token each for a uniform (decode) key,
-    else one request holding every token."""
+def dummy_sizes(desc: BatchDescriptor) -> list[int]:
+    """Tokens per dummy request for a dispatcher key: one token each for a uniform (decode)
+    key, else one request holding every token."""
     if desc.uniform and desc.num_reqs:
-        sizes = [desc.num_tokens // desc.num_reqs] * desc.num_reqs
-    else:
-        sizes = [desc.num_tokens]
-    chunks = []
-    for i, n in enumerate(sizes):
-        req = Request(-(i + 2), [0] * n, max_new_tokens=1)
-        req.block_ids = [BlockAllocator.NULL_BLOCK] * -(-n // block_size)
-        chunks.append(ScheduledChunk(req, 0, n))
-    return chunks
+        return [desc.num_tokens // desc.num_reqs] * desc.num_reqs
+    return [desc.num_tokens]
+
+
+@contextlib.contextmanager
+def dummy_batch(
+    sizes: Sequence[int],
+    block_size: int,
+    *,
+    token_ids: Optional[Sequence[int]] = None,
+    allocate: Optional[Callable[[int], list[int]]] = None,
+    free: Optional[Callable[[list[int]], None]] = None,
+) -> Iterator[list[ScheduledChunk]]:
+    """Prefill chunks of throw-away requests (negative ids), ``sizes[i]`` tokens each.
+
+    Their KV lives in the null block, unless ``allocate``/``free`` (a block manager's) give
+    them real blocks, freed on exit: a forward whose attention must see the tokens written
+    before it (calibration) needs that.  ``token_ids``: the tokens, concatenated (default
+    zeros)."""
+    if (allocate is None) != (free is None):
+        raise ValueError("dummy_batch: pass both allocate and free, or neither")
+    if token_ids is not None and len(token_ids) != sum(sizes):
+        raise ValueError(
+            f"dummy_batch: {len(token_ids)} token_ids for {sum(sizes)} tokens ({list(sizes)})"
+        )
+    chunks, taken, at = [], [], 0
+    try:
+        for i, n in enumerate(sizes):
+            ids = list(token_ids[at : at + n]) if token_ids is not None else [0] * n
+            at += n
+            req = Request(-(i + 2), ids, max_new_tokens=1)
+            num_blocks = -(-n // block_size)
+            if allocate is not None:
+                req.block_ids = allocate(num_blocks)
+                taken.append(req.block_ids)
+            else:
+                req.block_ids = [BlockAllocator.NULL_BLOCK] * num_blocks
+            chunks.append(ScheduledChunk(req, 0, n))
+        yield chunks
+    finally:
+        for blocks in taken:
+            free(blocks)
 
 
 def capture_graphs(runner, setup: GraphSetup, *, progress: bool = True) -> dict[str, float]:
     """Capture every key of the dispatcher, largest first; each key runs once without graphs
-    first so kernel compilation and library set-up never happen inside a capture."""
+    first so kernel compilation and library set-up never happen inside a capture.  Returns
+    this setup's own capture count and the wall time."""
     plan = setup.dispatcher.capture_plan() if setup.mode != CUDAGraphMode.NONE else []
     if not plan:
         return {"captures": 0, "capture_time_s": 0.0}
@@ -40,16 +76,11 @@ def capture_graphs(runner, setup: GraphSetup, *, progress: bool = True) -> dict[
 
         bar = tqdm(total=len(plan), desc="capturing CUDA graphs", leave=False)
     for mode, desc in plan:
-        chunks = _dummy_chunks(desc, runner.block_size)
-        runner.execute(chunks, force=(CUDAGraphMode.NONE, desc))
-        runner.execute(chunks, force=(mode, desc))
+        with dummy_batch(dummy_sizes(desc), runner.block_size) as chunks:
+            runner.execute(chunks, force=(CUDAGraphMode.NONE, desc), record=False)
+            runner.execute(chunks, force=(mode, desc), record=False)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    if runner.trace is not None:
-        runner.trace.clear()
-    for times in runner.step_times.values():
-        times.clear()
-    stats = total_stats()
-    return {"captures": stats.captures, "capture_time_s": time.perf_counter() - t0}
+    return {"captures": setup.stats().captures, "capture_time_s": time.perf_counter() - t0}

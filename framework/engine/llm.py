@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import random
-import statistics
 import time
 from typing import Any, Optional, Sequence
 
@@ -26,21 +25,19 @@ import torch
 from backends.attention.selector import default_backend
 from framework.compile.build import CompiledForward, build_forward
 from framework.core.config import CompilationConfig, CompilationMode
+from framework.cudagraph.emulation import EmulatedGraphOps
 from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
-from framework.engine.capture import capture_graphs
+from framework.engine.capture import capture_graphs, dummy_batch
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-from framework.engine.outputs import RequestOutput
-from framework.engine.request import (
-    Request,
-    ScheduledChunk,
-    validate_max_tokens,
-    validate_token_ids,
-)
+from framework.engine.model_prep import prepack_lm_head, quantize
+from framework.engine.outputs import RequestOutput, output_of
+from framework.engine.request import Request, validate_max_tokens, validate_token_ids
 from framework.engine.runner import ModelRunner
-from framework.engine.sampling_params import SamplingParams
+from framework.engine.sampling_params import SamplingParams, params_per_prompt
 from framework.engine.scheduler import Scheduler
-from framework.engine.tokenizer import decode, encode_prompt, load_tokenizer
+from framework.engine.stats import StartupStats, compile_stats, step_time_stats
+from framework.engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +48,16 @@ class LLM:
     ``optimization_level`` (0–3) fills every field the ``compilation_config`` leaves unset;
     when both are None the level is 0 (eager).  ``attention_backend`` None picks the device's
     default (:func:`backends.attention.selector.default_backend`).
+    ``emulate_cuda_graphs``: run the CUDA-graph machinery (graph modes resolve as on a GPU,
+    dispatcher, capture at start-up, replay) through
+    :class:`framework.cudagraph.emulation.EmulatedGraphOps` on any device, so graph-capture
+    bugs (stale host values, outputs overwritten by another graph's replay) reproduce
+    without a GPU; slower than plain execution, for debugging.
+
+    Construction runs three steps, each its own method: :meth:`_load` (weights,
+    quantization, tokenizer, KV cache, scheduler), :meth:`_compile` (graph set-up, the
+    compiled forward, the runner, calibration, the warm-up forward) and :meth:`_capture`
+    (CUDA graphs).  Their timings land in :attr:`startup` (typed) and :attr:`stats`.
     """
 
     def __init__(
@@ -71,12 +78,9 @@ class LLM:
         kv_cache_memory_bytes: Optional[int] = None,
         device: Optional[str] = None,
         model_tag: Optional[str] = None,
-        graph_ops: Any = None,
         enable_prefix_caching: bool = False,
+        emulate_cuda_graphs: bool = False,
     ):
-        from models.config import parse_dtype
-        from models.loader import load_model
-
         t_start = time.perf_counter()
         torch.manual_seed(seed)
         for name, v in (
@@ -86,10 +90,73 @@ class LLM:
         ):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"LLM.{name}: must be a positive int, got {v!r}")
+        for name, v in (
+            ("enable_prefix_caching", enable_prefix_caching),
+            ("emulate_cuda_graphs", emulate_cuda_graphs),
+        ):
+            if not isinstance(v, bool):
+                raise ValueError(f"LLM.{name}: must be a bool, got {v!r}")
         self.device = torch.device(device or "cpu")
+        self.max_model_len = max_model_len
+        self.startup = StartupStats()
+        """Typed timings and counts of construction (per instance)."""
+        self._next_id = 0
+        self._rng = random.Random(seed)
+        self._requests: dict[int, Request] = {}
+        self._streaming: set[int] = set()
+        self._first_logits: dict[int, Optional[torch.Tensor]] = {}
+
+        quant_hash = self._load(
+            model,
+            dtype,
+            quantization,
+            compilation_config,
+            optimization_level=optimization_level,
+            cache_dir=cache_dir,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_prefix_caching=enable_prefix_caching,
+            has_graphs=self.device.type == "cuda" or emulate_cuda_graphs,
+        )
+        self._compile(
+            quant_hash,
+            attention_backend=attention_backend or default_backend(self.device),
+            max_num_seqs=max_num_seqs,
+            model_tag=model_tag,
+            graph_ops=EmulatedGraphOps() if emulate_cuda_graphs else None,
+            seed=seed,
+            t_start=t_start,
+        )
+        self._capture()
+        self.startup.startup_s = time.perf_counter() - t_start
+
+    # ------------------------------------------------------------------ setup
+    def _load(
+        self,
+        model: str,
+        dtype,
+        quantization: Any,
+        compilation_config,
+        *,
+        optimization_level: Optional[int],
+        cache_dir: Optional[str],
+        max_num_seqs: int,
+        max_num_batched_tokens: Optional[int],
+        block_size: int,
+        kv_cache_memory_bytes: Optional[int],
+        enable_prefix_caching: bool,
+        has_graphs: bool,
+    ) -> Optional[str]:
+        """Step 1: weights (and quantization), the resolved config, the KV cache, the block
+        manager, the tokenizer and the scheduler.  Returns the quantization hash."""
+        from models.config import parse_dtype
+        from models.loader import load_model
+
         self.dtype = parse_dtype(dtype)
         self.model, self.model_config = load_model(model, self.dtype, self.device)
-        self.quant_config, quant_hash = self._quantize(quantization)
+        self.quant_config, quant_hash, self.quantized_layers = quantize(self.model, quantization)
         cc = compilation_config or CompilationConfig()
         if isinstance(cc, dict):
             cc = CompilationConfig.from_dict(cc)
@@ -97,41 +164,47 @@ class LLM:
             cc = cc.replace(level=0 if optimization_level is None else optimization_level)
         if cache_dir is not None:
             cc = cc.replace(cache_dir=cache_dir)
-        max_num_tokens = max_num_batched_tokens or cc.max_num_tokens or max_model_len
-        # graph_ops (tests only) supplies emulated CUDA-graph calls, so graph modes resolve
-        # as they would on a GPU.
-        self.config = cc.resolve(
-            max_num_tokens=max_num_tokens,
-            has_cuda=self.device.type == "cuda" or graph_ops is not None,
-        )
-        max_num_tokens = self.config.max_num_tokens
-        self.max_model_len = max_model_len
+        max_num_tokens = max_num_batched_tokens or cc.max_num_tokens or self.max_model_len
+        # Graph modes resolve as on a GPU when graphs can run: CUDA, or emulated graphs.
+        self.config = cc.resolve(max_num_tokens=max_num_tokens, has_cuda=has_graphs)
 
         mc = self.model_config
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, block_size)
         num_blocks = num_blocks_for(
             spec,
-            max_model_len=max_model_len,
+            max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
             memory_bytes=kv_cache_memory_bytes,
         )
         layer_names = self.model.attention_layer_names()
         self.kv_caches = allocate_kv_caches(spec, layer_names, num_blocks, self.device)
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(
-                f"LLM.enable_prefix_caching: must be a bool, got {enable_prefix_caching!r}"
-            )
         self.allocator = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.tokenizer = load_tokenizer(model)
         self.scheduler = Scheduler(
             self.allocator,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
-            max_num_tokens=max_num_tokens,
-            max_model_len=max_model_len,
+            max_num_tokens=self.config.max_num_tokens,
+            max_model_len=self.max_model_len,
         )
-        self._prepack_lm_head()
-        attention_backend = attention_backend or default_backend(self.device)
+        return quant_hash
+
+    def _compile(
+        self,
+        quant_hash: Optional[str],
+        *,
+        attention_backend: str,
+        max_num_seqs: int,
+        model_tag: Optional[str],
+        graph_ops: Any,
+        seed: int,
+        t_start: float,
+    ) -> None:
+        """Step 2: the CUDA-graph set-up, the compiled forward (trace + compile, or a warm
+        restore), the runner, static-quantization calibration and the warm-up forward that
+        compiles (and saves the program for warm starts)."""
+        mc = self.model_config
+        prepack_lm_head(self.model, self.config)
         self.graphs = setup_graphs(
             self.config,
             attention_backend=attention_backend,
@@ -151,51 +224,29 @@ class LLM:
             self.model,
             self.graphs.wrap_forward(self.compiled.forward),
             kv_caches=self.kv_caches,
-            block_size=block_size,
+            block_size=self.scheduler.block_size,
             max_num_seqs=max_num_seqs,
-            max_num_tokens=max_num_tokens,
-            max_model_len=max_model_len,
+            max_num_tokens=self.config.max_num_tokens,
+            max_model_len=self.max_model_len,
             device=self.device,
             attn_backend=attention_backend,
             dispatch=self.graphs.dispatcher.dispatch,
         )
-        self._next_id = 0
-        self._rng = random.Random(seed)
-        self._requests: dict[int, Request] = {}
-        self._streaming: set[int] = set()
-        self._first_logits: dict[int, Optional[torch.Tensor]] = {}
-        self._startup = {"load_s": time.perf_counter() - t_start}
+        self.startup.load_s = time.perf_counter() - t_start
         if self.quant_config is not None:
             self._calibrate(seed)
-        self._warmup()
-        self._startup.update(
-            capture_graphs(self.runner, self.graphs, progress=self.config.progress_bar)
-        )
-        self._startup["startup_s"] = time.perf_counter() - t_start
+        if self.config.mode != CompilationMode.NONE:
+            t0 = time.perf_counter()
+            self.dummy_run(min(self.config.max_num_tokens, 16))
+            if self.compiled.finalize is not None:
+                self.compiled.finalize()
+            self.startup.compile_s = time.perf_counter() - t0
 
-    # ------------------------------------------------------------------ setup
-    def _quantize(self, quantization: Any) -> tuple[Any, Optional[str]]:
-        if quantization is None:
-            return None, None
-        from framework.core.quantization import QuantizationConfig
-        from passes.quant_schemes import quantize_model
-
-        qc = QuantizationConfig.parse(quantization)
-        if qc is None:
-            return None, None
-        self.quantized_layers = quantize_model(self.model, qc)
-        return qc, qc.compute_hash()
-
-    def _prepack_lm_head(self) -> None:
-        """The LM head runs outside the compiled graph; give it the prepacked path too when
-        the ``prepack_linear`` pass is on (it is the largest matmul of a small model)."""
-        head = getattr(self.model, "lm_head", None)
-        if head is None or "prepack_linear" not in self.config.pass_config.passes:
-            return
-        from passes.ops_prepack import PrepackedLinearMethod
-
-        if PrepackedLinearMethod.applies_to(head):
-            head.linear_method = PrepackedLinearMethod()
+    def _capture(self) -> None:
+        """Step 3: capture the CUDA graphs of every dispatcher key (none on CPU)."""
+        got = capture_graphs(self.runner, self.graphs, progress=self.config.progress_bar)
+        self.startup.captures = int(got["captures"])
+        self.startup.capture_time_s = got["capture_time_s"]
 
     def _calibrate(self, seed: int) -> None:
         """Static activation scales: absmax over one eager forward of seeded random tokens."""
@@ -213,26 +264,16 @@ class LLM:
             self.runner.forward = compiled
 
     def dummy_run(self, num_tokens: int, token_ids: Optional[list[int]] = None) -> None:
-        """One forward over ``num_tokens`` throw-away tokens (traces/compiles on first use)."""
-        req = Request(-1, token_ids or [0] * num_tokens, max_new_tokens=1)
-        self.scheduler._reserve(req, num_tokens)
-        try:
-            self.runner.execute([ScheduledChunk(req, 0, num_tokens)])
-        finally:
-            self.allocator.free(req.block_ids)
-            if self.runner.trace:
-                self.runner.trace.pop()
-        for times in self.runner.step_times.values():
-            times.clear()
-
-    def _warmup(self) -> None:
-        if self.config.mode == CompilationMode.NONE:
-            return
-        t0 = time.perf_counter()
-        self.dummy_run(min(self.config.max_num_tokens, 16))
-        if self.compiled.finalize is not None:
-            self.compiled.finalize()
-        self._startup["compile_s"] = time.perf_counter() - t0
+        """One forward over ``num_tokens`` throw-away tokens in KV blocks of their own, freed
+        afterwards (traces/compiles on first use); recorded in no step time or trace."""
+        with dummy_batch(
+            [num_tokens],
+            self.scheduler.block_size,
+            token_ids=token_ids,
+            allocate=self.allocator.allocate,
+            free=self.allocator.free,
+        ) as chunks:
+            self.runner.execute(chunks, record=False)
 
     # ------------------------------------------------------------------ step API
     def add_request(
@@ -335,17 +376,7 @@ class LLM:
         return self.scheduler.has_work()
 
     def _output(self, req: Request) -> RequestOutput:
-        text = decode(self.tokenizer, req.output) if self.tokenizer is not None else None
-        return RequestOutput(
-            req.req_id,
-            list(req.prompt),
-            list(req.output),
-            text,
-            list(req.logprobs) if req.logprobs is not None else None,
-            req.finish_reason,
-            req.text_prompt,
-            {"preemptions": req.num_preemptions},
-        )
+        return output_of(req, self.tokenizer)
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -372,7 +403,7 @@ class LLM:
             )
         if max_new_tokens is not None:
             validate_max_tokens(max_new_tokens)
-        params = self._params_per_prompt(sampling_params, len(prompts), max_new_tokens, ignore_eos)
+        params = params_per_prompt(sampling_params, len(prompts), max_new_tokens, ignore_eos)
         reqs = [
             self._make_request(p, sp, chat_template, f"prompt {i}")
             for i, (p, sp) in enumerate(zip(prompts, params))
@@ -380,9 +411,8 @@ class LLM:
         for i, r in enumerate(reqs):  # all or nothing: none starts when one can never fit
             r.req_id = self._next_id + i
             try:
-                self.scheduler._check_fits(r)
+                self.scheduler.check_fits(r)
             except ValueError as e:
-                self.scheduler.stats.rejections += 1
                 raise ValueError(f"prompt {i}: {e}") from None
         self._next_id += len(reqs)
         for r in reqs:
@@ -407,24 +437,6 @@ class LLM:
             return [self._output(r).text for r in reqs]
         return [list(r.output) for r in reqs]
 
-    @staticmethod
-    def _params_per_prompt(
-        sp, n: int, max_new_tokens: Optional[int], ignore_eos: bool
-    ) -> list[SamplingParams]:
-        if sp is None:
-            sp = SamplingParams(max_tokens=16 if max_new_tokens is None else max_new_tokens)
-        sps = [sp] * n if isinstance(sp, SamplingParams) else list(sp)
-        if len(sps) != n or not all(isinstance(p, SamplingParams) for p in sps):
-            raise ValueError(
-                f"sampling_params: one SamplingParams or a list of {n} (one per prompt)"
-            )
-        changes = {}
-        if max_new_tokens is not None:
-            changes["max_tokens"] = max_new_tokens
-        if ignore_eos:
-            changes["ignore_eos"] = True
-        return [p.replace(**changes) if changes else p for p in sps]
-
     # ------------------------------------------------------------------ stats
     @property
     def stats(self) -> dict[str, Any]:
@@ -432,26 +444,10 @@ class LLM:
             "mode": self.config.mode.name,
             "level": self.config.level,
             "cudagraph_mode": self.graphs.mode.name,
-            **self._startup,
+            **self.startup.as_dict(),
         }
-        for kind, times in self.runner.step_times.items():
-            if times:
-                ms = sorted(t * 1e3 for t in times)
-                out[f"{kind}_steps"] = len(ms)
-                out[f"{kind}_ms_median"] = statistics.median(ms)
-                out[f"{kind}_ms_p90"] = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
-        c = self.compiled
-        if c.trace_once is not None:
-            out["dynamo_time_s"] = c.trace_once.dynamo_time_s
-            out["dynamo_traces"] = c.trace_once.num_traces
-        if c.backend is not None:
-            out.update({f"compile_{k}": v for k, v in c.backend.stats.as_dict().items()})
-        if c.store is not None:
-            out.update({f"cache_{k}": v for k, v in c.store.stats.as_dict().items()})
-            out["cache_dir"] = str(c.store.dir)
-        if c.pass_manager is not None:
-            out["passes"] = c.pass_manager.stats()
-        out.update(c.stats)
+        out.update(step_time_stats(self.runner.step_times))
+        out.update(compile_stats(self.compiled))
         out.update(self.scheduler.stats.as_dict())
         out["kv_blocks_total"] = self.allocator.num_usable
         out["kv_blocks_free"] = self.allocator.num_free

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
+
+from framework.engine.request import Request
+from framework.engine.tokenizer import decode
 
 
 @dataclass
@@ -24,3 +27,17 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def output_of(req: Request, tokenizer: Any) -> RequestOutput:
+    """A snapshot of ``req`` (copies of its lists); ``text`` when there is a tokenizer."""
+    return RequestOutput(
+        req.req_id,
+        list(req.prompt),
+        list(req.output),
+        decode(tokenizer, req.output) if tokenizer is not None else None,
+        list(req.logprobs) if req.logprobs is not None else None,
+        req.finish_reason,
+        req.text_prompt,
+        {"preemptions": req.num_preemptions},
+    )

@@ -73,6 +73,29 @@ class ScheduledChunk:
         """The chunk reaches the last known token, so its logits give the next token."""
         return self.end == self.req.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """THE definition of a decode chunk: one new token after a non-empty context (a
+        one-token prompt is a prefill). Step kinds and the trace's counts derive from it."""
+        return self.num_tokens == 1 and self.start > 0
+
+
+def step_kind(chunks: list[ScheduledChunk]) -> str:
+    """``"decode"`` (every chunk decodes), ``"prefill"`` (every chunk starts a prompt), or
+    ``"mixed"``: the key of ``ModelRunner.step_times``."""
+    if all(c.is_decode for c in chunks):
+        return "decode"
+    if all(c.start == 0 for c in chunks):
+        return "prefill"
+    return "mixed"
+
+
+def single_token_batch(chunks: list[ScheduledChunk]) -> bool:
+    """Every chunk has query length 1: the batch is *uniform* for the CUDA-graph dispatcher
+    (decode chunks, and one-token prompts, which a decode graph runs just as well). Not
+    the same as "decode": see :attr:`ScheduledChunk.is_decode`."""
+    return all(c.num_tokens == 1 for c in chunks)
+
 
 def validate_token_ids(prompt, vocab_size: int, name: str = "prompt") -> list[int]:
     """A prompt of token ids as a list of ints, or one ``ValueError`` naming the bad entry

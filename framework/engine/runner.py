@@ -2,7 +2,8 @@
 
 Inputs live in buffers sized for ``max_num_tokens`` / ``max_num_seqs`` whose addresses never
 change, so CUDA graphs captured over them replay correctly.  Host-side staging happens in
-numpy mirrors and is copied in with one ``copy_`` per buffer.  Padding (to a capture or
+numpy arrays: on CPU the buffers share their memory (nothing is copied), elsewhere each is
+copied in with one ``copy_``.  Padding (to a capture or
 compile size) fills token ids and positions with 0, the slot mapping with -1 and block-table
 rows with the null block, and clears the padding mask.
 """
@@ -23,7 +24,7 @@ from framework.core.forward_context import (
     set_forward_context,
 )
 from framework.engine.kv_cache import BlockAllocator
-from framework.engine.request import ScheduledChunk
+from framework.engine.request import ScheduledChunk, single_token_batch, step_kind
 from framework.engine.sampler import Sampler
 
 DispatchFn = Callable[[int, int, bool], tuple[CUDAGraphMode, BatchDescriptor]]
@@ -62,24 +63,27 @@ class ModelRunner:
         self.dispatch = dispatch
         self.device = torch.device(device)
         max_blocks = -(-max_model_len // block_size)
-        i32, i64 = torch.int32, torch.int64
-        d = self.device
-        # Persistent device buffers (static addresses) and their host staging mirrors.
-        self.input_ids = torch.zeros(max_num_tokens, dtype=i64, device=d)
-        self.positions = torch.zeros(max_num_tokens, dtype=i64, device=d)
-        self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=i64, device=d)
-        self.padding_mask = torch.zeros(max_num_tokens, dtype=torch.bool, device=d)
-        self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=i32, device=d)
-        self.seq_lens = torch.zeros(max_num_seqs, dtype=i32, device=d)
-        self.block_table = torch.zeros(max_num_seqs, max_blocks, dtype=i32, device=d)
+        # Host staging arrays.  On CPU the persistent "device" buffers *are* these arrays
+        # (torch.from_numpy shares the memory): staging writes the step's inputs in place and
+        # nothing is copied.  Elsewhere each buffer is copied in with one ``copy_``.
         self._np = {
             "input_ids": np.zeros(max_num_tokens, np.int64),
             "positions": np.zeros(max_num_tokens, np.int64),
             "slot_mapping": np.full(max_num_tokens, -1, np.int64),
+            "padding_mask": np.zeros(max_num_tokens, np.bool_),
             "query_start_loc": np.zeros(max_num_seqs + 1, np.int32),
             "seq_lens": np.zeros(max_num_seqs, np.int32),
             "block_table": np.full((max_num_seqs, max_blocks), BlockAllocator.NULL_BLOCK, np.int32),
         }
+        self._shared = self.device.type == "cpu"
+        for name, arr in self._np.items():
+            t = torch.from_numpy(arr)
+            setattr(self, name, t if self._shared else t.clone().to(self.device))
+        self._rows: list[Optional[tuple[list[int], int]]] = [None] * max_num_seqs
+        """Per block-table row: (the block list it was written from, entries written).  A
+        request's block list only grows (or is replaced by a new list), so a row whose list
+        is the same object needs only its new entries written."""
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.sampler = Sampler()
         self.last_logprobs: Optional[list] = None
         """Per sampling chunk of the last step: {token: logprob} when its request asked."""
@@ -87,98 +91,155 @@ class ModelRunner:
         self.step_times: dict[str, list[float]] = {"prefill": [], "decode": [], "mixed": []}
 
     # ------------------------------------------------------------------ inputs
-    def _stage(self, chunks: list[ScheduledChunk]) -> tuple[int, int, list[int], list[int]]:
+    def _stage(self, chunks: list[ScheduledChunk]) -> tuple[int, list[int], list[int]]:
+        """Write the step's token ids, positions, slots and block-table rows into the host
+        arrays; returns (tokens, query start locations, context lengths)."""
         h = self._np
         bs = self.block_size
-        n = 0
-        qsl, seq_lens = [0], []
+        ids_np, pos_np, slot_np = h["input_ids"], h["positions"], h["slot_mapping"]
+        if single_token_batch(chunks):
+            # One token per request (decode): plain ints, one array write per buffer.
+            ids, pos, slots = [], [], []
+            for c in chunks:
+                p = c.start
+                ids.append(c.req.token_at(p))
+                pos.append(p)
+                slots.append(c.req.block_ids[p // bs] * bs + p % bs)
+            n = len(chunks)
+            ids_np[:n] = ids
+            pos_np[:n] = pos
+            slot_np[:n] = slots
+            qsl = list(range(n + 1))
+            seq_lens = [p + 1 for p in pos]
+        else:
+            n = 0
+            qsl, seq_lens = [0], []
+            for c in chunks:
+                req, k = c.req, c.num_tokens
+                p = np.arange(c.start, c.end, dtype=np.int64)
+                pos_np[n : n + k] = p
+                prompt = req.prompt
+                ids_np[n : n + k] = (
+                    prompt[c.start : c.end]
+                    if c.end <= len(prompt)
+                    else req.all_tokens()[c.start : c.end]
+                )
+                blocks = np.asarray(req.block_ids, dtype=np.int64)
+                slot_np[n : n + k] = blocks[p // bs] * bs + p % bs
+                n += k
+                qsl.append(n)
+                seq_lens.append(c.end)
         for i, c in enumerate(chunks):
-            req = c.req
-            pos = np.arange(c.start, c.end, dtype=np.int64)
-            h["positions"][n : n + c.num_tokens] = pos
-            h["input_ids"][n : n + c.num_tokens] = [req.token_at(p) for p in range(c.start, c.end)]
-            blocks = np.asarray(req.block_ids, dtype=np.int64)
-            h["slot_mapping"][n : n + c.num_tokens] = blocks[pos // bs] * bs + pos % bs
-            row = h["block_table"][i]
-            row[: len(blocks)] = blocks
-            row[len(blocks) :] = BlockAllocator.NULL_BLOCK
-            n += c.num_tokens
-            qsl.append(n)
-            seq_lens.append(c.end)
-        return n, len(chunks), qsl, seq_lens
+            self._write_row(i, c.req.block_ids)
+        return n, qsl, seq_lens
+
+    def _write_row(self, i: int, blocks: list[int]) -> None:
+        row = self._np["block_table"][i]
+        cached = self._rows[i]
+        k = len(blocks)
+        if cached is not None and cached[0] is blocks and k >= cached[1]:
+            if k > cached[1]:
+                row[cached[1] : k] = blocks[cached[1] :]
+                self._rows[i] = (blocks, k)
+            return
+        row[:k] = blocks
+        row[k:] = BlockAllocator.NULL_BLOCK
+        self._rows[i] = (blocks, k)
+
+    def _null_rows(self, lo: int, hi: int) -> None:
+        self._np["block_table"][lo:hi] = BlockAllocator.NULL_BLOCK
+        self._rows[lo:hi] = [None] * (hi - lo)
 
     def _copy_in(
         self, n: int, n_pad: int, num_reqs: int, qsl: list[int], seq_lens: list[int]
     ) -> None:
         h = self._np
-        h["input_ids"][n:n_pad] = 0
-        h["positions"][n:n_pad] = 0
-        h["slot_mapping"][n:n_pad] = -1
+        if n_pad > n:
+            h["input_ids"][n:n_pad] = 0
+            h["positions"][n:n_pad] = 0
+            h["slot_mapping"][n:n_pad] = -1
+            h["padding_mask"][n:n_pad] = False
+        h["padding_mask"][:n] = True
         h["query_start_loc"][: num_reqs + 1] = qsl
         h["seq_lens"][:num_reqs] = seq_lens
-        for name in ("input_ids", "positions", "slot_mapping"):
+        if self._shared:
+            return
+        for name in ("input_ids", "positions", "slot_mapping", "padding_mask"):
             getattr(self, name)[:n_pad].copy_(torch.from_numpy(h[name][:n_pad]))
-        self.query_start_loc[: num_reqs + 1].copy_(
-            torch.from_numpy(h["query_start_loc"][: num_reqs + 1])
-        )
-        self.seq_lens[:num_reqs].copy_(torch.from_numpy(h["seq_lens"][:num_reqs]))
+        for name, k in (("query_start_loc", num_reqs + 1), ("seq_lens", num_reqs)):
+            getattr(self, name)[:k].copy_(torch.from_numpy(h[name][:k]))
         self.block_table[:num_reqs].copy_(torch.from_numpy(h["block_table"][:num_reqs]))
-        self.padding_mask[:n].fill_(True)
-        self.padding_mask[n:n_pad].fill_(False)
+
+    def _views_for(self, n_pad: int, num_reqs: int) -> tuple[torch.Tensor, ...]:
+        """Slices of the persistent buffers for a (padded tokens, requests) shape, made once
+        (a slice costs microseconds; the same few shapes recur every step)."""
+        key = (n_pad, num_reqs)
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = (
+                self.input_ids[:n_pad],
+                self.positions[:n_pad],
+                self.slot_mapping[:n_pad],
+                self.padding_mask[:n_pad],
+                self.query_start_loc[: num_reqs + 1],
+                self.seq_lens[:num_reqs],
+                self.block_table[:num_reqs],
+            )
+        return v
 
     def build_context(
         self,
         chunks: list[ScheduledChunk],
         force: Optional[tuple[CUDAGraphMode, BatchDescriptor]] = None,
+        record: bool = True,
     ) -> tuple[ForwardContext, int, int]:
         """Stage a step's inputs; returns the forward context, real and padded token counts.
-        ``force`` replaces the dispatcher's choice (graph capture uses it)."""
-        n, num_reqs, qsl, seq_lens = self._stage(chunks)
-        uniform_decode = all(c.num_tokens == 1 for c in chunks)
-        mode, desc = force or self.dispatch(n, num_reqs, uniform_decode)
+        ``force`` replaces the dispatcher's choice (graph capture uses it); ``record`` False
+        keeps the step out of the trace (dummy batches)."""
+        n, qsl, seq_lens = self._stage(chunks)
+        num_reqs = real_reqs = len(chunks)
+        mode, desc = force or self.dispatch(n, num_reqs, single_token_batch(chunks))
         n_pad = desc.num_tokens
-        real_reqs = num_reqs
         if mode == CUDAGraphMode.FULL and desc.num_reqs and desc.num_reqs > num_reqs:
             # A full graph is captured for desc.num_reqs requests: the extra ones have no
             # query tokens, an empty context and the null block.
             extra = desc.num_reqs - num_reqs
             qsl = qsl + [qsl[-1]] * extra
             seq_lens = seq_lens + [0] * extra
-            self._np["block_table"][num_reqs : desc.num_reqs] = BlockAllocator.NULL_BLOCK
+            self._null_rows(num_reqs, desc.num_reqs)
             num_reqs = desc.num_reqs
         self._copy_in(n, n_pad, num_reqs, qsl, seq_lens)
+        _, _, slots, mask, qsl_t, seq_lens_t, table = self._views_for(n_pad, num_reqs)
         md = AttentionMetadata(
             backend=self.attn_backend,
             num_actual_tokens=n,
             num_reqs=num_reqs,
             max_query_len=max(c.num_tokens for c in chunks),
             max_seq_len=max(seq_lens),
-            query_start_loc=self.query_start_loc[: num_reqs + 1],
-            seq_lens=self.seq_lens[:num_reqs],
-            block_table=self.block_table[:num_reqs],
-            slot_mapping=self.slot_mapping[:n_pad],
+            query_start_loc=qsl_t,
+            seq_lens=seq_lens_t,
+            block_table=table,
+            slot_mapping=slots,
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
-        num_reqs = real_reqs
         ctx = ForwardContext(
             attn_metadata=dict.fromkeys(self.layer_names, md),
             kv_caches=self.kv_caches,
-            slot_mapping=self.slot_mapping[:n_pad],
+            slot_mapping=slots,
             cudagraph_runtime_mode=mode,
             batch_descriptor=desc,
-            padding_mask=self.padding_mask[:n_pad],
+            padding_mask=mask,
         )
-        if self.trace is not None:
+        if record and self.trace is not None:
+            num_decode = sum(c.is_decode for c in chunks)
             self.trace.append(
                 {
                     "step": len(self.trace),
                     "num_tokens": n,
-                    "num_reqs": num_reqs,
-                    "num_decode": sum(c.num_tokens == 1 and c.start > 0 for c in chunks),
-                    "num_prefill_tokens": sum(
-                        c.num_tokens for c in chunks if not (c.num_tokens == 1 and c.start > 0)
-                    ),
+                    "num_reqs": real_reqs,
+                    "num_decode": num_decode,
+                    "num_prefill_tokens": n - num_decode,
                     "num_padded_tokens": n_pad,
                 }
             )
@@ -190,27 +251,32 @@ class ModelRunner:
         self,
         chunks: list[ScheduledChunk],
         force: Optional[tuple[CUDAGraphMode, BatchDescriptor]] = None,
+        record: bool = True,
     ) -> tuple[list[Optional[int]], torch.Tensor]:
         """Run one step; returns the sampled token per chunk (None when the chunk ends
-        mid-prompt) and the logits of the sampling chunks."""
+        mid-prompt) and the logits of the sampling chunks.  ``record`` False: a dummy step,
+        kept out of ``step_times`` and the trace."""
         t0 = time.perf_counter()
-        ctx, n, n_pad = self.build_context(chunks, force)
+        ctx, n, n_pad = self.build_context(chunks, force, record)
+        ids, positions = self._views_for(n_pad, ctx.attn_metadata[self.layer_names[0]].num_reqs)[:2]
         with set_forward_context(ctx):
-            hidden = self.forward(self.input_ids[:n_pad], self.positions[:n_pad])
-        qsl = ctx.attn_metadata[self.layer_names[0]].query_start_loc_cpu
-        rows = [qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
-        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
-        tokens, self.last_logprobs = (
-            self.sampler(logits, [c.req for c in chunks if c.samples]) if rows else ([], None)
-        )
-        it = iter(tokens)
-        sampled = [next(it) if c.samples else None for c in chunks]
-        kind = (
-            "decode"
-            if all(c.num_tokens == 1 and c.start > 0 for c in chunks)
-            else "prefill"
-            if all(c.start == 0 for c in chunks)
-            else "mixed"
-        )
-        self.step_times[kind].append(time.perf_counter() - t0)
+            hidden = self.forward(ids, positions)
+        sampling = [c.samples for c in chunks]
+        if all(sampling) and n == len(chunks):
+            # One token per request, every one samples: the rows are hidden[:n], a view.
+            reqs = [c.req for c in chunks]
+            logits = self.model.compute_logits(hidden[:n])
+        else:
+            qsl = ctx.attn_metadata[self.layer_names[0]].query_start_loc_cpu
+            rows = [qsl[i + 1] - 1 for i, s in enumerate(sampling) if s]
+            reqs = [c.req for c, s in zip(chunks, sampling) if s]
+            logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        tokens, self.last_logprobs = self.sampler(logits, reqs) if reqs else ([], None)
+        if len(tokens) == len(chunks):
+            sampled: list[Optional[int]] = tokens
+        else:
+            it = iter(tokens)
+            sampled = [next(it) if s else None for s in sampling]
+        if record:
+            self.step_times[step_kind(chunks)].append(time.perf_counter() - t0)
         return sampled, logits

@@ -88,3 +88,21 @@ class SamplingParams:
 
     def replace(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+
+def params_per_prompt(
+    sp, n: int, max_new_tokens: Optional[int], ignore_eos: bool
+) -> list[SamplingParams]:
+    """``generate``'s sampling params per prompt: one for all or one each (greedy with 16 new
+    tokens when None); ``max_new_tokens`` / ``ignore_eos``, when given, override them."""
+    if sp is None:
+        sp = SamplingParams(max_tokens=16 if max_new_tokens is None else max_new_tokens)
+    sps = [sp] * n if isinstance(sp, SamplingParams) else list(sp)
+    if len(sps) != n or not all(isinstance(p, SamplingParams) for p in sps):
+        raise ValueError(f"sampling_params: one SamplingParams or a list of {n} (one per prompt)")
+    changes = {}
+    if max_new_tokens is not None:
+        changes["max_tokens"] = max_new_tokens
+    if ignore_eos:
+        changes["ignore_eos"] = True
+    return [p.replace(**changes) if changes else p for p in sps]

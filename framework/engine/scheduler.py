@@ -67,12 +67,17 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
         """Queue a request, or reject it (``ValueError`` naming it) when it can never run."""
+        self.check_fits(req)
+        self.waiting.append(req)
+
+    def check_fits(self, req: Request) -> None:
+        """Raise ``ValueError`` naming the request (and count a rejection) when it could
+        never run, alone in an empty cache; queue nothing."""
         try:
             self._check_fits(req)
         except ValueError:
             self.stats.rejections += 1
             raise
-        self.waiting.append(req)
 
     def _check_fits(self, req: Request) -> None:
         if not req.prompt:

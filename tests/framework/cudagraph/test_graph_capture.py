@@ -8,7 +8,7 @@ from triton_interpreter import language_is_interpreted, run_module_in_interprete
 
 from framework import LLM, CompilationConfig
 from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
-from framework.cudagraph.wrapper import EmulatedGraphOps, clear_all_graphs
+from framework.cudagraph.wrapper import clear_all_graphs
 
 INTERPRETED = "triton_interpreted"
 """Marker of the CPU tests that need the Triton interpreter (rerun in a child process)."""
@@ -52,7 +52,7 @@ def test_piecewise_graphs_capture_once_and_replay(llama_checkpoint, reference):
     clear_all_graphs()
     llm = _llm(
         llama_checkpoint,
-        graph_ops=EmulatedGraphOps(),
+        emulate_cuda_graphs=True,
         cc={"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8]},
     )
     assert llm.stats["cudagraph_mode"] == "PIECEWISE"
@@ -61,6 +61,32 @@ def test_piecewise_graphs_capture_once_and_replay(llama_checkpoint, reference):
     wrappers = [w for w in llm.compiled.backend.split_wrappers()]
     assert all(w.stats.replays > 0 for w in wrappers)
     assert all(w.stats.captures == 4 for w in wrappers)
+
+
+def test_capture_counts_are_per_engine(llama_checkpoint):
+    """A second engine in the same process (the first one alive, its graphs kept) reports
+    its own captures, not the process's."""
+    first = _llm(
+        llama_checkpoint,
+        emulate_cuda_graphs=True,
+        cc={"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]},
+    )
+    second = _llm(
+        llama_checkpoint,
+        emulate_cuda_graphs=True,
+        cc={"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2]},
+    )
+    pieces = first.model_config.num_layers + 1
+    assert first.stats["captures"] == 3 * pieces
+    assert second.stats["captures"] == 2 * pieces
+    assert second.startup.captures == second.graphs.stats().captures == 2 * pieces
+    assert first.graphs.stats().captures == 3 * pieces  # untouched by the second engine
+    assert not set(map(id, first.graphs.wrappers)) & set(map(id, second.graphs.wrappers))
+
+
+def test_emulate_cuda_graphs_must_be_a_bool(llama_checkpoint):
+    with pytest.raises(ValueError, match="LLM.emulate_cuda_graphs: must be a bool"):
+        LLM(str(llama_checkpoint), emulate_cuda_graphs="yes")
 
 
 @pytest.mark.triton_interpreted
@@ -72,7 +98,7 @@ def test_full_and_piecewise_with_graph_safe_backend(llama_checkpoint, reference)
     clear_all_graphs()
     llm = _llm(
         llama_checkpoint,
-        graph_ops=EmulatedGraphOps(),
+        emulate_cuda_graphs=True,
         attention_backend="triton",
         cc={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]},
     )
@@ -96,7 +122,7 @@ def test_piecewise_graphs_capture_inductor_pieces(llama_checkpoint, reference, c
     clear_all_graphs()
     llm = _llm(
         llama_checkpoint,
-        graph_ops=EmulatedGraphOps(),
+        emulate_cuda_graphs=True,
         cache_dir=compile_cache_dir,
         cc={
             "backend": "inductor",
@@ -115,7 +141,7 @@ def test_piecewise_graphs_capture_inductor_pieces(llama_checkpoint, reference, c
 def test_torch_backend_downgrades_full_to_piecewise(llama_checkpoint):
     llm = _llm(
         llama_checkpoint,
-        graph_ops=EmulatedGraphOps(),
+        emulate_cuda_graphs=True,
         cc={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2]},
     )
     assert llm.stats["cudagraph_mode"] == "PIECEWISE"

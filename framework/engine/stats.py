@@ -1,0 +1,66 @@
+"""Typed, per-instance engine statistics: what one ``LLM``'s construction took.
+
+Each ``LLM`` owns its own :class:`StartupStats`; capture counts come from the engine's own
+CUDA-graph wrappers (:meth:`framework.cudagraph.setup.GraphSetup.stats`), never from a
+process-wide sum, so a second engine in one process reports its own captures.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class StartupStats:
+    load_s: float = 0.0
+    """Construction up to the warm-up forward: weights, KV cache, graph set-up, and on a warm
+    start the artifact restore (``warm_restore_s`` in the stats is part of it)."""
+    compile_s: Optional[float] = None
+    """The warm-up forward that traces/compiles (None at level 0: nothing compiles)."""
+    captures: int = 0
+    """CUDA graphs this engine captured at start-up."""
+    capture_time_s: float = 0.0
+    startup_s: float = 0.0
+    """The whole construction."""
+
+    def as_dict(self) -> dict[str, float]:
+        """The keys ``LLM.stats`` has always reported (``compile_s`` only when it ran)."""
+        out: dict[str, float] = {"load_s": self.load_s}
+        if self.compile_s is not None:
+            out["compile_s"] = self.compile_s
+        out["captures"] = self.captures
+        out["capture_time_s"] = self.capture_time_s
+        out["startup_s"] = self.startup_s
+        return out
+
+
+def step_time_stats(step_times: dict[str, list[float]]) -> dict[str, float]:
+    """``{kind}_steps``, ``{kind}_ms_median`` and ``{kind}_ms_p90`` per step kind that ran."""
+    out: dict[str, float] = {}
+    for kind, times in step_times.items():
+        if times:
+            ms = sorted(t * 1e3 for t in times)
+            out[f"{kind}_steps"] = len(ms)
+            out[f"{kind}_ms_median"] = statistics.median(ms)
+            out[f"{kind}_ms_p90"] = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
+    return out
+
+
+def compile_stats(c: Any) -> dict[str, Any]:
+    """What building the compiled forward (a ``CompiledForward``) took: Dynamo, the
+    backend's compiles and loads, the artifact cache, the passes."""
+    out: dict[str, Any] = {}
+    if c.trace_once is not None:
+        out["dynamo_time_s"] = c.trace_once.dynamo_time_s
+        out["dynamo_traces"] = c.trace_once.num_traces
+    if c.backend is not None:
+        out.update({f"compile_{k}": v for k, v in c.backend.stats.as_dict().items()})
+    if c.store is not None:
+        out.update({f"cache_{k}": v for k, v in c.store.stats.as_dict().items()})
+        out["cache_dir"] = str(c.store.dir)
+    if c.pass_manager is not None:
+        out["passes"] = c.pass_manager.stats()
+    out.update(c.stats)
+    return out

@@ -1,0 +1,48 @@
+"""The one dummy-batch path (framework/engine/capture.py): null-block dummies for graph
+capture, real blocks (freed afterwards) for warm-up and calibration."""
+
+from __future__ import annotations
+
+import pytest
+
+from framework.core.forward_context import BatchDescriptor
+from framework.engine.block_manager import BlockManager
+from framework.engine.capture import dummy_batch, dummy_sizes
+from framework.engine.kv_cache import BlockAllocator
+
+
+def test_dummy_sizes_per_key():
+    assert dummy_sizes(BatchDescriptor(8, 8, True)) == [1] * 8
+    assert dummy_sizes(BatchDescriptor(8, None, False)) == [8]
+    assert dummy_sizes(BatchDescriptor(8, 2, False)) == [8]
+
+
+def test_null_block_dummies():
+    with dummy_batch([1, 1, 5], block_size=4) as chunks:
+        assert [c.num_tokens for c in chunks] == [1, 1, 5]
+        assert [c.req.block_ids for c in chunks] == [[0], [0], [0, 0]]
+        assert all(c.req.req_id < 0 and c.start == 0 and c.samples for c in chunks)
+        assert BlockAllocator.NULL_BLOCK == 0
+
+
+def test_real_blocks_are_freed_even_when_the_body_raises():
+    bm = BlockManager(10, 4, False)
+    free0 = bm.num_free
+    with pytest.raises(RuntimeError, match="boom"):
+        with dummy_batch([6], 4, token_ids=list(range(6)), allocate=bm.allocate, free=bm.free) as (
+            chunk,
+        ):
+            assert len(chunk.req.block_ids) == 2 and 0 not in chunk.req.block_ids
+            assert chunk.req.prompt == list(range(6)) and bm.num_free == free0 - 2
+            raise RuntimeError("boom")
+    assert bm.num_free == free0
+
+
+def test_bad_arguments_name_the_problem():
+    bm = BlockManager(10, 4, False)
+    with pytest.raises(ValueError, match="both allocate and free"):
+        with dummy_batch([2], 4, allocate=bm.allocate):
+            pass
+    with pytest.raises(ValueError, match="3 token_ids for 2 tokens"):
+        with dummy_batch([2], 4, token_ids=[1, 2, 3]):
+            pass

@@ -1,0 +1,114 @@
+"""The runner's input staging: what the forward sees (token ids, positions, slots, block
+table, padding) after steps whose requests grow, change rows and shrink; decode defined once."""
+
+from __future__ import annotations
+
+import torch
+
+from framework.core.forward_context import BatchDescriptor, CUDAGraphMode, get_forward_context
+from framework.engine.kv_cache import BlockAllocator
+from framework.engine.request import Request, ScheduledChunk, single_token_batch, step_kind
+from framework.engine.runner import ModelRunner
+
+BS = 4
+NULL = BlockAllocator.NULL_BLOCK
+
+
+class _Model(torch.nn.Module):
+    def compute_logits(self, h):
+        return h
+
+
+def _runner(seen: list, pad_to=None):
+    def forward(ids, pos):
+        ctx = get_forward_context()
+        md = next(iter(ctx.attn_metadata.values()))
+        seen.append(
+            {
+                "ids": ids.tolist(),
+                "pos": pos.tolist(),
+                "slots": ctx.slot_mapping.tolist(),
+                "mask": ctx.padding_mask.tolist(),
+                "table": md.block_table.tolist(),
+                "seq_lens": md.seq_lens.tolist(),
+                "qsl": md.query_start_loc.tolist(),
+            }
+        )
+        out = torch.zeros(ids.shape[0], 8)
+        out[torch.arange(ids.shape[0]), ids % 8] = 1  # "sample" token id % 8
+        return out
+
+    def dispatch(n, num_reqs, uniform):
+        return CUDAGraphMode.NONE, BatchDescriptor(pad_to or n, None, False)
+
+    kv = {"l0": torch.zeros(2, 32, BS, 1, 8)}
+    return ModelRunner(
+        _Model(), forward, kv_caches=kv, block_size=BS, max_num_seqs=4, max_num_tokens=16,
+        max_model_len=16, dispatch=dispatch,
+    )  # fmt: skip
+
+
+def _req(i, prompt, blocks, output=()):
+    r = Request(i, list(prompt), 10)
+    r.block_ids = list(blocks)
+    r.output = list(output)
+    return r
+
+
+def test_cpu_buffers_are_the_staging_arrays():
+    r = _runner([])
+    for name in ("input_ids", "positions", "slot_mapping", "block_table", "padding_mask"):
+        assert getattr(r, name).data_ptr() == r._np[name].ctypes.data, name
+
+
+def test_staging_across_growth_row_changes_and_padding():
+    seen: list = []
+    r = _runner(seen, pad_to=None)
+    a = _req(0, [1, 2, 3], [5])
+    b = _req(1, [4, 5, 6, 7, 9], [7, 8])
+    toks, _ = r.execute([ScheduledChunk(a, 0, 3), ScheduledChunk(b, 0, 5)])
+    assert toks == [3 % 8, 9 % 8]
+    s = seen[-1]
+    assert s["ids"] == [1, 2, 3, 4, 5, 6, 7, 9] and s["pos"] == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert s["slots"] == [20, 21, 22, 28, 29, 30, 31, 32]
+    assert s["table"] == [[5, NULL, NULL, NULL], [7, 8, NULL, NULL]]
+    assert s["qsl"] == [0, 3, 8] and s["seq_lens"] == [3, 5]
+    # decode: a grows into a new block (its list extended in place), b decodes in place
+    a.output.append(11)
+    a.block_ids.append(9)
+    b.output.append(12)
+    chunks = [ScheduledChunk(a, 3, 1), ScheduledChunk(b, 5, 1)]
+    assert step_kind(chunks) == "decode" and single_token_batch(chunks)
+    r.execute(chunks)
+    s = seen[-1]
+    assert s["ids"] == [11, 12] and s["pos"] == [3, 5] and s["slots"] == [23, 33]
+    assert s["table"] == [[5, 9, NULL, NULL], [7, 8, NULL, NULL]]
+    # row 0 now holds a different request (b moves up); a preempted request's new list
+    c = _req(2, [1, 1, 1, 1, 1, 1, 1], [3, 4], output=[2])
+    chunks = [ScheduledChunk(b, 6, 1), ScheduledChunk(c, 7, 1)]
+    b.output.append(13)
+    r.execute(chunks)
+    s = seen[-1]
+    assert s["table"] == [[7, 8, NULL, NULL], [3, 4, NULL, NULL]]
+    assert s["ids"] == [13, 2] and s["slots"] == [8 * BS + 2, 4 * BS + 3]
+    assert r.step_times["decode"] and r.step_times["prefill"]
+    assert [t["num_decode"] for t in r.trace] == [0, 2, 2]
+
+
+def test_padding_and_unrecorded_dummy_steps():
+    seen: list = []
+    r = _runner(seen, pad_to=8)
+    a = _req(0, [1, 2, 3], [5])
+    r.execute([ScheduledChunk(a, 0, 3)], record=False)
+    s = seen[-1]
+    assert s["ids"] == [1, 2, 3, 0, 0, 0, 0, 0] and s["slots"][3:] == [-1] * 5
+    assert s["mask"] == [True] * 3 + [False] * 5
+    assert r.trace == [] and not any(r.step_times.values())
+
+
+def test_one_token_prompt_is_uniform_but_not_decode():
+    a = _req(0, [5], [1])
+    chunks = [ScheduledChunk(a, 0, 1)]
+    assert single_token_batch(chunks) and not chunks[0].is_decode
+    assert step_kind(chunks) == "prefill"
+    assert ScheduledChunk(a, 1, 1).is_decode
