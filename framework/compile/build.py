@@ -148,6 +148,9 @@ def _build_piecewise(
                 passes.instances.clear()  # the restored pieces are not used
 
     def finalize() -> None:
+        if passes is not None:
+            # Every piece is compiled now: name each fusion that matched nothing.
+            out.stats["unmatched_fusions"] = passes.warn_unmatched()
         if traced.binding is None or out.stats.get("dynamo_skipped"):
             return
         # The key covers the model's class files; the files Dynamo actually traced through
