@@ -88,7 +88,8 @@ class CompilationConfig(StrictConfig):
     mode: Optional[CompilationMode] = None
     """NONE (eager), STOCK_TORCH_COMPILE (baseline) or PIECEWISE."""
     backend: Optional[str] = None
-    """Compiler adaptor for pieces: ``inductor`` or ``eager``."""
+    """Compiler adaptor for pieces: ``inductor``, ``eager`` or a registered plugin
+    (``backends.compiler.COMPILERS``)."""
     splitting_ops: Optional[list[str]] = None
     """Qualified op names the graph is split at; ``[]`` keeps one whole graph."""
     compile_ranges_endpoints: Optional[list[int]] = None
@@ -121,10 +122,12 @@ class CompilationConfig(StrictConfig):
             raise ValueError(
                 f"CompilationConfig.level: must be one of 0, 1, 2, 3, got {self.level!r}"
             )
-        if self.backend is not None and self.backend not in ("inductor", "eager"):
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            # The name itself is checked against backends.compiler.COMPILERS (plugins
+            # included) when the compiler is built.
             raise ValueError(
-                f"CompilationConfig.backend: unknown compiler {self.backend!r}; "
-                f"expected 'inductor' or 'eager'"
+                f"CompilationConfig.backend: expected a compiler adaptor name such as "
+                f"'inductor' or 'eager', got {self.backend!r}"
             )
         if self.max_num_tokens is not None and (
             isinstance(self.max_num_tokens, bool)

@@ -35,7 +35,7 @@ def level_passes(level: int, device_type: str) -> list[str]:
         ({"compile_ranges_endpoints": [64, 8]}, "CompilationConfig.compile_ranges_endpoints"),
         ({"cudagraph_mode": "SOMETIMES"}, "CompilationConfig.cudagraph_mode"),
         ({"mode": "JIT"}, "CompilationConfig.mode"),
-        ({"backend": "tvm"}, "CompilationConfig.backend"),
+        ({"backend": ""}, "CompilationConfig.backend"),
         ({"splitting_ops": ["attention"]}, "CompilationConfig.splitting_ops"),
         ({"pass_config": {"passes": ["a", "a"]}}, "PassConfig.passes"),
         ({"max_num_tokens": 0}, "CompilationConfig.max_num_tokens"),
