@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.sweep import Entry, agreement, finish_all, park
 from framework.core.config import CompilationConfig, register_hydra_configs
+from passes.registry import canonical_order, level_passes
 
 logger = logging.getLogger("experiments.run")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -127,9 +128,7 @@ def toggle_passes(pass_config: dict, names: list[str], level: int, device_type: 
     ``device_type`` (or the explicit ``passes`` list): a pass that would run goes to
     ``disable``, one that would not goes to ``enable``. ``toggle_passes=[x]`` is how
     conf/experiment/ablate_passes.yaml switches one pass on/off against O2 on any device,
-    though O2's list differs between CPU and CUDA (framework.core.config.LEVEL_PASSES)."""
-    from framework.core.config import level_passes
-
+    though O2's list differs between CPU and CUDA (``levels`` of ``@register_pass``)."""
     runs = pass_config.get("passes")
     runs = set(level_passes(level, device_type) if runs is None else runs)
     out = dict(pass_config)
@@ -483,7 +482,8 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
 
 def register_resolvers() -> None:
     """``${eq:a,b}`` -> ``a == b``: experiment files mark their baseline job with it, e.g.
-    ``baseline: ${eq:${compile.level},0}`` (containers compare as plain lists/dicts)."""
+    ``baseline: ${eq:${compile.level},0}`` (containers compare as plain lists/dicts).
+    ``${pass_toggles:}``: see :func:`pass_toggle_sweep`."""
 
     def eq(a: Any, b: Any) -> bool:
         plain = [
@@ -492,6 +492,14 @@ def register_resolvers() -> None:
         return plain[0] == plain[1]
 
     OmegaConf.register_new_resolver("eq", eq, replace=True)
+    # ${pass_toggles:} -> "[],[noop_elimination],...": the ablate_passes sweep, one job per
+    # registered pass (passes.registry.canonical_order) plus the baseline job.
+    OmegaConf.register_new_resolver("pass_toggles", pass_toggle_sweep, replace=True)
+
+
+def pass_toggle_sweep() -> str:
+    """Hydra sweep values flipping every registered pass once, after the baseline ``[]``."""
+    return ",".join(["[]"] + [f"[{name}]" for name in canonical_order()])
 
 
 register_hydra_configs()

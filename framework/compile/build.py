@@ -108,7 +108,7 @@ def _build_piecewise(
         config.backend, graph_pass=passes, inductor_config=config.inductor_config
     )
     store = None
-    if config.use_cache and config.backend != "eager":
+    if config.use_cache and compiler.produces_artifacts:
         store = _open_store(
             model,
             config,

@@ -41,6 +41,7 @@ from framework.engine.runner import ModelRunner
 from framework.engine.sampling_params import SamplingParams
 from framework.engine.scheduler import Scheduler
 from framework.engine.tokenizer import decode, encode_prompt, load_tokenizer
+from passes.registry import level_passes
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class LLM:
         # as they would on a GPU.
         self.config = cc.resolve(
             max_num_tokens=max_num_tokens,
+            level_passes=level_passes,
             has_cuda=self.device.type == "cuda" or graph_ops is not None,
         )
         max_num_tokens = self.config.max_num_tokens

@@ -15,9 +15,8 @@ from omegaconf import OmegaConf
 from experiments.run import compilation_config
 from experiments.size_chooser import choose_sizes
 from experiments.trace import read_trace, token_histogram
-from framework.core.config import level_passes
 from framework.core.quantization import SHORTHANDS, QuantizationConfig
-from passes.registry import CANONICAL_ORDER, resolve_pass
+from passes.registry import canonical_order, level_passes, resolve_pass
 
 EXPERIMENT_DIR = CONF_DIR / "experiment"
 
@@ -94,10 +93,13 @@ def test_ablate_passes_flips_every_registered_pass_once_against_O2():
     cfgs = _sweep_configs("ablate_passes")
     assert {c.compile.level for c in cfgs} == {2}
     toggled = sorted(tuple(c.toggle_passes) for c in cfgs)
-    assert toggled == sorted([()] + [(p,) for p in CANONICAL_ORDER])
+    assert toggled == sorted([()] + [(p,) for p in canonical_order()])
     o2 = set(level_passes(2, "cpu"))  # the jobs run on the CPU here
     for c in cfgs:
-        passes = compilation_config(c).resolve(max_num_tokens=64, has_cuda=False).pass_config.passes
+        passes = compilation_config(c).resolve(
+            max_num_tokens=64, level_passes=level_passes, has_cuda=False
+        )
+        passes = passes.pass_config.passes
         flipped = set(c.toggle_passes)
         assert set(passes) == o2 ^ flipped, (list(c.toggle_passes), passes)
     # quantized, so the quant fusions have something to match
