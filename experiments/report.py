@@ -351,6 +351,8 @@ def pass_table(jobs: Sequence[Job], labels: dict[str, str]) -> list[str]:
                 cells.append(MISSING)
             else:
                 timing = "" if seconds is None else f" ({1000 * seconds:.1f} ms)"
+                if get(job.results, "passes", name, "matches_reported") is False:
+                    matches = "not reported"
                 cells.append(f"{MISSING if matches is None else matches}{timing}")
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return lines

@@ -24,6 +24,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.pass_cli import apply_short
 from experiments.sweep import Entry, agreement, finish_all, park
 from framework.core.config import CompilationConfig, register_hydra_configs
 from passes.registry import canonical_order, level_passes
@@ -112,6 +113,10 @@ def compilation_config(cfg: DictConfig) -> CompilationConfig:
     data = OmegaConf.to_container(cfg.compile, resolve=True, enum_to_str=True)
     if cfg.cache_dir is not None:
         data["cache_dir"] = str(cfg.cache_dir)
+    short = cfg.get("passes")
+    if short is not None:
+        short = OmegaConf.to_container(short) if OmegaConf.is_config(short) else short
+        data["pass_config"] = apply_short(short, dict(data.get("pass_config") or {}))
     toggles = cfg.get("toggle_passes")
     if toggles:
         data["pass_config"] = toggle_passes(
@@ -305,6 +310,7 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
     passes = {
         name: {
             "matches": rec.get("total_matches", 0),
+            "matches_reported": rec.get("matches_reported", True),
             "unique_graph_matches": rec.get("unique_graph_matches"),
             "status": rec.get("status"),
             "time_s": rec.get("total_time_s", 0.0),

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Optional, TypeVar, Union
 
 from framework.core.registry import Registry
 from passes.base import GraphPass
+from passes.callable_pass import is_graph_pass_class, wrap_callable
 
 ALL = "*"
 """``after=ALL``: the pass runs after every other pass (``fix_functionalization``)."""
@@ -75,8 +76,22 @@ def register_pass(
         raise ValueError(f"@register_pass({name!r}): after=ALL cannot name other passes too")
 
     def deco(cls: P) -> P:
-        if not (isinstance(cls, type) and issubclass(cls, GraphPass)):
-            raise TypeError(f"@register_pass({name!r}): {cls!r} is not a GraphPass subclass")
+        if not is_graph_pass_class(cls):
+            if not callable(cls):
+                raise TypeError(
+                    f"@register_pass({name!r}): {cls!r} is neither a GraphPass subclass, a "
+                    f"class with __call__(graph) nor a function"
+                )
+            # A plain function or class: the registry holds its wrapper; the decorated
+            # object itself is returned unchanged.
+            PASSES.add(
+                name,
+                wrap_callable(cls, name, fusion=fusion),
+                after=after_t,
+                levels=levels,
+                fusion=fusion,
+            )
+            return cls
         PASSES.add(name, cls, after=after_t, levels=levels, fusion=fusion)
         cls.name = name
         cls.is_fusion = fusion
@@ -142,7 +157,8 @@ def pass_meta(name: str) -> dict:
 
 
 def resolve_pass(name: str) -> type[GraphPass]:
-    """The pass class for a registry name or an import path ``module.sub:ClassName``."""
+    """The pass class for a registry name or an import path ``module.sub:obj``; a plain
+    function or class (no GraphPass base) comes back wrapped (passes/callable_pass.py)."""
     if ":" in name:
         return _import_pass(name)
     if name not in PASSES:
@@ -151,8 +167,8 @@ def resolve_pass(name: str) -> type[GraphPass]:
             f"pass is named by import path 'module.sub:ClassName'"
         )
     cls = PASSES.get(name)
-    if not (isinstance(cls, type) and issubclass(cls, GraphPass)):
-        raise ValueError(f"pass {name!r}: {cls!r} is not a subclass of passes.base.GraphPass")
+    if not is_graph_pass_class(cls):  # an entry point naming a plain function or class
+        return wrap_callable(cls, name, fusion=bool(PASSES.entry(name).meta.get("fusion")))
     if not cls.__dict__.get("name"):
         cls.name = name  # an entry point naming a class that did not register itself
     return cls
@@ -174,10 +190,11 @@ def _import_pass(path: str) -> type[GraphPass]:
         raise ValueError(
             f"pass import path {path!r}: module {module_name!r} has no attribute {attr!r}"
         )
-    if not (isinstance(cls, type) and issubclass(cls, GraphPass)):
-        raise ValueError(
-            f"pass import path {path!r}: {cls!r} is not a subclass of passes.base.GraphPass"
-        )
+    if not is_graph_pass_class(cls):
+        try:
+            return wrap_callable(cls, path)
+        except ValueError as e:
+            raise ValueError(f"pass import path {path!r}: {e}") from e
     if not cls.__dict__.get("name"):
         cls.name = path  # out-of-tree passes need not register: they are known by their path
     return cls

@@ -256,9 +256,9 @@ for _d in LEVEL_DEFAULTS.values():
 
 
 def register_hydra_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (group ``compile``, ``passes``)."""
+    """Register the schema with Hydra's ConfigStore (group ``compile``). (No ``passes`` group:
+    ``passes`` is the top-level short pass list of conf/config.yaml, experiments/pass_cli.py.)"""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(group="compile", name="compile_schema", node=CompilationConfig)
-    cs.store(group="passes", name="passes_schema", node=PassConfig)
