@@ -89,8 +89,12 @@ def time_round(entry: Entry) -> None:
 
 
 def run_rounds(entries: list[Entry], rounds: int) -> None:
-    """``rounds`` timed generations of every entry, round-robin with a rotating start."""
+    """One untimed round of every entry (the first configurations were built long before the
+    last: page faults, lazy allocations and allocator state are settled alike), then
+    ``rounds`` timed generations of every entry, round-robin with a rotating start."""
     n = len(entries)
+    for e in entries:
+        e.llm.generate(e.prompts, max_new_tokens=e.max_new_tokens, ignore_eos=e.ignore_eos)
     for r in range(rounds):
         for i in range(n):
             time_round(entries[(r + i) % n])
