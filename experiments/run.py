@@ -424,6 +424,20 @@ def summary(r: dict[str, Any]) -> str:
         f"  tokens/s {'—' if tps is None else format(tps, '.1f')}",
         agrees(r["agreement"], "eager (O0)"),
     ]
+    comp = r["compile"]
+    if comp.get("compiles") is not None or comp.get("loads") is not None:
+        lines.append(
+            f"  pieces: {comp.get('compiles') or 0} compiled, {comp.get('loads') or 0} loaded "
+            f"from the cache (cache hits {comp.get('cache_hits')}, misses "
+            f"{comp.get('cache_misses')})"
+        )
+    if r.get("passes"):
+        counts = [
+            f"{name} {'not reported' if p.get('matches_reported') is False else p.get('matches')}"
+            f" ({p.get('status')})"
+            for name, p in r["passes"].items()
+        ]
+        lines.append("  pass matches: " + ", ".join(counts))
     if r.get("agreement_baseline") is not None:
         lines.append(agrees(r["agreement_baseline"], "the sweep's baseline"))
     for name in r.get("unmatched_fusions") or []:
