@@ -48,7 +48,10 @@ def wrap_callable(obj: Any, name: str, *, fusion: bool = False) -> type[GraphPas
         return obj
     if isinstance(obj, type):
         if "__call__" not in dir(obj) or obj.__call__ is type.__call__:
-            raise ValueError(f"pass {name!r}: class {obj.__qualname__} has no __call__(graph)")
+            raise ValueError(
+                f"pass {name!r}: class {obj.__qualname__} is neither a GraphPass subclass nor "
+                f"a class with __call__(graph)"
+            )
     elif not callable(obj):
         raise ValueError(
             f"pass {name!r}: {obj!r} is neither a GraphPass subclass, a class with "

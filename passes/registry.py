@@ -77,20 +77,13 @@ def register_pass(
 
     def deco(cls: P) -> P:
         if not is_graph_pass_class(cls):
-            if not callable(cls):
-                raise TypeError(
-                    f"@register_pass({name!r}): {cls!r} is neither a GraphPass subclass, a "
-                    f"class with __call__(graph) nor a function"
-                )
             # A plain function or class: the registry holds its wrapper; the decorated
             # object itself is returned unchanged.
-            PASSES.add(
-                name,
-                wrap_callable(cls, name, fusion=fusion),
-                after=after_t,
-                levels=levels,
-                fusion=fusion,
-            )
+            try:
+                wrapper = wrap_callable(cls, name, fusion=fusion)
+            except ValueError as e:
+                raise TypeError(f"@register_pass({name!r}): {e}") from None
+            PASSES.add(name, wrapper, after=after_t, levels=levels, fusion=fusion)
             return cls
         PASSES.add(name, cls, after=after_t, levels=levels, fusion=fusion)
         cls.name = name
