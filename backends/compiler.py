@@ -1,4 +1,6 @@
-"""Compiler adaptors: one interface, a registry by name.
+"""Compiler adaptors: one interface, a registry by name (``COMPILERS``, on the one
+:class:`~framework.core.registry.Registry` helper; installed packages add adaptors through the
+entry-point group ``piecewise.compilers``).
 
 Contract: ``compute_hash()`` (compiler + config factors for the cache key),
 ``compile(graph, example_inputs, compile_range) -> (callable, save | None)`` where ``save``
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 import torch
+
+from framework.core.registry import Registry
 
 SaveFn = Callable[[Path], None]
 
@@ -52,6 +56,9 @@ def compile_ranges(
 
 class CompilerAdaptor:
     name: ClassVar[str]
+    produces_artifacts: ClassVar[bool] = True
+    """Whether ``compile`` returns a ``save`` and ``load`` restores it (the artifact cache is
+    used only for such adaptors)."""
 
     def __init__(
         self,
@@ -76,23 +83,29 @@ class CompilerAdaptor:
         raise NotImplementedError(f"the {self.name} compiler produces no artifacts to load")
 
 
-_ADAPTORS: dict[str, type[CompilerAdaptor]] = {}
+COMPILERS: Registry[type[CompilerAdaptor]] = Registry(
+    "compiler adaptor", entry_point_group="piecewise.compilers"
+)
 
 
-def register_compiler(name: str):
+def register_compiler(name: str) -> Callable[[type[CompilerAdaptor]], type[CompilerAdaptor]]:
+    """Class decorator: make a :class:`CompilerAdaptor` subclass selectable as
+    ``CompilationConfig.backend=name``."""
+
     def deco(cls: type[CompilerAdaptor]) -> type[CompilerAdaptor]:
+        if not (isinstance(cls, type) and issubclass(cls, CompilerAdaptor)):
+            raise TypeError(f"@register_compiler({name!r}): {cls!r} is not a CompilerAdaptor")
+        COMPILERS.add(name, cls)
         cls.name = name
-        _ADAPTORS[name] = cls
         return cls
 
     return deco
 
 
 def make_compiler(name: str, **kwargs: Any) -> CompilerAdaptor:
-    try:
-        return _ADAPTORS[name](**kwargs)
-    except KeyError:
-        raise ValueError(f"unknown compiler {name!r}; registered: {sorted(_ADAPTORS)}") from None
+    """An instance of the adaptor registered as ``name`` (``ValueError`` listing the
+    registered names if there is none)."""
+    return COMPILERS.get(name)(**kwargs)
 
 
 def concretize_inputs(example_inputs: list, size: int) -> list:
@@ -158,6 +171,8 @@ class Eager(CompilerAdaptor):
     """No compilation and no cache.  With passes, the piece is traced to a functional aten
     graph by AOTAutograd (Inductor's decompositions, so patterns see what they see under
     Inductor), the passes run on it, and the graph runs eagerly."""
+
+    produces_artifacts = False
 
     def compile(self, graph, example_inputs, compile_range):
         if self.graph_pass is None:

@@ -248,7 +248,7 @@ class PiecewiseBackend:
         key = self._entry_key(info, rng)
         if memo in self._compiled:
             self.stats.shared += 1
-            if self.store is not None and self.compiler.name != "eager":
+            if self.store is not None and self.compiler.produces_artifacts:
                 self.store.store(key, f"{ghash}-{rng}", _already_written)
             self._piece_done(info.name, rng, "shared", self._compiled_by.get(memo))
             return self._compiled[memo], "shared"
@@ -281,7 +281,7 @@ class PiecewiseBackend:
         return bool(getattr(self.graph_pass, "must_run", False))
 
     def _load(self, key: str, single_output: bool) -> Optional[Callable]:
-        if self.store is None or self.compiler.name == "eager" or self._must_compile():
+        if self.store is None or not self.compiler.produces_artifacts or self._must_compile():
             return None
         path = self.store.lookup(key)
         if path is None:
@@ -320,7 +320,7 @@ class PiecewiseBackend:
 
     def restore(self) -> Optional[tuple[fx.GraphModule, dict]]:
         """Rebuild the compiled program from the cache without Dynamo; None if incomplete."""
-        if self.store is None or self.compiler.name == "eager" or self._must_compile():
+        if self.store is None or not self.compiler.produces_artifacts or self._must_compile():
             return None
         blob = self.store.load_blob(PROGRAM_BLOB)
         if blob is None:

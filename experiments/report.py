@@ -11,10 +11,17 @@ Rules (also in experiments/README.md):
 
 * **Baseline** of a sweep: the first job (in job-number order) whose results say
   ``"baseline": true``; if none does, the first job. Deltas are relative to it.
-* **Best** row: the lowest decode median (or the ``--metric`` chosen) among the jobs whose
-  outputs did not change; only if every job changed outputs are all jobs eligible.
-* **Outputs changed**: ``agreement.token_agreement < 1.0`` (or, when the agreement is absent,
-  ``agreement.outputs_equal`` is false). Each such job gets a "⚠ outputs changed" line.
+* **Intervals and verdicts** (experiments/report_rounds.py, experiments/stats.py): every timed
+  measure is the median over the job's timing rounds with a 95% bootstrap interval; every
+  delta against the baseline has a paired 95% interval and the verdict **significant** or
+  **within noise**.
+* **Best** row (★): the best decode median (or the ``--metric`` chosen) among the jobs whose
+  change against the baseline is a *significant* improvement and whose outputs equal the
+  baseline's; no job qualifying, no ★.
+* **Outputs changed**: against the sweep's baseline (``agreement_baseline``) when measured,
+  else against O0 (``agreement``): ``token_agreement < 1.0`` (or ``outputs_equal`` false).
+  Each such job gets a "⚠ outputs changed" line. Agreement with O0 stays a column.
+* **Warnings**: fusions that matched nothing in a job (``unmatched_fusions``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import yaml
+
+from experiments import report_rounds
 
 MISSING = "—"
 
@@ -150,11 +159,19 @@ def config_label(job: Job, keys: Sequence[str]) -> str:
     return ", ".join(parts) if parts else f"job {job.name}"
 
 
+def reference_of(results: dict) -> str:
+    """Which agreement decides "outputs changed": the sweep's baseline when measured."""
+    return (
+        "agreement_baseline" if isinstance(results.get("agreement_baseline"), dict) else "agreement"
+    )
+
+
 def outputs_changed(results: dict) -> bool:
-    agreement = number(results, "agreement", "token_agreement")
+    ref = reference_of(results)
+    agreement = number(results, ref, "token_agreement")
     if agreement is not None:
         return agreement < 1.0
-    return get(results, "agreement", "outputs_equal") is False
+    return get(results, ref, "outputs_equal") is False
 
 
 def baseline_job(jobs: Sequence[Job]) -> Job:
@@ -211,12 +228,27 @@ METRICS: dict[str, Metric] = {
 }
 AGREEMENT = Metric(
     "token_agreement",
-    "token agreement",
+    "token agreement vs O0",
     ("agreement", "token_agreement"),
     ".4f",
     lower_is_better=False,
 )
-LOGIT_DIFF = Metric("max_logit_diff", "max logit diff", ("agreement", "max_logit_diff"), ".3g")
+LOGIT_DIFF = Metric(
+    "max_logit_diff", "max logit diff vs O0", ("agreement", "max_logit_diff"), ".3g"
+)
+BASE_AGREEMENT = Metric(
+    "baseline_token_agreement",
+    "token agreement vs baseline",
+    ("agreement_baseline", "token_agreement"),
+    ".4f",
+    lower_is_better=False,
+)
+BASE_LOGIT_DIFF = Metric(
+    "baseline_max_logit_diff",
+    "max logit diff vs baseline",
+    ("agreement_baseline", "max_logit_diff"),
+    ".3g",
+)
 EXACT_MATCH = Metric(
     "exact_match", "exact match", ("accuracy", "exact_match"), ".3f", lower_is_better=False
 )
@@ -234,15 +266,13 @@ def _with_delta(value: Optional[float], base: Optional[float], fmt: str) -> str:
     return f"{text} ({100 * (value - base) / abs(base):+.1f}%)"
 
 
-def best_job(jobs: Sequence[Job], metric: Metric) -> Optional[Job]:
-    """Best job by ``metric`` among jobs with unchanged outputs (all jobs if none qualify)."""
-    scored = [j for j in jobs if metric.value(j.results) is not None]
-    unchanged = [j for j in scored if not outputs_changed(j.results)]
-    pool = unchanged or scored
-    if not pool:
+def best_job(jobs: Sequence[Job], metric: Metric, base: Optional[Job] = None) -> Optional[Job]:
+    """★ best: a significant improvement on ``metric`` with outputs unchanged against the
+    baseline (report_rounds.best); None when no job qualifies."""
+    if not jobs:
         return None
-    sign = 1 if metric.lower_is_better else -1
-    return min(pool, key=lambda j: sign * metric.value(j.results))
+    base = base or baseline_job(jobs)
+    return report_rounds.best(jobs, base, metric.name, metric.lower_is_better, outputs_changed)
 
 
 def _cell(text: Any) -> str:
@@ -265,7 +295,8 @@ def sweep_table(
         ["", "job"]
         + list(keys)
         + [m.header for m in METRICS.values()]
-        + ["cache hits/misses", AGREEMENT.header, LOGIT_DIFF.header]
+        + ["cache hits/misses", BASE_AGREEMENT.header, BASE_LOGIT_DIFF.header]
+        + [AGREEMENT.header, LOGIT_DIFF.header]
         + [m.header for m in extra]
     )
     lines = [
@@ -280,12 +311,20 @@ def sweep_table(
         row += [job.override_map.get(k, MISSING) for k in keys]
         for metric in METRICS.values():
             value = metric.value(job.results)
-            if metric.show_delta and job is not base:
-                row.append(_with_delta(value, metric.value(base.results), metric.fmt))
-            else:
-                row.append(_fmt(value, metric.fmt))
+            ci = report_rounds.interval(job.results, metric.name)
+            text = report_rounds.value_text(value, ci, metric.fmt)
+            if metric.show_delta and job is not base and value is not None:
+                if metric.name in report_rounds.SAMPLE_KEYS:
+                    d = report_rounds.delta(job.results, base.results, metric.name)
+                    text += f" ({report_rounds.delta_text(d)})"
+                else:  # measured once: a plain delta, no verdict
+                    text = _with_delta(value, metric.value(base.results), metric.fmt) + " n=1"
+            row.append(text)
         row.append(_cache_cell(job.results))
-        row += [_fmt(m.value(job.results), m.fmt) for m in (AGREEMENT, LOGIT_DIFF, *extra)]
+        row += [
+            _fmt(m.value(job.results), m.fmt)
+            for m in (BASE_AGREEMENT, BASE_LOGIT_DIFF, AGREEMENT, LOGIT_DIFF, *extra)
+        ]
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     return lines
 
@@ -312,6 +351,8 @@ def pass_table(jobs: Sequence[Job], labels: dict[str, str]) -> list[str]:
                 cells.append(MISSING)
             else:
                 timing = "" if seconds is None else f" ({1000 * seconds:.1f} ms)"
+                if get(job.results, "passes", name, "matches_reported") is False:
+                    matches = "not reported"
                 cells.append(f"{MISSING if matches is None else matches}{timing}")
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return lines
@@ -322,13 +363,15 @@ def changed_lines(jobs: Sequence[Job], labels: dict[str, str]) -> list[str]:
     for job in jobs:
         if not outputs_changed(job.results):
             continue
-        agreement = AGREEMENT.value(job.results)
-        diff = LOGIT_DIFF.value(job.results)
+        vs_base = reference_of(job.results) == "agreement_baseline"
+        what = "the baseline" if vs_base else "O0"
+        agreement = (BASE_AGREEMENT if vs_base else AGREEMENT).value(job.results)
+        diff = (BASE_LOGIT_DIFF if vs_base else LOGIT_DIFF).value(job.results)
         details = []
         if agreement is not None:
-            details.append(f"token agreement {agreement:.4f} vs O0")
+            details.append(f"token agreement {agreement:.4f} vs {what}")
         else:
-            details.append("outputs differ from O0")
+            details.append(f"outputs differ from {what}")
         if diff is not None:
             details.append(f"max logit diff {diff:.3g}")
         lines.append(
@@ -490,15 +533,16 @@ def build_report(
         f"{len(jobs)} job(s) in {len(groups)} sweep(s). {_versions_line(jobs)}.",
         "",
         f'Baseline of a sweep: the first job with `"baseline": true` in results.json, '
-        f"else the first job; deltas are relative to it. ★ best: "
-        f"{'lowest' if best_metric.lower_is_better else 'highest'} {best_metric.header} "
-        f"among configurations whose outputs are unchanged.",
+        f"else the first job; deltas are relative to it, outputs are compared with its outputs. "
+        f"★ best: {'lowest' if best_metric.lower_is_better else 'highest'} "
+        f"{best_metric.header} among configurations whose change is a significant "
+        f"improvement and whose outputs equal the baseline's.",
         "",
     ]
     if num_changed:
         lines += [
-            f"**{num_changed} configuration(s) changed outputs versus O0** "
-            f"(see the ⚠ lines below).",
+            f"**{num_changed} configuration(s) changed outputs versus their sweep's baseline "
+            f"(or O0 where no baseline agreement was measured)** (see the ⚠ lines below).",
             "",
         ]
     elif any(AGREEMENT.value(j.results) is not None for j in jobs):
@@ -514,7 +558,7 @@ def build_report(
         keys = varying_keys(group_jobs)
         labels = {j.name: config_label(j, keys) for j in group_jobs}
         base = baseline_job(group_jobs)
-        best = best_job(group_jobs, best_metric)
+        best = best_job(group_jobs, best_metric, base)
         lines += [
             f"## Sweep: {group}",
             "",
@@ -522,12 +566,18 @@ def build_report(
             + (
                 f"`{labels[best.name]}` (job {best.name})."
                 if best
-                else f"{MISSING} (no job reports {best_metric.header})."
+                else f"none (no configuration is a significant improvement in "
+                f"{best_metric.header} with unchanged outputs)."
             ),
+            "",
+            report_rounds.rounds_note(group_jobs),
             "",
         ]
         lines += sweep_table(group_jobs, keys, base, best)
         lines.append("")
+        verdicts = report_rounds.verdict_lines(group_jobs, base, labels, list(METRICS.values()))
+        if verdicts:
+            lines += ["### Deltas against the baseline", ""] + verdicts + [""]
         changed = changed_lines(group_jobs, labels)
         unmeasured = [
             j.name
@@ -545,6 +595,9 @@ def build_report(
         else:
             lines.append("Outputs unchanged in every configuration of this sweep.")
         lines.append("")
+        warnings = report_rounds.unmatched_lines(group_jobs, labels)
+        if warnings:
+            lines += ["### Warnings", ""] + warnings + [""]
         passes = pass_table(group_jobs, labels)
         if passes:
             lines += ["### Pass matches (time)", ""] + passes + [""]

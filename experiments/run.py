@@ -15,17 +15,19 @@ import logging
 import os
 import platform
 import random
-import statistics
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.pass_cli import apply_short
+from experiments.sweep import Entry, agreement, finish_all, park
 from framework.core.config import CompilationConfig, register_hydra_configs
+from passes.registry import canonical_order, level_passes
 
 logger = logging.getLogger("experiments.run")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -58,6 +60,14 @@ def make_prompts(workload: DictConfig, vocab_size: int, seed: int) -> list[list[
     ]
 
 
+def prompt_seed(cfg: DictConfig) -> int:
+    """The prompts' seed: ``workload.seed`` (the top-level ``seed`` seeds the LLM: sampling
+    and calibration), so an A/A sweep over ``seed`` under greedy decoding sees the same
+    prompts."""
+    seed = cfg.workload.get("seed")
+    return int(cfg.seed if seed is None else seed)
+
+
 def synthetic_task_of(model_path: str):
     """The synthetic task a trained checkpoint was made for (experiments.train_synthetic writes
     it into the folder's metrics.json), or None for any other model."""
@@ -82,7 +92,7 @@ def job_prompts(
     task = synthetic_task_of(model_path)
     if task is None:
         return (
-            make_prompts(cfg.workload, vocab_size, int(cfg.seed)),
+            make_prompts(cfg.workload, vocab_size, prompt_seed(cfg)),
             int(cfg.workload.max_new_tokens),
             bool(cfg.workload.ignore_eos),
             None,
@@ -93,7 +103,7 @@ def job_prompts(
         task.name,
         int(cfg.workload.num_prompts),
     )
-    keys = task.held_out_keys(int(cfg.workload.num_prompts), int(cfg.seed))
+    keys = task.held_out_keys(int(cfg.workload.num_prompts), prompt_seed(cfg))
     prompts, answers = task.split(task.sequences(keys))
     # The answer ends with EOS: the model must stop by itself for an exact match.
     return prompts, task.answer_len + 1, False, answers
@@ -103,6 +113,10 @@ def compilation_config(cfg: DictConfig) -> CompilationConfig:
     data = OmegaConf.to_container(cfg.compile, resolve=True, enum_to_str=True)
     if cfg.cache_dir is not None:
         data["cache_dir"] = str(cfg.cache_dir)
+    short = cfg.get("passes")
+    if short is not None:
+        short = OmegaConf.to_container(short) if OmegaConf.is_config(short) else short
+        data["pass_config"] = apply_short(short, dict(data.get("pass_config") or {}))
     toggles = cfg.get("toggle_passes")
     if toggles:
         data["pass_config"] = toggle_passes(
@@ -119,9 +133,7 @@ def toggle_passes(pass_config: dict, names: list[str], level: int, device_type: 
     ``device_type`` (or the explicit ``passes`` list): a pass that would run goes to
     ``disable``, one that would not goes to ``enable``. ``toggle_passes=[x]`` is how
     conf/experiment/ablate_passes.yaml switches one pass on/off against O2 on any device,
-    though O2's list differs between CPU and CUDA (framework.core.config.LEVEL_PASSES)."""
-    from framework.core.config import level_passes
-
+    though O2's list differs between CPU and CUDA (``levels`` of ``@register_pass``)."""
     runs = pass_config.get("passes")
     runs = set(level_passes(level, device_type) if runs is None else runs)
     out = dict(pass_config)
@@ -175,38 +187,6 @@ def text_examples(
         {"prompt": dec(p, skip_special_tokens=True), "answer": dec(o, skip_special_tokens=True)}
         for p, o in zip(prompts[:3], outputs)
     ]
-
-
-def _percentiles(values_s: list[float]) -> Optional[dict[str, float]]:
-    if not values_s:
-        return None
-    ms = sorted(v * 1e3 for v in values_s)
-    return {
-        "median": statistics.median(ms),
-        "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
-        "n": len(ms),
-    }
-
-
-def agreement(
-    outputs: list[list[int]],
-    reference: list[list[int]],
-    logits: list[torch.Tensor],
-    ref_logits: list[torch.Tensor],
-) -> dict[str, Any]:
-    total = same = 0
-    for out, ref in zip(outputs, reference):
-        total += max(len(out), len(ref))
-        for a, b in zip(out, ref):
-            if a != b:
-                break
-            same += 1
-    diff = max(((a - b).abs().max().item() for a, b in zip(logits, ref_logits)), default=0.0)
-    return {
-        "token_agreement": same / total if total else 1.0,
-        "max_logit_diff": diff,
-        "outputs_equal": outputs == reference,
-    }
 
 
 @contextmanager
@@ -266,11 +246,20 @@ def warm_up_compiler() -> Optional[float]:
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """Build, generate, check and time one configuration (its rounds back to back)."""
+    entry = prepare_job(cfg, out_dir, finish=lambda result: None)
+    finish_all([entry], int(cfg.rounds), interleaved=False)
+    return entry.result
+
+
+def prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any]], None]) -> Entry:
+    """Everything of a job but its timing rounds: the LLM (cold start timed), one generation
+    (outputs, trace, first-token logits), the warm start, agreement with O0."""
     with compiler_caches_under(cfg.cache_dir):
-        return _run_job(cfg, out_dir)
+        return _prepare_job(cfg, out_dir, finish)
 
 
-def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any]], None]) -> Entry:
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
     model_path = resolve_model_path(cfg.model)
@@ -284,11 +273,13 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     prompts, max_new_tokens, ignore_eos, answers = job_prompts(
         cfg, model_path, llm.model_config.vocab_size
     )
-    t1 = time.perf_counter()
+    # The first generation (untimed: the rounds time the workload) gives the outputs, the
+    # first-token logits and the step trace.
     outputs = llm.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-    gen_s = time.perf_counter() - t1
+    logits = list(llm.first_token_logits)
     stats = llm.stats
-    new_tokens = sum(len(o) for o in outputs)
+    trace = llm.runner.trace or []
+    llm.runner.trace = None  # the rounds add no steps to the trace
     warm_s = None
     if cfg.measure_warm_start and llm.config.level > 0 and llm.config.use_cache:
         t2 = time.perf_counter()
@@ -305,13 +296,13 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             ref_out = ref_llm.generate(
                 prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos
             )
-            agree = agreement(outputs, ref_out, llm.first_token_logits, ref_llm.first_token_logits)
+            agree = agreement(outputs, ref_out, logits, ref_llm.first_token_logits)
+            del ref_llm
     accuracy = None
     if answers is not None:
         from experiments.synthetic_task import exact_match
 
         accuracy = {"exact_match": exact_match(outputs, answers), "n": len(answers)}
-    trace = llm.runner.trace or []
     padding = _padding(trace, llm.config.cudagraph_capture_sizes)
     _write_trace(out_dir / "trace.jsonl", trace, llm.config.max_num_tokens)
     # PassManager.stats(): {name: {"status", "total_matches" (per piece instance),
@@ -319,6 +310,7 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     passes = {
         name: {
             "matches": rec.get("total_matches", 0),
+            "matches_reported": rec.get("matches_reported", True),
             "unique_graph_matches": rec.get("unique_graph_matches"),
             "status": rec.get("status"),
             "time_s": rec.get("total_time_s", 0.0),
@@ -329,6 +321,7 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "experiment": cfg.experiment_name,
         "overrides": _overrides(),
         "baseline": bool(cfg.baseline),
+        "job_dir": str(out_dir),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "resolved_compilation": llm.config.to_dict(),
         "versions": {
@@ -348,24 +341,30 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "cache_hits": stats.get("cache_hits"),
             "cache_misses": stats.get("cache_misses"),
         },
-        "latency_ms": {
-            "prefill": _percentiles(
-                llm.runner.step_times["prefill"] + llm.runner.step_times["mixed"]
-            ),
-            "decode": _percentiles(llm.runner.step_times["decode"]),
-        },
-        "tokens_per_s": new_tokens / gen_s if gen_s > 0 else None,
+        "latency_ms": {"prefill": None, "decode": None},  # filled by the timing rounds
+        "tokens_per_s": None,
         "passes": passes,
-        "agreement": agree,
+        "unmatched_fusions": stats.get("unmatched_fusions") or [],
+        "agreement": agree,  # against O0, unquantized (the reference of correctness)
+        "agreement_baseline": None,  # against the sweep's baseline (filled after the rounds)
+        "outputs": outputs,
         "accuracy": accuracy,
         "padding_waste": padding,
-        "text_examples": None,
+        "text_examples": text_examples(llm, model_path, prompts, outputs),
         "capture_sizes": llm.config.cudagraph_capture_sizes,
         "stats": {k: v for k, v in stats.items() if k != "passes"},
     }
-    # Last: it generates again (the trace and latencies above are the workload's alone).
-    result["text_examples"] = text_examples(llm, model_path, prompts, outputs)
-    return result
+    return Entry(
+        llm=llm,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=ignore_eos,
+        result=result,
+        finish=finish,
+        outputs=outputs,
+        logits=logits,
+        baseline=bool(cfg.baseline),
+    )
 
 
 def _padding(trace: list[dict], sizes: list[int]) -> Optional[float]:
@@ -399,24 +398,50 @@ def summary(r: dict[str, Any]) -> str:
     lat = r["latency_ms"]
 
     def fmt(d):
-        return "—" if not d else f"{d['median']:.2f} ms (p90 {d['p90']:.2f})"
+        if not d:
+            return "—"
+        ci = d.get("ci95")
+        interval = f" [95% {ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+        return f"{d['median']:.2f} ms{interval} (p90 {d['p90']:.2f})"
 
-    agree = r["agreement"]
+    def agrees(agree, what):
+        if agree is None:
+            return f"  generated tokens agree with {what}: n/a"
+        if agree["outputs_equal"]:
+            return f"  generated tokens agree with {what}: yes"
+        rate = agree["token_agreement"]
+        return f"  generated tokens agree with {what}: no (agreement {rate:.3f})"
+
+    rounds = r.get("rounds") or {}
+    tps = r["tokens_per_s"]
     lines = [
         f"experiment {r['experiment']}  overrides {' '.join(r['overrides']) or '(none)'}",
         f"  start (cold) {r['compile']['cold_s']:.2f} s"
         + (f", warm {r['compile']['warm_s']:.2f} s" if r["compile"]["warm_s"] else ""),
+        f"  timed in {rounds.get('n', 0)} round(s)"
+        + (" interleaved with the sweep's other configurations" * bool(rounds.get("interleaved"))),
         f"  prefill step {fmt(lat['prefill'])}; decode step {fmt(lat['decode'])}",
-        f"  tokens/s {r['tokens_per_s']:.1f}",
-        "  generated tokens agree with eager: "
-        + (
-            "n/a"
-            if agree is None
-            else "yes"
-            if agree["outputs_equal"]
-            else f"no (agreement {agree['token_agreement']:.3f})"
-        ),
+        f"  tokens/s {'—' if tps is None else format(tps, '.1f')}",
+        agrees(r["agreement"], "eager (O0)"),
     ]
+    comp = r["compile"]
+    if comp.get("compiles") is not None or comp.get("loads") is not None:
+        lines.append(
+            f"  pieces: {comp.get('compiles') or 0} compiled, {comp.get('loads') or 0} loaded "
+            f"from the cache (cache hits {comp.get('cache_hits')}, misses "
+            f"{comp.get('cache_misses')})"
+        )
+    if r.get("passes"):
+        counts = [
+            f"{name} {'not reported' if p.get('matches_reported') is False else p.get('matches')}"
+            f" ({p.get('status')})"
+            for name, p in r["passes"].items()
+        ]
+        lines.append("  pass matches: " + ", ".join(counts))
+    if r.get("agreement_baseline") is not None:
+        lines.append(agrees(r["agreement_baseline"], "the sweep's baseline"))
+    for name in r.get("unmatched_fusions") or []:
+        lines.append(f"  warning: fusion {name} matched nothing in the whole model")
     for ex in r.get("text_examples") or []:
         lines.append(f"  {ex['prompt']!r} -> {ex['answer']!r}")
     if r.get("accuracy"):
@@ -425,6 +450,22 @@ def summary(r: dict[str, Any]) -> str:
             f"({r['accuracy']['n']} held-out prompts)"
         )
     return "\n".join(lines)
+
+
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+def interleaves(cfg: DictConfig, hydra_cfg: Any) -> bool:
+    """Whether this job parks for the sweep's interleaved rounds: a multirun whose jobs share
+    this process (Hydra's basic launcher), with ``interleave`` on."""
+    from hydra.types import RunMode
+
+    launcher = hydra_cfg.launcher.get("_target_") if hydra_cfg.get("launcher") else None
+    return (
+        bool(cfg.get("interleave", True))
+        and hydra_cfg.mode == RunMode.MULTIRUN
+        and launcher == BASIC_LAUNCHER
+    )
 
 
 def main_entry(cfg: DictConfig) -> Optional[float]:
@@ -436,25 +477,33 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
     require_tracking(cfg.tracking)  # a missing mlflow fails now, not after the compile
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
-    result = run_job(cfg, out_dir)
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
-    print(summary(result))
-    if cfg.tracking == "mlflow":
-        # One store per sweep (its folder) so every job of a multirun shows in one MLflow UI.
-        multirun = hydra_cfg.mode == RunMode.MULTIRUN
-        log_mlflow(
-            result,
-            out_dir,
-            tracking_uri=cfg.get("tracking_uri"),
-            store_root=Path(hydra_cfg.sweep.dir) if multirun else out_dir,
-        )
-    decode = result["latency_ms"]["decode"]
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    store_root = Path(hydra_cfg.sweep.dir) if multirun else out_dir
+
+    def finish(result: dict[str, Any]) -> None:
+        (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
+        print(summary(result))
+        if cfg.tracking == "mlflow":
+            # One store per sweep (its folder) so every job of a multirun shows in one MLflow UI.
+            log_mlflow(result, out_dir, tracking_uri=cfg.get("tracking_uri"), store_root=store_root)
+
+    entry = prepare_job(cfg, out_dir, finish)
+    if interleaves(cfg, hydra_cfg):
+        # Timed with the sweep's other configurations when the last job is done
+        # (experiments.sweep.InterleavedRounds); results.json says so until then.
+        pending = dict(entry.result, rounds={"pending": True})
+        (out_dir / "results.json").write_text(json.dumps(pending, indent=1, default=str))
+        park(entry)
+        return None
+    finish_all([entry], int(cfg.rounds), interleaved=False)
+    decode = entry.result["latency_ms"]["decode"]
     return decode["median"] if decode else None
 
 
 def register_resolvers() -> None:
     """``${eq:a,b}`` -> ``a == b``: experiment files mark their baseline job with it, e.g.
-    ``baseline: ${eq:${compile.level},0}`` (containers compare as plain lists/dicts)."""
+    ``baseline: ${eq:${compile.level},0}`` (containers compare as plain lists/dicts).
+    ``${pass_toggles:}``: see :func:`pass_toggle_sweep`."""
 
     def eq(a: Any, b: Any) -> bool:
         plain = [
@@ -463,6 +512,14 @@ def register_resolvers() -> None:
         return plain[0] == plain[1]
 
     OmegaConf.register_new_resolver("eq", eq, replace=True)
+    # ${pass_toggles:} -> "[],[noop_elimination],...": the ablate_passes sweep, one job per
+    # registered pass (passes.registry.canonical_order) plus the baseline job.
+    OmegaConf.register_new_resolver("pass_toggles", pass_toggle_sweep, replace=True)
+
+
+def pass_toggle_sweep() -> str:
+    """Hydra sweep values flipping every registered pass once, after the baseline ``[]``."""
+    return ",".join(["[]"] + [f"[{name}]" for name in canonical_order()])
 
 
 register_hydra_configs()

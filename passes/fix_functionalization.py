@@ -44,7 +44,7 @@ from passes.fx_utils import (
     mutable_arg_offset,
     nodes_in_order,
 )
-from passes.registry import register_pass
+from passes.registry import ALL, register_pass
 
 
 def _is_fresh_tensor(node: Any) -> bool:
@@ -79,7 +79,8 @@ def _safe_to_mutate(arg: Any, node: torch.fx.Node, order: dict[torch.fx.Node, in
     )
 
 
-@register_pass("fix_functionalization")
+# Last: re-inplaces auto_functionalized ops, which breaks the functional IR other passes need.
+@register_pass("fix_functionalization", after=ALL, levels={"cpu": 1, "cuda": 1})
 class FixFunctionalizationPass(GraphPass):
     __doc__ = __doc__
 

@@ -47,7 +47,10 @@ def add_rms_replacement(x, residual, weight, eps):
     return out, r
 
 
-@register_pass("fuse_add_rmsnorm")
+# GPU from O2; CPU only at O3 (neutral against Inductor's own fusion).
+@register_pass(
+    "fuse_add_rmsnorm", after=("noop_elimination",), levels={"cpu": 3, "cuda": 2}, fusion=True
+)
 class FuseAddRMSNormPass(PatternFusionPass):
     __doc__ = __doc__
 

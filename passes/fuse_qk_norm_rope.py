@@ -93,7 +93,10 @@ def _example_inputs(dtype: torch.dtype) -> list:
     ]
 
 
-@register_pass("fuse_qk_norm_rope")
+# Experimental (O3) on both device types.
+@register_pass(
+    "fuse_qk_norm_rope", after=("noop_elimination",), levels={"cpu": 3, "cuda": 3}, fusion=True
+)
 class FuseQKNormRoPEPass(PatternFusionPass):
     __doc__ = __doc__
 

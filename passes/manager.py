@@ -37,7 +37,8 @@ class PieceRecord:
     piece: str
     compile_range: Optional[tuple[int, int]]
     time_s: float
-    matches: int
+    matches: Optional[int]
+    """None: the pass did not report a count (a plain callable that returned none)."""
     max_abs_error: Optional[float] = None
     max_rel_error: Optional[float] = None
 
@@ -71,8 +72,10 @@ class PassRecord:
         return sum(p.time_s for p in self.pieces)
 
     @property
-    def total_matches(self) -> int:
-        return sum(p.matches for p in self.pieces)
+    def total_matches(self) -> Optional[int]:
+        """Sum over the runs; None when the pass reported no count in any run."""
+        reported = [p.matches for p in self.pieces if p.matches is not None]
+        return sum(reported) if reported or not self.pieces else None
 
 
 def _range_tuple(compile_range: Optional[CompileRange]) -> Optional[tuple[int, int]]:
@@ -151,10 +154,13 @@ class PassManager(CustomGraphPass):
             p(graph)
             elapsed = time.perf_counter() - t0
             graph.lint()
-            record = PieceRecord(piece, _range_tuple(rng), elapsed, int(p.match_count))
+            count = p.match_count
+            record = PieceRecord(
+                piece, _range_tuple(rng), elapsed, None if count is None else int(count)
+            )
             self.records[p.name].pieces.append(record)
             logger.debug(
-                "pass %s on %s %s: %d match(es) in %.1f ms",
+                "pass %s on %s %s: %s match(es) in %.1f ms",
                 p.name,
                 piece,
                 record.compile_range,
@@ -166,7 +172,7 @@ class PassManager(CustomGraphPass):
                     dump_dir,
                     f"{i:02d}_after_{_safe(p.name)}.txt",
                     graph,
-                    f"after pass {p.name} ({record.matches} matches)",
+                    f"after pass {p.name} ({_matches_text(record.matches)})",
                 )
             if self._verifier:
                 err = self._verifier.check_pass(p.name, graph)
@@ -233,8 +239,9 @@ class PassManager(CustomGraphPass):
             instances.append({**vars(inst), "matches": matches})
         reported = {(i.piece, i.compile_range) for i in self.instances}
         # Runs the backend did not report (a manager used on its own): one instance each.
-        unreported = sum(m for k, m in runs.items() if k not in reported)
+        unreported = sum(m or 0 for k, m in runs.items() if k not in reported)
         total = unreported + sum(i["matches"] or 0 for i in instances)
+        counted = r.total_matches is not None
         statuses = {i.status for i in self.instances} | ({RAN} if r.pieces else set())
         if RAN in statuses and not r.pieces:  # ran on pieces, but no range applied
             statuses = (statuses - {RAN}) | {"not run: not applicable"}
@@ -242,8 +249,9 @@ class PassManager(CustomGraphPass):
         return {
             "status": status,
             "total_time_s": r.total_time_s,
-            "total_matches": total,
+            "total_matches": total if counted else None,
             "unique_graph_matches": r.total_matches,
+            "matches_reported": counted,
             "pieces": [vars(p).copy() for p in r.pieces],
             "instances": instances,
         }
@@ -316,6 +324,10 @@ _PROCESS_NONCE = uuid_module.uuid4().hex
 """Distinguishes this process's forced-miss keys from every other process's."""
 _NONCE = itertools.count()
 """One counter for every manager of the process: no forced-miss key is ever reused."""
+
+
+def _matches_text(matches: Optional[int]) -> str:
+    return "matches not reported" if matches is None else f"{matches} matches"
 
 
 def _safe(name: str) -> str:

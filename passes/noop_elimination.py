@@ -69,7 +69,8 @@ def _is_full_slice(node: torch.fx.Node) -> bool:
     return statically_known_true(end >= size)
 
 
-@register_pass("noop_elimination")
+# First (strips view/reshape/slice noise so patterns match); on from O1 everywhere.
+@register_pass("noop_elimination", after=(), levels={"cpu": 1, "cuda": 1})
 class NoOpEliminationPass(GraphPass):
     __doc__ = __doc__
 

@@ -108,7 +108,7 @@ def _build_piecewise(
         config.backend, graph_pass=passes, inductor_config=config.inductor_config
     )
     store = None
-    if config.use_cache and config.backend != "eager":
+    if config.use_cache and compiler.produces_artifacts:
         store = _open_store(
             model,
             config,
@@ -148,6 +148,9 @@ def _build_piecewise(
                 passes.instances.clear()  # the restored pieces are not used
 
     def finalize() -> None:
+        if passes is not None:
+            # Every piece is compiled now: name each fusion that matched nothing.
+            out.stats["unmatched_fusions"] = passes.warn_unmatched()
         if traced.binding is None or out.stats.get("dynamo_skipped"):
             return
         # The key covers the model's class files; the files Dynamo actually traced through

@@ -11,12 +11,15 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from framework.core.config_base import NO_HASH, StrictConfig, check_sizes
 from framework.core.forward_context import CUDAGraphMode
 
 logger = logging.getLogger(__name__)
+
+LevelPasses = Callable[[int, str], list[str]]
+"""``(level, device_type) -> pass names`` the level runs by default (``passes.registry``)."""
 
 ATTENTION_OP = "piecewise::attention"
 """Qualified name of the attention custom op the backend splits around by default."""
@@ -85,7 +88,8 @@ class CompilationConfig(StrictConfig):
     mode: Optional[CompilationMode] = None
     """NONE (eager), STOCK_TORCH_COMPILE (baseline) or PIECEWISE."""
     backend: Optional[str] = None
-    """Compiler adaptor for pieces: ``inductor`` or ``eager``."""
+    """Compiler adaptor for pieces: ``inductor``, ``eager`` or a registered plugin
+    (``backends.compiler.COMPILERS``)."""
     splitting_ops: Optional[list[str]] = None
     """Qualified op names the graph is split at; ``[]`` keeps one whole graph."""
     compile_ranges_endpoints: Optional[list[int]] = None
@@ -118,10 +122,12 @@ class CompilationConfig(StrictConfig):
             raise ValueError(
                 f"CompilationConfig.level: must be one of 0, 1, 2, 3, got {self.level!r}"
             )
-        if self.backend is not None and self.backend not in ("inductor", "eager"):
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            # The name itself is checked against backends.compiler.COMPILERS (plugins
+            # included) when the compiler is built.
             raise ValueError(
-                f"CompilationConfig.backend: unknown compiler {self.backend!r}; "
-                f"expected 'inductor' or 'eager'"
+                f"CompilationConfig.backend: expected a compiler adaptor name such as "
+                f"'inductor' or 'eager', got {self.backend!r}"
             )
         if self.max_num_tokens is not None and (
             isinstance(self.max_num_tokens, bool)
@@ -159,8 +165,17 @@ class CompilationConfig(StrictConfig):
                     f"names like 'piecewise::attention', got {bad}"
                 )
 
-    def resolve(self, *, max_num_tokens: int, has_cuda: bool | None = None) -> "CompilationConfig":
-        """A copy with every unset field filled from the level and ``max_num_tokens``."""
+    def resolve(
+        self,
+        *,
+        max_num_tokens: int,
+        level_passes: LevelPasses,
+        has_cuda: bool | None = None,
+    ) -> "CompilationConfig":
+        """A copy with every unset field filled from the level and ``max_num_tokens``.
+
+        ``level_passes(level, device_type)``: the passes a level runs by default
+        (``passes.registry.level_passes``; this module may not import ``passes``)."""
         import torch
 
         level = 2 if self.level is None else self.level
@@ -193,7 +208,11 @@ class CompilationConfig(StrictConfig):
                 values["cudagraph_mode"].name,
             )
             values["cudagraph_mode"] = CUDAGraphMode.FULL
-        pass_defaults = level_passes(level, "cuda" if has_cuda else "cpu")
+        pass_defaults = (
+            level_passes(level, "cuda" if has_cuda else "cpu")
+            if self.pass_config.passes is None
+            else []
+        )
         values["pass_config"] = self.pass_config.replace(
             passes=self.pass_config.resolved_passes(pass_defaults), enable=[], disable=[]
         )
@@ -206,8 +225,9 @@ def default_capture_sizes(max_num_tokens: int) -> list[int]:
     return [s for s in sizes if s <= max_num_tokens]
 
 
-# Level defaults for every "unset" field.  O1 keeps only the passes that never lose to
-# Inductor's own fusion on CPU; O2 adds the remaining fusions; O3 adds experimental options.
+# Level defaults for every "unset" field. Which passes each level runs is not here: it is
+# metadata on each pass (``@register_pass(levels=...)``, passes/registry.py), passed to
+# :meth:`CompilationConfig.resolve` as ``level_passes`` by the layer above.
 LEVEL_DEFAULTS: dict[int, dict[str, Any]] = {
     0: dict(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE, backend="eager"),
     1: dict(
@@ -234,38 +254,11 @@ for _d in LEVEL_DEFAULTS.values():
     ):
         _d.setdefault(_name, None)
 
-_BASE = ["noop_elimination", "prepack_linear", "fix_functionalization"]
-_QUANT_FUSIONS = ["fuse_rmsnorm_quant", "fuse_silu_mul_quant"]
-LEVEL_PASSES: dict[tuple[int, str], list[str]] = {
-    # CPU: the fused ops have no faster kernel than Inductor's own fusion (measured side by
-    # side, O2 bf16 int8_per_token decode: 8.80 ms with the quant fusions, 7.44 ms without;
-    # fuse_add_rmsnorm neutral), so O1 and O2 keep clean-up and weight prepacking (1.26x) and
-    # O3 adds every fusion as experimental.
-    (0, "cpu"): [],
-    (1, "cpu"): _BASE,
-    (2, "cpu"): _BASE,
-    (3, "cpu"): _BASE + _QUANT_FUSIONS + ["fuse_add_rmsnorm", "fuse_qk_norm_rope"],
-    # GPU: Triton kernels back every fused op, so norm/activation-quant fusions start at O1.
-    (0, "cuda"): [],
-    (1, "cuda"): ["noop_elimination"] + _QUANT_FUSIONS + ["fix_functionalization"],
-    (2, "cuda"): ["noop_elimination", "fuse_add_rmsnorm"]
-    + _QUANT_FUSIONS
-    + ["fix_functionalization"],
-    (3, "cuda"): ["noop_elimination", "fuse_add_rmsnorm"]
-    + _QUANT_FUSIONS
-    + ["fuse_qk_norm_rope", "fix_functionalization"],
-}
-"""Default pass lists per (level, device type); the manager keeps the canonical order."""
-
-
-def level_passes(level: int, device_type: str) -> list[str]:
-    return list(LEVEL_PASSES[(level, "cuda" if device_type == "cuda" else "cpu")])
-
 
 def register_hydra_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (group ``compile``, ``passes``)."""
+    """Register the schema with Hydra's ConfigStore (group ``compile``). (No ``passes`` group:
+    ``passes`` is the top-level short pass list of conf/config.yaml, experiments/pass_cli.py.)"""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(group="compile", name="compile_schema", node=CompilationConfig)
-    cs.store(group="passes", name="passes_schema", node=PassConfig)

@@ -38,6 +38,7 @@ from framework.engine.sampling_params import SamplingParams, params_per_prompt
 from framework.engine.scheduler import Scheduler
 from framework.engine.stats import StartupStats, compile_stats, step_time_stats
 from framework.engine.tokenizer import encode_prompt, load_tokenizer
+from passes.registry import level_passes
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +167,9 @@ class LLM:
             cc = cc.replace(cache_dir=cache_dir)
         max_num_tokens = max_num_batched_tokens or cc.max_num_tokens or self.max_model_len
         # Graph modes resolve as on a GPU when graphs can run: CUDA, or emulated graphs.
-        self.config = cc.resolve(max_num_tokens=max_num_tokens, has_cuda=has_graphs)
+        self.config = cc.resolve(
+            max_num_tokens=max_num_tokens, level_passes=level_passes, has_cuda=has_graphs
+        )
 
         mc = self.model_config
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, block_size)

@@ -27,7 +27,12 @@ def _results(
     passes=None,
     padding=None,
     sizes=None,
+    agreement_baseline=None,
+    unmatched=(),
 ):
+    """Fake results of a job timed in 5 interleaved rounds (a fixed +-1% jitter around the
+    medians, so a 20% difference is significant)."""
+    jitter = (0.99, 1.0, 1.01, 0.995, 1.005)
     return {
         "experiment": experiment,
         "overrides": overrides,
@@ -47,7 +52,18 @@ def _results(
             "decode": {"median": decode[0], "p90": decode[1]},
         },
         "tokens_per_s": tps,
+        "rounds": {
+            "interleaved": True,
+            "n": 5,
+            "samples": {
+                "decode_median_ms": [decode[0] * f for f in jitter],
+                "prefill_median_ms": [prefill[0] * f for f in jitter],
+                "tokens_per_s": [tps * f for f in jitter],
+            },
+        },
         "passes": passes or {},
+        "unmatched_fusions": list(unmatched),
+        "agreement_baseline": agreement_baseline,
         "agreement": {
             "token_agreement": agreement,
             "max_logit_diff": logit_diff,
@@ -149,8 +165,10 @@ def test_report_tables_marks_and_outputs_changed(levels_multirun):
         "compile cold s",
         "warm s",
         "cache hits/misses",
-        "token agreement",
-        "max logit diff",
+        "token agreement vs baseline",
+        "max logit diff vs baseline",
+        "token agreement vs O0",
+        "max logit diff vs O0",
     ):
         assert f"| {column} |" in header
     # the varying override is a column; the constant one (experiment=) is not
@@ -160,14 +178,17 @@ def test_report_tables_marks_and_outputs_changed(levels_multirun):
     # O2 is fastest but changed outputs, so the best row is O1
     assert rows[1].startswith("| ★ best | 1 | O1 |")
     assert rows[2].startswith("| ⚠ | 2 | O2 |")
-    assert "8.80 (-20.0%)" in rows[1] and "100.0 (+25.0%)" in rows[1]
+    # paired rounds with the same jitter: the ratio is the same in every round
+    assert "8.80 [8.71, 8.89] (-20.0% [-20.0, -20.0] significant)" in rows[1]
+    assert "100.0 [99.0, 101.0] (+25.0% [+25.0, +25.0] significant)" in rows[1]
+    assert "Timed in 5 round(s) per configuration, interleaved round-robin" in text
     assert "| 0/9 |" in rows[1]
     assert "| — |" in rows[0]  # warm_s is null for O0
     assert (
         "⚠ outputs changed: `compile=O2` (job 2) — token agreement 0.9725 vs O0, "
         "max logit diff 0.41" in text
     )
-    assert "**1 configuration(s) changed outputs versus O0**" in text
+    assert "**1 configuration(s) changed outputs versus their sweep's baseline" in text
     assert "Versions: torch 2.13.0, piecewise 0.1.0, python 3.11.7" in text
     assert "| fuse_add_rmsnorm |" in text and "15 (34.0 ms)" in text
 
@@ -238,7 +259,7 @@ def test_missing_keys_show_dashes_and_bad_jobs_are_listed(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     text = (tmp_path / "report.md").read_text()
     row0 = next(line for line in text.splitlines() if "| 0 | O1 |" in line)
-    assert [c.strip() for c in row0.split("|")[4:-1]] == ["—"] * 9  # every metric missing
+    assert [c.strip() for c in row0.split("|")[4:-1]] == ["—"] * 11  # every metric missing
     assert "| 3/— |" in text
     assert "⚠ outputs changed: `compile=O2` (job 1) — outputs differ from O0" in text
     assert "skipped: job `2`" in text and "not readable JSON" in text

@@ -20,7 +20,7 @@ from experiments.run import (
     warm_up_compiler,
 )
 from experiments.trace import read_trace
-from framework.core.config import level_passes
+from passes.registry import level_passes
 
 
 def test_make_prompts_is_deterministic_and_in_bounds():
@@ -66,6 +66,13 @@ def test_eq_resolver_compares_scalars_and_containers():
         }
     )
     assert (cfg.a, cfg.b, cfg.c, cfg.d) == (True, True, True, False)
+
+
+def test_ablation_sweep_is_every_registered_pass_once():
+    from experiments.run import pass_toggle_sweep
+    from passes.registry import canonical_order
+
+    assert pass_toggle_sweep() == ",".join(["[]"] + [f"[{n}]" for n in canonical_order()])
 
 
 def test_toggle_passes_flips_against_the_level_default_of_the_device():

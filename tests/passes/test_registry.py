@@ -2,7 +2,7 @@ import pytest
 
 from passes.base import GraphPass
 from passes.registry import (
-    CANONICAL_ORDER,
+    canonical_order,
     order_passes,
     register_pass,
     registered_passes,
@@ -12,7 +12,7 @@ from passes.registry import (
 
 def test_every_canonical_pass_is_registered_under_its_name():
     registry = registered_passes()
-    for name in CANONICAL_ORDER:
+    for name in canonical_order():
         assert registry[name].name == name
         assert resolve_pass(name) is registry[name]
 
@@ -27,7 +27,7 @@ def test_unknown_name_lists_registered_passes():
     [
         ("no_such_module_xyz:Pass", "cannot import module 'no_such_module_xyz'"),
         ("oot_pass_example:Missing", "has no attribute 'Missing'"),
-        ("oot_pass_example:aten", "is not a subclass of passes.base.GraphPass"),
+        ("oot_pass_example:aten", "is neither a GraphPass subclass"),
         (":Pass", "expected 'module.sub:ClassName'"),
     ],
 )
@@ -70,10 +70,75 @@ def test_order_keeps_canonical_order_and_fix_functionalization_last():
 
 
 def test_register_pass_rejects_non_passes_and_name_clashes():
-    with pytest.raises(TypeError, match="not a GraphPass"):
+    with pytest.raises(TypeError, match="neither a GraphPass subclass"):
         register_pass("x_not_a_pass")(object)
-    with pytest.raises(ValueError, match="already used by"):
+    with pytest.raises(TypeError, match="neither a GraphPass subclass"):
+        register_pass("x_not_a_pass")(3)
+    with pytest.raises(ValueError, match="already registered by"):
 
         @register_pass("noop_elimination")
         class Other(GraphPass):
             pass
+
+
+def test_metadata_on_the_pass_derives_order_levels_and_fusion_flag():
+    from passes.registry import ALL, PASSES, level_passes, pass_meta
+
+    assert pass_meta("fix_functionalization")["after"] == (ALL,)
+    assert pass_meta("fuse_rmsnorm_quant")["levels"] == {"cpu": 3, "cuda": 1}
+    assert resolve_pass("fuse_add_rmsnorm").is_fusion
+    assert not resolve_pass("noop_elimination").is_fusion
+
+    @register_pass("zz_test_late", after=("fuse_add_rmsnorm",), levels={"cuda": 2}, fusion=True)
+    class Late(GraphPass):
+        pass
+
+    try:
+        order = canonical_order()
+        assert order.index("fuse_add_rmsnorm") < order.index("zz_test_late")
+        assert order[-1] == "fix_functionalization"  # after=ALL stays last
+        assert "zz_test_late" in level_passes(2, "cuda")
+        assert "zz_test_late" not in level_passes(1, "cuda") + level_passes(3, "cpu")
+        assert Late.is_fusion
+        assert order_passes(["fix_functionalization", "zz_test_late", "noop_elimination"]) == [
+            "noop_elimination",
+            "zz_test_late",
+            "fix_functionalization",
+        ]
+    finally:
+        PASSES.remove("zz_test_late")
+    assert "zz_test_late" not in canonical_order()
+
+
+def test_bad_metadata_is_a_clear_error():
+    from passes.registry import PASSES
+
+    with pytest.raises(ValueError, match="lowest level 1, 2 or 3"):
+        register_pass("zz_bad_level", levels={"cuda": 0})
+    with pytest.raises(ValueError, match="after=ALL cannot name"):
+        register_pass("zz_bad_after", after=("*", "noop_elimination"))
+
+    @register_pass("zz_dangling", after=("no_such_pass",))
+    class Dangling(GraphPass):
+        pass
+
+    try:
+        with pytest.raises(ValueError, match=r"'zz_dangling'.*unregistered pass\(es\) \['no_such"):
+            canonical_order()
+    finally:
+        PASSES.remove("zz_dangling")
+
+    @register_pass("zz_a", after=("zz_b",))
+    class A(GraphPass):
+        pass
+
+    @register_pass("zz_b", after=("zz_a",))
+    class B(GraphPass):
+        pass
+
+    try:
+        with pytest.raises(ValueError, match="form a cycle"):
+            canonical_order()
+    finally:
+        PASSES.remove("zz_a")
+        PASSES.remove("zz_b")

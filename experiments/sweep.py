@@ -1,0 +1,199 @@
+"""Timing rounds, interleaved across the configurations of a sweep.
+
+Why round-robin in one process (and not alternating processes): a sweep launched by Hydra's
+basic launcher already runs every job in one process, one after the other. Each job builds
+its LLM (the cold compile is measured then), generates once (outputs, trace, agreement) and
+parks itself here instead of timing; when the last job is done, Hydra calls
+:class:`InterleavedRounds` (``hydra.callbacks`` in conf/config.yaml), which times the workload
+``rounds`` times for every parked configuration, round-robin (round r runs configuration
+``(r + i) % N`` i-th, so no configuration always goes first), then writes every job's
+results.json. A round of all configurations takes seconds, so drift of the machine (another
+process, thermal state, frequency) hits every configuration alike, and the rounds of two
+configurations pair up (experiments.stats). Alternating processes would pay an interpreter
+start and an artifact load per sample (~10 s here) and measure each configuration in a
+different process; the price of one process is memory: every configuration's LLM is alive
+until the rounds end (``interleave=false`` times each job right after it is built).
+
+Launchers that run jobs in other processes (joblib, submitit, ray) cannot interleave: each job
+times its rounds back to back and results.json says ``"interleaved": false``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from hydra.experimental.callback import Callback
+
+logger = logging.getLogger("experiments.sweep")
+
+
+@dataclass
+class Entry:
+    """One configuration waiting for its timing rounds."""
+
+    llm: Any
+    prompts: list[list[int]]
+    max_new_tokens: int
+    ignore_eos: bool
+    result: dict[str, Any]
+    finish: Callable[[dict[str, Any]], None]
+    """Writes results.json (and logs to the tracker) once the result is complete."""
+    outputs: list[list[int]] = field(default_factory=list)
+    logits: list[Any] = field(default_factory=list)
+    baseline: bool = False
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    decode_steps: list[float] = field(default_factory=list)
+    prefill_steps: list[float] = field(default_factory=list)
+
+
+_PARKED: list[Entry] = []
+
+
+def park(entry: Entry) -> None:
+    """Keep ``entry`` for the interleaved rounds at the end of the sweep."""
+    _PARKED.append(entry)
+
+
+def parked() -> list[Entry]:
+    return list(_PARKED)
+
+
+def time_round(entry: Entry) -> None:
+    """Generate the workload once and append this round's samples (ms, tokens/s)."""
+    llm = entry.llm
+    for times in llm.runner.step_times.values():
+        times.clear()
+    t0 = time.perf_counter()
+    outputs = llm.generate(
+        entry.prompts, max_new_tokens=entry.max_new_tokens, ignore_eos=entry.ignore_eos
+    )
+    elapsed = time.perf_counter() - t0
+    st = llm.runner.step_times
+    decode = [t * 1e3 for t in st["decode"]]
+    prefill = [t * 1e3 for t in st["prefill"] + st["mixed"]]
+    entry.decode_steps += decode
+    entry.prefill_steps += prefill
+    sample = {
+        "decode_median_ms": statistics.median(decode) if decode else None,
+        "prefill_median_ms": statistics.median(prefill) if prefill else None,
+        "tokens_per_s": sum(len(o) for o in outputs) / elapsed if elapsed > 0 else None,
+        "wall_s": elapsed,
+    }
+    for key, value in sample.items():
+        entry.samples.setdefault(key, []).append(value)
+
+
+def run_rounds(entries: list[Entry], rounds: int) -> None:
+    """One untimed round of every entry (the first configurations were built long before the
+    last: page faults, lazy allocations and allocator state are settled alike), then
+    ``rounds`` timed generations of every entry, round-robin with a rotating start."""
+    n = len(entries)
+    for e in entries:
+        e.llm.generate(e.prompts, max_new_tokens=e.max_new_tokens, ignore_eos=e.ignore_eos)
+    for r in range(rounds):
+        for i in range(n):
+            time_round(entries[(r + i) % n])
+        logger.info("timing round %d/%d done (%d configurations)", r + 1, rounds, n)
+
+
+def _latency(round_medians: list[Optional[float]], steps: list[float]) -> Optional[dict]:
+    from experiments.stats import median_ci
+
+    ci = median_ci([m for m in round_medians if m is not None])
+    if ci is None:
+        return None
+    steps = sorted(steps)
+    return {
+        "median": ci[0],  # median over rounds of each round's median step
+        "ci95": [ci[1], ci[2]],
+        "p90": steps[min(len(steps) - 1, int(0.9 * len(steps)))],
+        "n": len(steps),
+        "rounds": len([m for m in round_medians if m is not None]),
+    }
+
+
+def complete(entry: Entry, interleaved: bool) -> dict[str, Any]:
+    """Fill the timing part of the entry's result from its rounds."""
+    from experiments.stats import median_ci
+
+    r = entry.result
+    s = entry.samples
+    r["rounds"] = {"interleaved": interleaved, "n": len(s.get("wall_s", [])), "samples": s}
+    r["latency_ms"] = {
+        "prefill": _latency(s.get("prefill_median_ms", []), entry.prefill_steps),
+        "decode": _latency(s.get("decode_median_ms", []), entry.decode_steps),
+    }
+    tps = median_ci([x for x in s.get("tokens_per_s", []) if x is not None])
+    r["tokens_per_s"] = None if tps is None else tps[0]
+    r["tokens_per_s_ci95"] = None if tps is None else [tps[1], tps[2]]
+    return r
+
+
+def agree_with_baseline(entries: list[Entry]) -> None:
+    """``agreement`` of every entry against the sweep's baseline configuration (same model,
+    dtype and quantization, the baseline's passes): the first parked job marked baseline."""
+    base = next((e for e in entries if e.baseline), None)
+    for e in entries:
+        if base is None:
+            e.result["agreement_baseline"] = None
+            continue
+        agree = agreement(e.outputs, base.outputs, e.logits, base.logits)
+        agree["baseline_job"] = base.result.get("job_dir")
+        e.result["agreement_baseline"] = agree
+
+
+def agreement(
+    outputs: list[list[int]],
+    reference: list[list[int]],
+    logits: list[torch.Tensor],
+    ref_logits: list[torch.Tensor],
+) -> dict[str, Any]:
+    """Token agreement (tokens equal up to each sequence's first divergence, over the longer
+    length), the max abs difference of the first generated token's logits, exact equality."""
+    total = same = 0
+    for out, ref in zip(outputs, reference):
+        total += max(len(out), len(ref))
+        for a, b in zip(out, ref):
+            if a != b:
+                break
+            same += 1
+    diff = max(
+        (
+            (a.float() - b.float()).abs().max().item()
+            for a, b in zip(logits, ref_logits)
+            if a is not None and b is not None
+        ),
+        default=0.0,
+    )
+    return {
+        "token_agreement": same / total if total else 1.0,
+        "max_logit_diff": diff,
+        "outputs_equal": outputs == reference,
+    }
+
+
+def finish_all(entries: list[Entry], rounds: int, interleaved: bool) -> None:
+    run_rounds(entries, rounds)
+    agree_with_baseline(entries)
+    for e in entries:
+        e.finish(complete(e, interleaved))
+
+
+class InterleavedRounds(Callback):
+    """Hydra callback: at the end of a multirun, time every parked configuration."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        entries = parked()
+        if not entries:
+            return  # jobs ran in other processes (and timed themselves) or none was parked
+        rounds = int(entries[0].result["config"].get("rounds") or 1)
+        logger.info("interleaved timing: %d round(s) of %d configuration(s)", rounds, len(entries))
+        try:
+            finish_all(entries, rounds, interleaved=True)
+        finally:
+            _PARKED.clear()

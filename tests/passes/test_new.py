@@ -1,0 +1,41 @@
+"""``python -m passes.new NAME`` writes a working pass and a passing test from its template."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from passes.new import main, module_name_for, scaffold
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_scaffold_writes_a_pass_whose_own_test_passes(tmp_path):
+    pkg = tmp_path / "mylab"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    assert main(["drop_mul_one", "--out", str(pkg)]) == 0
+    assert module_name_for(pkg, "drop_mul_one") == "mylab.drop_mul_one"
+    text = (pkg / "drop_mul_one.py").read_text()
+    assert "def drop_mul_one(graph" in text and "passes=[+mylab.drop_mul_one:drop_mul_one]" in text
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pkg)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 passed" in proc.stdout
+
+
+def test_scaffold_refuses_to_overwrite_and_bad_names(tmp_path, capsys):
+    scaffold("p", tmp_path)
+    with pytest.raises(FileExistsError, match="not overwriting"):
+        scaffold("p", tmp_path)
+    assert main(["not-an-identifier", "--out", str(tmp_path)]) == 2
+    assert "not a valid Python identifier" in capsys.readouterr().err
