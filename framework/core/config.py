@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from framework.core.config_base import NO_HASH, StrictConfig, check_sizes
+from framework.core.cudagraph_mode import effective_cudagraph_mode
 from framework.core.forward_context import CUDAGraphMode
 
 logger = logging.getLogger(__name__)
@@ -196,18 +197,16 @@ class CompilationConfig(StrictConfig):
             values["compile_sizes"] = []
         if values["cudagraph_capture_sizes"] is None:
             values["cudagraph_capture_sizes"] = default_capture_sizes(values["max_num_tokens"])
-        mode = values["cudagraph_mode"]
         has_cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
-        if mode != CUDAGraphMode.NONE and not has_cuda:
-            if self.cudagraph_mode is not None or level > 0:
-                logger.info("cudagraph_mode %s resolves to NONE: CUDA is not available", mode.name)
-            values["cudagraph_mode"] = CUDAGraphMode.NONE
-        if values["mode"] != CompilationMode.PIECEWISE and values["cudagraph_mode"].has_piecewise():
-            logger.info(
-                "cudagraph_mode %s needs piecewise compilation; using FULL instead",
-                values["cudagraph_mode"].name,
-            )
-            values["cudagraph_mode"] = CUDAGraphMode.FULL
+        requested = values["cudagraph_mode"]
+        mode, why = effective_cudagraph_mode(
+            requested,
+            has_cuda=has_cuda,
+            piecewise_compiled=values["mode"] == CompilationMode.PIECEWISE,
+        )
+        if why is not None and (self.cudagraph_mode is not None or level > 0):
+            logger.info("cudagraph_mode %s resolves to %s: %s", requested.name, mode.name, why)
+        values["cudagraph_mode"] = mode
         pass_defaults = (
             level_passes(level, "cuda" if has_cuda else "cpu")
             if self.pass_config.passes is None
