@@ -11,19 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Protocol
+from typing import Any, ClassVar, Optional
 
 import torch
 
+from framework.core.compile_range import CompileRange
 from passes.code_hash import class_modules, module_code_hash
-
-
-class CompileRange(Protocol):
-    """Inclusive token range ``[start, end]`` a piece is compiled for (``start == end``: one
-    concrete size)."""
-
-    start: int
-    end: int
 
 
 @dataclass(frozen=True)
