@@ -15,8 +15,9 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from framework.core.class_sources import class_modules
 from framework.core.compile_range import CompileRange
-from passes.code_hash import class_modules, module_code_hash
+from passes.code_hash import module_code_hash
 
 
 @dataclass(frozen=True)

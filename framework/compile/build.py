@@ -7,7 +7,6 @@ split, passes, per-range compile, artifact cache, warm start without Dynamo).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import time
@@ -18,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from framework.cache.key import source_factors
+from framework.core.class_sources import class_source_files
 from framework.core.config import CompilationConfig, CompilationMode
 
 logger = logging.getLogger(__name__)
@@ -25,16 +25,7 @@ logger = logging.getLogger(__name__)
 
 def model_source_files(model: torch.nn.Module) -> list[str]:
     """Source files of every module class in the model (what Dynamo will trace)."""
-    files = set()
-    for m in model.modules():
-        for cls in type(m).__mro__:
-            if cls.__module__.startswith("torch."):
-                break
-            try:
-                files.add(inspect.getsourcefile(cls))
-            except TypeError:
-                pass
-    return sorted(f for f in files if f)
+    return class_source_files(type(m) for m in model.modules())
 
 
 @dataclass
