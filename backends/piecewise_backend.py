@@ -164,8 +164,9 @@ class PiecewiseBackend:
         self.stats = BackendStats()
         self.pieces: list[PieceInfo] = []
         self.runtimes: dict[str, PiecewiseRuntime] = {}
-        self._compiled: dict[tuple[str, CompileRange], Callable] = {}
-        self._compiled_by: dict[tuple[str, CompileRange], str] = {}
+        self._compiled: dict[str, Callable] = {}
+        """Artifact id (:func:`_artifact_id`) -> its callable: identical pieces share code."""
+        self._compiled_by: dict[str, str] = {}
         self._static_inputs: dict[str, dict[int, torch.Tensor]] = {}
         self._program: Optional[dict] = None
         self._installed: dict[str, Callable] = {}
@@ -244,14 +245,14 @@ class PiecewiseBackend:
         ghash: str,
         single: bool,
     ) -> tuple[Callable, str]:
-        memo = (ghash, rng)
+        artifact = _artifact_id(ghash, rng)
         key = self._entry_key(info, rng)
-        if memo in self._compiled:
+        if artifact in self._compiled:  # an identical piece of this model: share its code
             self.stats.shared += 1
-            if self.store is not None and self.compiler.produces_artifacts:
-                self.store.store(key, f"{ghash}-{rng}", _already_written)
-            self._piece_done(info.name, rng, "shared", self._compiled_by.get(memo))
-            return self._compiled[memo], "shared"
+            if self._uses_store():
+                self.store.link(key, artifact)  # and its stored artifact
+            self._piece_done(info.name, rng, "shared", self._compiled_by.get(artifact))
+            return self._compiled[artifact], "shared"
         fn = self._load(key, single)
         source = "loaded"
         if fn is None:
@@ -263,9 +264,9 @@ class PiecewiseBackend:
             self.stats.compiles += 1
             source = "compiled"
             if self.store is not None and save is not None:
-                self.store.store(key, f"{ghash}-{rng}", save)
-        self._compiled[memo] = fn
-        self._compiled_by[memo] = info.name
+                self.store.store(key, artifact, save)
+        self._compiled[artifact] = fn
+        self._compiled_by[artifact] = info.name
         self._piece_done(info.name, rng, source)
         return fn, source
 
@@ -280,8 +281,11 @@ class PiecewiseBackend:
         """The pass manager verifies or dumps: every piece is compiled, nothing loaded."""
         return bool(getattr(self.graph_pass, "must_run", False))
 
+    def _uses_store(self) -> bool:
+        return self.store is not None and self.compiler.produces_artifacts
+
     def _load(self, key: str, single_output: bool) -> Optional[Callable]:
-        if self.store is None or not self.compiler.produces_artifacts or self._must_compile():
+        if not self._uses_store() or self._must_compile():
             return None
         path = self.store.lookup(key)
         if path is None:
@@ -320,7 +324,7 @@ class PiecewiseBackend:
 
     def restore(self) -> Optional[tuple[fx.GraphModule, dict]]:
         """Rebuild the compiled program from the cache without Dynamo; None if incomplete."""
-        if self.store is None or not self.compiler.produces_artifacts or self._must_compile():
+        if not self._uses_store() or self._must_compile():
             return None
         blob = self.store.load_blob(PROGRAM_BLOB)
         if blob is None:
@@ -334,12 +338,11 @@ class PiecewiseBackend:
                 entries = []
                 for rng in self.ranges:
                     key = rec["entries"][str(rng)]
-                    fn = self._compiled.get((rec["graph_hash"], rng)) or self._load(
-                        key, rec["single_output"]
-                    )
+                    artifact = _artifact_id(rec["graph_hash"], rng)
+                    fn = self._compiled.get(artifact) or self._load(key, rec["single_output"])
                     if fn is None:
                         return None
-                    self._compiled[(rec["graph_hash"], rng)] = fn
+                    self._compiled[artifact] = fn
                     entries.append(RangeEntry(rng, fn, "loaded"))
                     loaded.append((name, rng))
                 size_from = (rec["size_from"][0], rec["size_from"][1])
@@ -433,8 +436,11 @@ def _first_output(fn: Callable) -> Callable:
     return call
 
 
-def _already_written(path) -> None:
-    raise RuntimeError("identical piece's artifact vanished from the cache while compiling")
+def _artifact_id(ghash: str, rng: CompileRange) -> str:
+    """What a compiled piece depends on beyond the cache key: its graph and its range. The
+    in-memory sharing above and the store's artifact dedup (its ``graph_hash``) use this one
+    id."""
+    return f"{ghash}-{rng}"
 
 
 def _progress(enabled: bool, total: int):

@@ -19,6 +19,10 @@ from framework.core.forward_context import CUDAGraphMode
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_LEVEL = 0
+"""The optimization level when none is given (``LLM(optimization_level=None)``, an unset
+``CompilationConfig.level``): eager. The experiments' Hydra config picks O2 explicitly."""
+
 LevelPasses = Callable[[int, str], list[str]]
 """``(level, device_type) -> pass names`` the level runs by default (``passes.registry``)."""
 
@@ -85,7 +89,8 @@ class CompilationConfig(StrictConfig):
     """How the model is traced, split, compiled, cached and wrapped in CUDA graphs."""
 
     level: Optional[int] = None
-    """Optimization level 0–3 whose defaults fill every unset field (default 2 via LLM)."""
+    """Optimization level 0–3 whose defaults fill every unset field (``None``:
+    :data:`DEFAULT_LEVEL`)."""
     mode: Optional[CompilationMode] = None
     """NONE (eager), STOCK_TORCH_COMPILE (baseline) or PIECEWISE."""
     backend: Optional[str] = None
@@ -179,7 +184,7 @@ class CompilationConfig(StrictConfig):
         (``passes.registry.level_passes``; this module may not import ``passes``)."""
         import torch
 
-        level = 2 if self.level is None else self.level
+        level = DEFAULT_LEVEL if self.level is None else self.level
         defaults = LEVEL_DEFAULTS[level]
         values = {}
         for name, default in defaults.items():
