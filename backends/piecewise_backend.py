@@ -2,8 +2,8 @@
 token range (or load it from the artifact cache), and hand back the split module.
 
 Flow for the one Dynamo graph of a model:
-1. :func:`split_graph` cuts it with ``split_module(keep_original_order=True)`` so every
-   splitting op (attention by default) sits in its own submodule, run eagerly.
+1. :func:`backends.split.split_graph` cuts it with ``split_module(keep_original_order=True)``
+   so every splitting op (attention by default) sits in its own submodule, run eagerly.
 2. :class:`PiecewiseBackend` walks the split module on Dynamo's fake inputs to learn each
    piece's example inputs, compiles every (piece, range) once per *unique* piece graph, and
    swaps each piece for a :class:`PiecewiseRuntime`.
@@ -14,11 +14,8 @@ Flow for the one Dynamo graph of a model:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import os
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -26,91 +23,24 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.split_module import split_module
 
 from backends.compiler import CompilerAdaptor, CompileRange, compile_ranges
-from backends.graph_serde import NotSerializable, graph_from_json, graph_to_json, op_name
+from backends.graph_serde import NotSerializable, graph_from_json, graph_to_json
 from backends.piecewise_runtime import PiecewiseRuntime, RangeEntry
+from backends.split import (
+    PieceInfo,
+    graph_hash,
+    module_code,
+    piece_example_inputs,
+    split_graph,
+    static_piece_inputs,
+    token_source,
+    traced_files,
+)
 
 logger = logging.getLogger(__name__)
 
 PROGRAM_BLOB = "program.json"
-
-
-@dataclass
-class PieceInfo:
-    name: str
-    index: int
-    is_splitting_op: bool
-
-
-def split_graph(
-    gm: fx.GraphModule, splitting_ops: list[str]
-) -> tuple[fx.GraphModule, list[PieceInfo]]:
-    """Split ``gm`` so each splitting op is alone in its submodule; the rest between two
-    splitting ops forms one piece.  ``[]`` keeps the whole graph as one piece."""
-    wanted = {s.removesuffix(".default") for s in splitting_ops}
-    part: dict[fx.Node, int] = {}
-    split_ids: set[int] = set()
-    pid = 0
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        name = op_name(node.target) if node.op == "call_function" else None
-        if name is not None and name.removesuffix(".default") in wanted:
-            pid += 1
-            part[node] = pid
-            split_ids.add(pid)
-            pid += 1
-        else:
-            part[node] = pid
-    split = split_module(gm, None, lambda n: part[n], keep_original_order=True)
-    pieces = []
-    for name, _ in split.named_children():
-        idx = int(name.removeprefix("submod_"))
-        pieces.append(PieceInfo(name, idx, idx in split_ids))
-    return split, pieces
-
-
-def graph_hash(gm: fx.GraphModule, example_inputs: list) -> str:
-    """Structural hash: node names are canonicalised so identical layers hash equal."""
-    names: dict[str, str] = {}
-    lines = []
-
-    def ref(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return names[a.name]
-        if isinstance(a, (list, tuple)):
-            return [ref(x) for x in a]
-        if isinstance(a, dict):
-            return {k: ref(v) for k, v in a.items()}
-        return repr(a)
-
-    for i, n in enumerate(gm.graph.nodes):
-        names[n.name] = f"n{i}"
-        lines.append(
-            f"{n.op}|{n.target if n.op != 'placeholder' else ''}|"
-            f"{ref(n.args)}|{ref(dict(n.kwargs))}"
-        )
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            lines.append(f"in|{x.dtype}|{tuple(x.shape)}|{x.stride()}|{x.device.type}")
-        else:
-            lines.append(f"in|{type(x).__name__}|{x}")
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
-
-
-def _token_source(example_inputs: list) -> tuple[int, Optional[int]]:
-    """Where a piece finds its token count: a SymInt argument, else a symbolic tensor dim."""
-    for i, x in enumerate(example_inputs):
-        if isinstance(x, torch.SymInt):
-            return i, None
-    for i, x in enumerate(example_inputs):
-        if isinstance(x, torch.Tensor):
-            for d, s in enumerate(x.shape):
-                if isinstance(s, torch.SymInt):
-                    return i, d
-    raise ValueError("piece has no input with a symbolic token dimension")
 
 
 @dataclass
@@ -182,13 +112,13 @@ class PiecewiseBackend:
         self.stats.num_pieces = sum(not p.is_splitting_op for p in self.pieces)
         self.stats.num_splitting_ops = sum(p.is_splitting_op for p in self.pieces)
         fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-        self._static_inputs = _static_piece_inputs(gm, split, example_inputs)
-        self._dump("split_graph.py", _module_code(split))
+        self._static_inputs = static_piece_inputs(gm, split, example_inputs)
+        self._dump("split_graph.py", module_code(split))
         program = {"pieces": {}, "ranges": [[r.start, r.end] for r in self.ranges]}
         t1 = time.perf_counter()
         lock = self.store.lock() if self.store is not None else contextlib.nullcontext()
         with lock:
-            piece_inputs = _piece_example_inputs(split, fakes)
+            piece_inputs = piece_example_inputs(split, fakes)
             bar = _progress(self.progress, len(self.pieces) - self.stats.num_splitting_ops)
             for info in self.pieces:
                 if info.is_splitting_op:
@@ -221,7 +151,7 @@ class PiecewiseBackend:
             [],
             {
                 "graph_hash": ghash,
-                "size_from": list(_token_source(inputs)),
+                "size_from": list(token_source(inputs)),
                 "single_output": single,
                 "entries": {},
             },
@@ -366,67 +296,6 @@ class PiecewiseBackend:
             p = pathlib.Path(self.dump_path)
             p.mkdir(parents=True, exist_ok=True)
             (p / name).write_text(text)
-
-
-_STACK_FILE = re.compile(r'File "([^"]+)", line')
-
-
-def traced_files(gm: fx.GraphModule) -> list[str]:
-    """Files outside torch whose code produced nodes of the graph (from the stack traces
-    Dynamo records on every node)."""
-    files = set()
-    for n in gm.graph.nodes:
-        for f in _STACK_FILE.findall(n.meta.get("stack_trace") or ""):
-            if f"{os.sep}torch{os.sep}" not in f and os.path.isfile(f):
-                files.add(f)
-    return sorted(files)
-
-
-def _static_piece_inputs(
-    gm: fx.GraphModule, split: fx.GraphModule, example_inputs: list
-) -> dict[str, dict[int, torch.Tensor]]:
-    """Per piece, its inputs that are real fixed-shape tensors handed to the backend (the
-    model's parameters and buffers), by input position.  The pass verifier runs pieces on
-    these real values: a fusion may rely on a property of a buffer (RoPE's cos/sin caches
-    repeat their two halves), which random values would break."""
-    real = {
-        n.name: x
-        for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)
-        if isinstance(x, torch.Tensor)
-        and not isinstance(x, torch._subclasses.FakeTensor)
-        and all(isinstance(s, int) for s in x.shape)
-    }
-    out: dict[str, dict[int, torch.Tensor]] = {}
-    for node in split.graph.find_nodes(op="call_module"):
-        out[node.target] = {
-            i: real[a.name]
-            for i, a in enumerate(node.args)
-            if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in real
-        }
-    return out
-
-
-def _piece_example_inputs(split: fx.GraphModule, fakes: list) -> dict[str, list]:
-    """Run the split module on fake inputs, recording each submodule's arguments."""
-    seen: dict[str, list] = {}
-
-    class Recorder(fx.Interpreter):
-        def call_module(self, target, args, kwargs):
-            seen[target] = list(args)
-            return super().call_module(target, args, kwargs)
-
-    # The placeholders' own fake mode: Dynamo hands backends a different TracingContext mode.
-    fake_mode = next(f.fake_mode for f in fakes if isinstance(f, torch.Tensor))
-    with fake_mode, torch.no_grad():
-        Recorder(split).run(*fakes)
-    return seen
-
-
-def _module_code(split: fx.GraphModule) -> str:
-    parts = [split.code]
-    for name, sub in split.named_children():
-        parts.append(f"# ---- {name}\n{getattr(sub, 'code', repr(sub))}")
-    return "\n".join(parts)
 
 
 def _first_output(fn: Callable) -> Callable:
