@@ -13,33 +13,16 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
+from framework.core.compile_range import CompileRange
 from framework.core.registry import Registry
+from framework.core.symbolic import concretize_inputs
 
 SaveFn = Callable[[Path], None]
-
-
-@dataclass(frozen=True, order=True)
-class CompileRange:
-    """Inclusive token range ``[start, end]``; ``start == end`` is a single concrete size."""
-
-    start: int
-    end: int
-
-    @property
-    def is_single_size(self) -> bool:
-        return self.start == self.end
-
-    def __contains__(self, n: int) -> bool:
-        return self.start <= n <= self.end
-
-    def __str__(self) -> str:
-        return f"size_{self.start}" if self.is_single_size else f"range_{self.start}_{self.end}"
 
 
 def compile_ranges(
@@ -106,32 +89,6 @@ def make_compiler(name: str, **kwargs: Any) -> CompilerAdaptor:
     """An instance of the adaptor registered as ``name`` (``ValueError`` listing the
     registered names if there is none)."""
     return COMPILERS.get(name)(**kwargs)
-
-
-def concretize_inputs(example_inputs: list, size: int) -> list:
-    """Real tensors/ints with the token symbol replaced by ``size``: shape, stride and storage
-    offset are concretized together since all three can hold the symbol."""
-
-    def conc(v: Any) -> int:
-        if isinstance(v, torch.SymInt):
-            expr = v.node.expr
-            return int(expr.xreplace({s: size for s in expr.free_symbols}))
-        return int(v)
-
-    out = []
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            shape = [conc(s) for s in x.shape]
-            stride = [conc(s) for s in x.stride()]
-            offset = conc(x.storage_offset())
-            extent = offset + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0) + 1
-            base = torch.empty(extent, dtype=x.dtype, device=x.device)  # shapes matter only
-            out.append(base.as_strided(shape, stride, offset))
-        elif isinstance(x, torch.SymInt):
-            out.append(conc(x))
-        else:
-            out.append(x)
-    return out
 
 
 @register_compiler("inductor")

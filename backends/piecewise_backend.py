@@ -2,8 +2,8 @@
 token range (or load it from the artifact cache), and hand back the split module.
 
 Flow for the one Dynamo graph of a model:
-1. :func:`split_graph` cuts it with ``split_module(keep_original_order=True)`` so every
-   splitting op (attention by default) sits in its own submodule, run eagerly.
+1. :func:`backends.split.split_graph` cuts it with ``split_module(keep_original_order=True)``
+   so every splitting op (attention by default) sits in its own submodule, run eagerly.
 2. :class:`PiecewiseBackend` walks the split module on Dynamo's fake inputs to learn each
    piece's example inputs, compiles every (piece, range) once per *unique* piece graph, and
    swaps each piece for a :class:`PiecewiseRuntime`.
@@ -14,11 +14,8 @@ Flow for the one Dynamo graph of a model:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import os
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -26,91 +23,24 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.split_module import split_module
 
 from backends.compiler import CompilerAdaptor, CompileRange, compile_ranges
-from backends.graph_serde import NotSerializable, graph_from_json, graph_to_json, op_name
+from backends.graph_serde import NotSerializable, graph_from_json, graph_to_json
 from backends.piecewise_runtime import PiecewiseRuntime, RangeEntry
+from backends.split import (
+    PieceInfo,
+    graph_hash,
+    module_code,
+    piece_example_inputs,
+    split_graph,
+    static_piece_inputs,
+    token_source,
+    traced_files,
+)
 
 logger = logging.getLogger(__name__)
 
 PROGRAM_BLOB = "program.json"
-
-
-@dataclass
-class PieceInfo:
-    name: str
-    index: int
-    is_splitting_op: bool
-
-
-def split_graph(
-    gm: fx.GraphModule, splitting_ops: list[str]
-) -> tuple[fx.GraphModule, list[PieceInfo]]:
-    """Split ``gm`` so each splitting op is alone in its submodule; the rest between two
-    splitting ops forms one piece.  ``[]`` keeps the whole graph as one piece."""
-    wanted = {s.removesuffix(".default") for s in splitting_ops}
-    part: dict[fx.Node, int] = {}
-    split_ids: set[int] = set()
-    pid = 0
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        name = op_name(node.target) if node.op == "call_function" else None
-        if name is not None and name.removesuffix(".default") in wanted:
-            pid += 1
-            part[node] = pid
-            split_ids.add(pid)
-            pid += 1
-        else:
-            part[node] = pid
-    split = split_module(gm, None, lambda n: part[n], keep_original_order=True)
-    pieces = []
-    for name, _ in split.named_children():
-        idx = int(name.removeprefix("submod_"))
-        pieces.append(PieceInfo(name, idx, idx in split_ids))
-    return split, pieces
-
-
-def graph_hash(gm: fx.GraphModule, example_inputs: list) -> str:
-    """Structural hash: node names are canonicalised so identical layers hash equal."""
-    names: dict[str, str] = {}
-    lines = []
-
-    def ref(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return names[a.name]
-        if isinstance(a, (list, tuple)):
-            return [ref(x) for x in a]
-        if isinstance(a, dict):
-            return {k: ref(v) for k, v in a.items()}
-        return repr(a)
-
-    for i, n in enumerate(gm.graph.nodes):
-        names[n.name] = f"n{i}"
-        lines.append(
-            f"{n.op}|{n.target if n.op != 'placeholder' else ''}|"
-            f"{ref(n.args)}|{ref(dict(n.kwargs))}"
-        )
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            lines.append(f"in|{x.dtype}|{tuple(x.shape)}|{x.stride()}|{x.device.type}")
-        else:
-            lines.append(f"in|{type(x).__name__}|{x}")
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
-
-
-def _token_source(example_inputs: list) -> tuple[int, Optional[int]]:
-    """Where a piece finds its token count: a SymInt argument, else a symbolic tensor dim."""
-    for i, x in enumerate(example_inputs):
-        if isinstance(x, torch.SymInt):
-            return i, None
-    for i, x in enumerate(example_inputs):
-        if isinstance(x, torch.Tensor):
-            for d, s in enumerate(x.shape):
-                if isinstance(s, torch.SymInt):
-                    return i, d
-    raise ValueError("piece has no input with a symbolic token dimension")
 
 
 @dataclass
@@ -164,8 +94,9 @@ class PiecewiseBackend:
         self.stats = BackendStats()
         self.pieces: list[PieceInfo] = []
         self.runtimes: dict[str, PiecewiseRuntime] = {}
-        self._compiled: dict[tuple[str, CompileRange], Callable] = {}
-        self._compiled_by: dict[tuple[str, CompileRange], str] = {}
+        self._compiled: dict[str, Callable] = {}
+        """Artifact id (:func:`_artifact_id`) -> its callable: identical pieces share code."""
+        self._compiled_by: dict[str, str] = {}
         self._static_inputs: dict[str, dict[int, torch.Tensor]] = {}
         self._program: Optional[dict] = None
         self._installed: dict[str, Callable] = {}
@@ -181,13 +112,13 @@ class PiecewiseBackend:
         self.stats.num_pieces = sum(not p.is_splitting_op for p in self.pieces)
         self.stats.num_splitting_ops = sum(p.is_splitting_op for p in self.pieces)
         fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-        self._static_inputs = _static_piece_inputs(gm, split, example_inputs)
-        self._dump("split_graph.py", _module_code(split))
+        self._static_inputs = static_piece_inputs(gm, split, example_inputs)
+        self._dump("split_graph.py", module_code(split))
         program = {"pieces": {}, "ranges": [[r.start, r.end] for r in self.ranges]}
         t1 = time.perf_counter()
         lock = self.store.lock() if self.store is not None else contextlib.nullcontext()
         with lock:
-            piece_inputs = _piece_example_inputs(split, fakes)
+            piece_inputs = piece_example_inputs(split, fakes)
             bar = _progress(self.progress, len(self.pieces) - self.stats.num_splitting_ops)
             for info in self.pieces:
                 if info.is_splitting_op:
@@ -220,7 +151,7 @@ class PiecewiseBackend:
             [],
             {
                 "graph_hash": ghash,
-                "size_from": list(_token_source(inputs)),
+                "size_from": list(token_source(inputs)),
                 "single_output": single,
                 "entries": {},
             },
@@ -244,14 +175,14 @@ class PiecewiseBackend:
         ghash: str,
         single: bool,
     ) -> tuple[Callable, str]:
-        memo = (ghash, rng)
+        artifact = _artifact_id(ghash, rng)
         key = self._entry_key(info, rng)
-        if memo in self._compiled:
+        if artifact in self._compiled:  # an identical piece of this model: share its code
             self.stats.shared += 1
-            if self.store is not None and self.compiler.produces_artifacts:
-                self.store.store(key, f"{ghash}-{rng}", _already_written)
-            self._piece_done(info.name, rng, "shared", self._compiled_by.get(memo))
-            return self._compiled[memo], "shared"
+            if self._uses_store():
+                self.store.link(key, artifact)  # and its stored artifact
+            self._piece_done(info.name, rng, "shared", self._compiled_by.get(artifact))
+            return self._compiled[artifact], "shared"
         fn = self._load(key, single)
         source = "loaded"
         if fn is None:
@@ -263,9 +194,9 @@ class PiecewiseBackend:
             self.stats.compiles += 1
             source = "compiled"
             if self.store is not None and save is not None:
-                self.store.store(key, f"{ghash}-{rng}", save)
-        self._compiled[memo] = fn
-        self._compiled_by[memo] = info.name
+                self.store.store(key, artifact, save)
+        self._compiled[artifact] = fn
+        self._compiled_by[artifact] = info.name
         self._piece_done(info.name, rng, source)
         return fn, source
 
@@ -280,8 +211,11 @@ class PiecewiseBackend:
         """The pass manager verifies or dumps: every piece is compiled, nothing loaded."""
         return bool(getattr(self.graph_pass, "must_run", False))
 
+    def _uses_store(self) -> bool:
+        return self.store is not None and self.compiler.produces_artifacts
+
     def _load(self, key: str, single_output: bool) -> Optional[Callable]:
-        if self.store is None or not self.compiler.produces_artifacts or self._must_compile():
+        if not self._uses_store() or self._must_compile():
             return None
         path = self.store.lookup(key)
         if path is None:
@@ -320,7 +254,7 @@ class PiecewiseBackend:
 
     def restore(self) -> Optional[tuple[fx.GraphModule, dict]]:
         """Rebuild the compiled program from the cache without Dynamo; None if incomplete."""
-        if self.store is None or not self.compiler.produces_artifacts or self._must_compile():
+        if not self._uses_store() or self._must_compile():
             return None
         blob = self.store.load_blob(PROGRAM_BLOB)
         if blob is None:
@@ -334,12 +268,11 @@ class PiecewiseBackend:
                 entries = []
                 for rng in self.ranges:
                     key = rec["entries"][str(rng)]
-                    fn = self._compiled.get((rec["graph_hash"], rng)) or self._load(
-                        key, rec["single_output"]
-                    )
+                    artifact = _artifact_id(rec["graph_hash"], rng)
+                    fn = self._compiled.get(artifact) or self._load(key, rec["single_output"])
                     if fn is None:
                         return None
-                    self._compiled[(rec["graph_hash"], rng)] = fn
+                    self._compiled[artifact] = fn
                     entries.append(RangeEntry(rng, fn, "loaded"))
                     loaded.append((name, rng))
                 size_from = (rec["size_from"][0], rec["size_from"][1])
@@ -365,67 +298,6 @@ class PiecewiseBackend:
             (p / name).write_text(text)
 
 
-_STACK_FILE = re.compile(r'File "([^"]+)", line')
-
-
-def traced_files(gm: fx.GraphModule) -> list[str]:
-    """Files outside torch whose code produced nodes of the graph (from the stack traces
-    Dynamo records on every node)."""
-    files = set()
-    for n in gm.graph.nodes:
-        for f in _STACK_FILE.findall(n.meta.get("stack_trace") or ""):
-            if f"{os.sep}torch{os.sep}" not in f and os.path.isfile(f):
-                files.add(f)
-    return sorted(files)
-
-
-def _static_piece_inputs(
-    gm: fx.GraphModule, split: fx.GraphModule, example_inputs: list
-) -> dict[str, dict[int, torch.Tensor]]:
-    """Per piece, its inputs that are real fixed-shape tensors handed to the backend (the
-    model's parameters and buffers), by input position.  The pass verifier runs pieces on
-    these real values: a fusion may rely on a property of a buffer (RoPE's cos/sin caches
-    repeat their two halves), which random values would break."""
-    real = {
-        n.name: x
-        for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)
-        if isinstance(x, torch.Tensor)
-        and not isinstance(x, torch._subclasses.FakeTensor)
-        and all(isinstance(s, int) for s in x.shape)
-    }
-    out: dict[str, dict[int, torch.Tensor]] = {}
-    for node in split.graph.find_nodes(op="call_module"):
-        out[node.target] = {
-            i: real[a.name]
-            for i, a in enumerate(node.args)
-            if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in real
-        }
-    return out
-
-
-def _piece_example_inputs(split: fx.GraphModule, fakes: list) -> dict[str, list]:
-    """Run the split module on fake inputs, recording each submodule's arguments."""
-    seen: dict[str, list] = {}
-
-    class Recorder(fx.Interpreter):
-        def call_module(self, target, args, kwargs):
-            seen[target] = list(args)
-            return super().call_module(target, args, kwargs)
-
-    # The placeholders' own fake mode: Dynamo hands backends a different TracingContext mode.
-    fake_mode = next(f.fake_mode for f in fakes if isinstance(f, torch.Tensor))
-    with fake_mode, torch.no_grad():
-        Recorder(split).run(*fakes)
-    return seen
-
-
-def _module_code(split: fx.GraphModule) -> str:
-    parts = [split.code]
-    for name, sub in split.named_children():
-        parts.append(f"# ---- {name}\n{getattr(sub, 'code', repr(sub))}")
-    return "\n".join(parts)
-
-
 def _first_output(fn: Callable) -> Callable:
     def call(*args):
         return fn(*args)[0]
@@ -433,8 +305,11 @@ def _first_output(fn: Callable) -> Callable:
     return call
 
 
-def _already_written(path) -> None:
-    raise RuntimeError("identical piece's artifact vanished from the cache while compiling")
+def _artifact_id(ghash: str, rng: CompileRange) -> str:
+    """What a compiled piece depends on beyond the cache key: its graph and its range. The
+    in-memory sharing above and the store's artifact dedup (its ``graph_hash``) use this one
+    id."""
+    return f"{ghash}-{rng}"
 
 
 def _progress(enabled: bool, total: int):

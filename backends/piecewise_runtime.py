@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from backends.compiler import CompileRange
+from framework.core.compile_range import CompileRange
 
 
 @dataclass

@@ -11,19 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Protocol
+from typing import Any, ClassVar, Optional
 
 import torch
 
-from passes.code_hash import class_modules, module_code_hash
-
-
-class CompileRange(Protocol):
-    """Inclusive token range ``[start, end]`` a piece is compiled for (``start == end``: one
-    concrete size)."""
-
-    start: int
-    end: int
+from framework.core.class_sources import class_modules
+from framework.core.compile_range import CompileRange
+from passes.code_hash import module_code_hash
 
 
 @dataclass(frozen=True)

@@ -139,21 +139,3 @@ def module_code_hash(module_name: str) -> str:
         else:  # imported or constructed objects (loggers, libraries): by type only
             out.append(f"{type(value).__module__}.{type(value).__qualname__}")
     return hashlib.sha256("\n".join(out).encode()).hexdigest()
-
-
-def class_modules(cls: type) -> list[str]:
-    """Modules of ``cls`` and of every base class outside torch and the stdlib: a pass's
-    behaviour changes when its own module *or* a base it inherits (e.g. the pattern-matcher
-    pass) changes, and both must change the cache key."""
-    modules = []
-    for klass in cls.__mro__:
-        module = klass.__module__ or ""
-        if (
-            module == "builtins"
-            or module.split(".")[0] in ("torch", "abc", "typing")
-            or module not in sys.modules
-        ):
-            continue
-        if module not in modules:
-            modules.append(module)
-    return modules

@@ -16,20 +16,19 @@ shapes) are re-derived by the matcher from each match's real shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional
 
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
-from torch._inductor.pattern_matcher import (
-    Match,
-    PatternMatcherPass,
-    fwd_only,
-    register_replacement,
-    stable_topological_sort,
-)
 
 from passes.base import GraphPass, PassContext
 from passes.fx_utils import canonicalize_auto_functionalized, mutable_arg_offset, schema_ordered
+
+# torch._inductor.pattern_matcher is imported when a fusion is built or run, not when this
+# module is: the pass registry imports every pass module to read its @register_pass metadata
+# (levels, order), and importing the pattern matcher costs seconds (deferred imports below).
+if TYPE_CHECKING:
+    from torch._inductor.pattern_matcher import Match, PatternMatcherPass
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -85,6 +84,8 @@ def views_to_reshapes(graph: torch.fx.Graph) -> None:
 
 def trace_pattern(fn: Callable[..., Any], args: Any, **kwargs: Any) -> torch.fx.GraphModule:
     """``fwd_only`` followed by the same view canonicalization the post-grad graph got."""
+    from torch._inductor.pattern_matcher import fwd_only  # deferred: see the imports
+
     gm = fwd_only(fn, args, **kwargs)
     views_to_reshapes(gm.graph)
     gm.recompile()
@@ -117,6 +118,8 @@ class PatternFusionPass(GraphPass):
         key = (type(self), repr(sorted(self.config_factors().items())))
         matcher = PatternFusionPass._matchers.get(key)
         if matcher is None:
+            from torch._inductor.pattern_matcher import PatternMatcherPass  # deferred: see top
+
             matcher = PatternMatcherPass(pass_name=self.name or type(self).__name__)
             for p in self.patterns():
                 self._register(p, matcher)
@@ -125,6 +128,8 @@ class PatternFusionPass(GraphPass):
 
     @staticmethod
     def _register(p: FusionPattern, matcher: PatternMatcherPass) -> None:
+        from torch._inductor.pattern_matcher import register_replacement  # deferred: see top
+
         kwargs: dict[str, Any] = {}
         if p.scalars:
             kwargs["scalar_workaround"] = dict(p.scalars)
@@ -149,5 +154,7 @@ class PatternFusionPass(GraphPass):
         if self.match_count:
             # A replacement is inserted at the pattern's last output, which can precede an
             # input defined later in the graph (e.g. the quant's ``empty`` out buffer).
+            from torch._inductor.pattern_matcher import stable_topological_sort  # deferred
+
             stable_topological_sort(graph)
             graph.eliminate_dead_code()

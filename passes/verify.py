@@ -30,7 +30,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from passes.base import CompileRange
+from framework.core.compile_range import CompileRange
 from passes.verify_inputs import (  # noqa: F401
     _FP8,
     DEFAULT_TOKENS,

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Optional
 
-import sympy
 import torch
 import torch.fx
 
 from framework.core.attention_metadata import AttentionMetadata
+from framework.core.compile_range import CompileRange
 from framework.core.forward_context import ForwardContext, set_forward_context
-from passes.base import CompileRange
+from framework.core.symbolic import concrete_int, symbol_bindings
 
 _FP8 = tuple(
     d
@@ -39,58 +39,6 @@ def concrete_size(compile_range: Optional[CompileRange]) -> int:
     return max(int(compile_range.start), min(int(compile_range.end), DEFAULT_TOKENS))
 
 
-def _symbols(values: list[Any]) -> dict[sympy.Symbol, Optional[int]]:
-    """Free shape symbols of the placeholders' fake values -> their example hints."""
-    out: dict[sympy.Symbol, Optional[int]] = {}
-    for val in values:
-        sizes = (
-            [val]
-            if isinstance(val, torch.SymInt)
-            else list(val.shape)
-            if isinstance(val, torch.Tensor)
-            else []
-        )
-        for s in sizes:
-            if isinstance(s, torch.SymInt):
-                env = s.node.shape_env
-                hint = (
-                    getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
-                    if env is not None
-                    else {}
-                )
-                for sym in s.node.expr.free_symbols:
-                    out.setdefault(sym, int(hint[sym]) if sym in hint else None)
-    return out
-
-
-def symbol_bindings(values: list[Any], size: int) -> dict[sympy.Symbol, int]:
-    """Concrete values of the shape symbols.  A piece's one symbol is the token count: it gets
-    ``size``.  With several symbols, the token symbols are taken to be the leading-dim symbols
-    whose example value equals that of the first placeholder with a symbolic leading dim (its
-    hidden states or positions); they get ``size`` and every other symbol keeps its example
-    value, so shapes stay consistent with each other."""
-    symbols = _symbols(values)
-    if len(symbols) == 1:
-        return {sym: size for sym in symbols}
-    leading = [
-        v.shape[0].node.expr
-        for v in values
-        if isinstance(v, torch.Tensor)
-        and v.dim() > 0
-        and isinstance(v.shape[0], torch.SymInt)
-        and v.shape[0].node.expr in symbols
-    ]
-    token_hint = symbols[leading[0]] if leading else None
-    tokens = {e for e in leading if symbols[e] == token_hint}
-    return {sym: size if (sym in tokens or hint is None) else hint for sym, hint in symbols.items()}
-
-
-def _concretize(value: Any, bindings: dict[sympy.Symbol, int]) -> int:
-    if isinstance(value, torch.SymInt):
-        return int(value.node.expr.subs(bindings))
-    return int(value)
-
-
 def random_inputs(
     graph: torch.fx.Graph, size: int, seed: int = 0, known: Optional[dict[int, torch.Tensor]] = None
 ) -> list[Any]:
@@ -105,9 +53,9 @@ def random_inputs(
     for node in placeholders:
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt):
-            inputs.append(_concretize(val, bindings))
+            inputs.append(concrete_int(val, bindings))
         elif isinstance(val, torch.Tensor):
-            shape = [_concretize(s, bindings) for s in val.shape]
+            shape = [concrete_int(s, bindings) for s in val.shape]
             real = known.get(len(inputs))
             if (
                 isinstance(real, torch.Tensor)

@@ -8,27 +8,15 @@ dispatches to the attention backend named in the metadata (a registry, not an if
 
 from __future__ import annotations
 
-import enum
 from typing import Callable, ClassVar, Optional
 
 import torch
 
 from framework.core.attention_metadata import AttentionMetadata
+from framework.core.cudagraph_mode import AttentionCGSupport  # noqa: F401  (backends set it)
 from framework.core.forward_context import get_forward_context
 from framework.core.ops import define_op
 from framework.core.registry import Registry
-
-
-class AttentionCGSupport(enum.IntEnum):
-    """How much of a batch an attention backend can run inside a CUDA graph."""
-
-    NEVER = 0
-    UNIFORM_SINGLE_TOKEN_DECODE = 1
-    """Only batches where every request decodes exactly one token."""
-    UNIFORM_BATCH = 2
-    """Batches where every request has the same query length."""
-    ALWAYS = 3
-    """Any batch, mixed prefill and decode included."""
 
 
 class AttentionBackend:

@@ -1,2 +1,2 @@
-"""The on-disk artifact cache: key factors (``key``), the store with its index and atomic
-writes (``store``) and the ``python -m framework.cache`` command line (``cli``)."""
+"""The on-disk artifact cache: key factors (``key``), crash-safe files and locks (``files``), the
+index format (``index``), the store (``store``) and ``python -m framework.cache`` (``cli``)."""

@@ -17,8 +17,10 @@ Guarantees:
   Corruption (truncated file, flipped bytes, missing file, unparsable index) is reported with
   :class:`CacheCorruptionWarning` naming the file, the bad entry is dropped and ``None`` comes
   back so the caller recompiles.  Corruption never raises.
-* Entries with the same ``graph_hash`` share one artifact file; ``lookup(entry, graph_hash)``
-  links a new entry to an identical piece's artifact so it is not compiled again.
+* Entries with the same ``graph_hash`` share one artifact file: this is the one dedup
+  mechanism. ``lookup(entry, graph_hash)`` links a new entry to an identical piece's artifact
+  so it is not compiled again, ``link(entry, graph_hash)`` does only that (a piece the caller
+  shares in memory), and ``store`` writes only if no verified artifact has the hash.
 * :meth:`ArtifactStore.lock` is a cross-process lock.  Compile *inside* it::
 
       with store.lock():
@@ -40,10 +42,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
-import secrets
-import shutil
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -51,28 +49,53 @@ from typing import Any, Callable, Mapping
 
 from filelock import FileLock
 
+from framework.cache.files import (
+    TMP_PREFIX,
+    atomic_write_bytes,
+    file_sha256,
+    fsync_dir,
+    remove,
+    shared_file_lock,
+    tmp_path,
+)
+from framework.cache.index import (
+    ARTIFACT_DIR,
+    ARTIFACT_REL,
+    BLOB_DIR,
+    BLOB_REL,
+    INDEX_FILE,
+    SAFE_NAME,
+    CacheIndexError,
+    check_record,
+    empty_index,
+    read_index,
+    record_problem,
+)
 from framework.cache.key import canonical_json, compute_cache_key
 
-INDEX_FORMAT = 1
-INDEX_FILE = "index.json"
+__all__ = [  # the index and file names are part of this module's interface (cli, tests)
+    "ArtifactStore",
+    "CacheCorruptionWarning",
+    "CacheIndexError",
+    "CacheStats",
+    "FACTORS_FILE",
+    "INDEX_FILE",
+    "LOCK_FILE",
+    "atomic_write_bytes",
+    "compute_cache_key",
+    "default_cache_dir",
+    "file_sha256",
+    "read_index",
+    "record_problem",
+]
+
 FACTORS_FILE = "factors.json"
 LOCK_FILE = ".lock"
-ARTIFACT_DIR = "artifacts"
-BLOB_DIR = "blobs"
-TMP_PREFIX = ".tmp-"
 ENV_CACHE_DIR = "PIECEWISE_CACHE_DIR"
-
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
-_ARTIFACT_REL = re.compile(rf"^{ARTIFACT_DIR}/[A-Za-z0-9_][A-Za-z0-9_.\-]*\.bin$")
-_BLOB_REL = re.compile(rf"^{BLOB_DIR}/[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
 class CacheCorruptionWarning(UserWarning):
     """A cache file failed verification; it was dropped and will be recompiled."""
-
-
-class CacheIndexError(ValueError):
-    """An ``index.json`` that does not parse or does not have the expected structure."""
 
 
 def default_cache_dir() -> Path:
@@ -94,131 +117,6 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
-
-
-# ----------------------------------------------------------------------------- file helpers
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # platforms without directory fds (Windows): rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _tmp_path(directory: Path, stem: str) -> Path:
-    return directory / f"{TMP_PREFIX}{stem}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via temp file + fsync + rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path.parent, path.name)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        _remove(tmp)
-    _fsync_dir(path.parent)
-
-
-def empty_index() -> dict[str, Any]:
-    return {"format": INDEX_FORMAT, "entries": {}, "blobs": {}}
-
-
-def _check_record(record: Any, rel_pattern: re.Pattern, path_field: str) -> str | None:
-    if not isinstance(record, dict):
-        return "record is not an object"
-    rel = record.get(path_field)
-    if not isinstance(rel, str) or not rel_pattern.match(rel):
-        return f"bad {path_field!r} {rel!r}"
-    if not isinstance(record.get("sha256"), str) or len(record["sha256"]) != 64:
-        return "missing sha256"
-    if not isinstance(record.get("size"), int) or record["size"] < 0:
-        return "missing size"
-    return None
-
-
-def read_index(path: str | Path) -> dict[str, Any]:
-    """Parse an index file; a missing file is an empty index.
-
-    Raises :class:`CacheIndexError` when the file does not parse or is not a format-1 index.
-    Individual malformed records are kept; :func:`record_problem` reports them.
-    """
-    path = Path(path)
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        return empty_index()
-    try:
-        data = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CacheIndexError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
-        raise CacheIndexError(f"{path}: not a format-{INDEX_FORMAT} cache index")
-    if not isinstance(data.get("entries"), dict) or not isinstance(data.get("blobs", {}), dict):
-        raise CacheIndexError(f"{path}: 'entries'/'blobs' must be objects")
-    data.setdefault("blobs", {})
-    return data
-
-
-def record_problem(directory: Path, record: Any, kind: str = "artifact") -> str | None:
-    """Why the file behind an index record is unusable, or ``None`` when it verifies."""
-    field, pattern = ("artifact", _ARTIFACT_REL) if kind == "artifact" else ("path", _BLOB_REL)
-    problem = _check_record(record, pattern, field)
-    if problem:
-        return problem
-    path = directory / record[field]
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return "file is missing"
-    if size != record["size"]:
-        return f"size {size} bytes, index records {record['size']} (truncated or overwritten)"
-    if file_sha256(path) != record["sha256"]:
-        return "sha256 mismatch (corrupted)"
-    return None
-
-
-# ----------------------------------------------------------------------------- locks
-_PROCESS_LOCKS: dict[str, FileLock] = {}
-_PROCESS_LOCKS_GUARD = threading.Lock()
-
-
-def _shared_file_lock(path: Path) -> FileLock:
-    """One FileLock object per lock file per process, so two stores opened on the same
-    directory in one process re-enter instead of deadlocking on each other's flock."""
-    key = os.path.realpath(path)
-    with _PROCESS_LOCKS_GUARD:
-        lock = _PROCESS_LOCKS.get(key)
-        if lock is None:
-            lock = _PROCESS_LOCKS[key] = FileLock(key)
-        return lock
 
 
 # ----------------------------------------------------------------------------- the store
@@ -245,7 +143,7 @@ class ArtifactStore:
             )
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"ArtifactStore: rank must be a non-negative int, got {rank!r}")
-        if not _SAFE_NAME.match(model_tag):
+        if not SAFE_NAME.match(model_tag):
             raise ValueError(
                 f"ArtifactStore: model_tag {model_tag!r} must be a plain file name "
                 f"(letters, digits, '_', '-', '.')"
@@ -279,7 +177,7 @@ class ArtifactStore:
     def lock(self) -> FileLock:
         """Cross-process, re-entrant lock on this (key, rank, model_tag) directory."""
         self.dir.mkdir(parents=True, exist_ok=True)  # recreated if pruned while we were open
-        return _shared_file_lock(self.dir / LOCK_FILE)
+        return shared_file_lock(self.dir / LOCK_FILE)
 
     # ------------------------------------------------------------------ artifacts
     def lookup(self, entry_key: str, graph_hash: str | None = None) -> Path | None:
@@ -313,12 +211,8 @@ class ArtifactStore:
                 self._drop_artifact(index, shared[0], shared[1], problem)
                 shared, dirty = None, True
             if shared is not None:
-                index["entries"][entry_key] = dict(shared[1])
-                if isinstance(record, dict):  # a stale entry for another graph
-                    self._unlink_if_unreferenced(index, record.get("artifact"))
-                self._save_index(index)
+                self._point_entry(index, entry_key, shared[1])
                 self.stats.hits += 1
-                self.stats.dedup_reuses += 1
                 return self.dir / rel
             if dirty:
                 self._save_index(index)
@@ -342,7 +236,7 @@ class ArtifactStore:
             raise ValueError(
                 f"ArtifactStore.store: entry_key must be a non-empty string, got {entry_key!r}"
             )
-        if not _SAFE_NAME.match(graph_hash):
+        if not SAFE_NAME.match(graph_hash):
             raise ValueError(
                 f"ArtifactStore.store: graph_hash {graph_hash!r} must be a plain "
                 f"file name (letters, digits, '_', '-', '.')"
@@ -370,12 +264,36 @@ class ArtifactStore:
                     "graph_hash": graph_hash,
                 }
                 self.stats.writes += 1
-            previous = index["entries"].get(entry_key)
-            index["entries"][entry_key] = record
-            if isinstance(previous, dict) and previous.get("artifact") != rel:
-                self._unlink_if_unreferenced(index, previous.get("artifact"))
-            self._save_index(index)
+            self._point_entry(index, entry_key, record, reused=False)
         return self.dir / rel
+
+    def link(self, entry_key: str, graph_hash: str) -> Path | None:
+        """Record ``entry_key`` -> the verified artifact already stored for ``graph_hash`` (an
+        identical piece compiled under another entry key). ``None``, recording nothing, when
+        there is none (never stored, or found corrupt and dropped): the caller compiles."""
+        rel = f"{ARTIFACT_DIR}/{graph_hash}.bin"
+        with self.lock():
+            index = self._load_index()
+            shared = self._find_by_artifact(index, rel)
+            if shared is not None and (problem := self._problem(shared[1], "artifact")):
+                self._drop_artifact(index, shared[0], shared[1], problem)
+                self._save_index(index)
+                return None
+            if shared is None:
+                return None
+            self._point_entry(index, entry_key, shared[1])
+        return self.dir / rel
+
+    def _point_entry(self, index: dict, entry_key: str, record: dict, reused: bool = True) -> None:
+        """(Under the lock) ``entry_key`` -> ``record``; the artifact the entry named before is
+        removed if nothing else names it. ``reused``: the record is another entry's (dedup)."""
+        previous = index["entries"].get(entry_key)
+        index["entries"][entry_key] = dict(record)
+        if isinstance(previous, dict) and previous.get("artifact") != record["artifact"]:
+            self._unlink_if_unreferenced(index, previous.get("artifact"))
+        self._save_index(index)
+        if reused:
+            self.stats.dedup_reuses += 1
 
     def discard(self, entry_key: str, reason: str) -> None:
         """Drop an entry whose artifact verified but would not load (e.g. the loader raised),
@@ -394,7 +312,7 @@ class ArtifactStore:
     # ------------------------------------------------------------------ blobs
     def store_blob(self, name: str, data: bytes) -> Path:
         """Atomically save auxiliary bytes (e.g. a serialized traced program) under ``name``."""
-        if not _SAFE_NAME.match(name):
+        if not SAFE_NAME.match(name):
             raise ValueError(f"ArtifactStore.store_blob: name {name!r} must be a plain file name")
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(
@@ -420,7 +338,7 @@ class ArtifactStore:
         """The bytes stored under ``name`` if present and intact, else ``None``."""
         record = self._load_index()["blobs"].get(name)
         data = None
-        problem = _check_record(record, _BLOB_REL, "path") if record is not None else None
+        problem = check_record(record, BLOB_REL, "path") if record is not None else None
         if record is not None and problem is None:
             try:
                 data = (self.dir / record["path"]).read_bytes()
@@ -445,8 +363,8 @@ class ArtifactStore:
                     self._warn(self.dir / str(where), problem)
                     self.stats.corrupt += 1
                     del index["blobs"][name]
-                    if isinstance(record, dict) and _BLOB_REL.match(str(record.get("path"))):
-                        _remove(self.dir / record["path"])
+                    if isinstance(record, dict) and BLOB_REL.match(str(record.get("path"))):
+                        remove(self.dir / record["path"])
                     self._save_index(index)
         self.stats.blob_misses += 1
         return None
@@ -487,8 +405,8 @@ class ArtifactStore:
                 self.stats.corrupt += 1
                 # Nothing vouches for the files the index described any more.
                 for sub in (ARTIFACT_DIR, BLOB_DIR):
-                    _remove(self.dir / sub)
-                _remove(self.index_path)
+                    remove(self.dir / sub)
+                remove(self.index_path)
                 self._verified.clear()
             return empty_index()
 
@@ -498,7 +416,7 @@ class ArtifactStore:
     def _problem(self, record: Any, kind: str) -> str | None:
         """record_problem, memoized per (file identity, checksum) within this process."""
         field = "artifact" if kind == "artifact" else "path"
-        if _check_record(record, _ARTIFACT_REL if kind == "artifact" else _BLOB_REL, field):
+        if check_record(record, ARTIFACT_REL if kind == "artifact" else BLOB_REL, field):
             return record_problem(self.dir, record, kind)
         try:
             st = (self.dir / record[field]).stat()
@@ -525,7 +443,7 @@ class ArtifactStore:
         self._warn(self.dir / str(rel or INDEX_FILE), f"entry {entry_key!r}: {problem}", 4)
         self.stats.corrupt += 1
         index["entries"].pop(entry_key, None)
-        if rel is None or not _ARTIFACT_REL.match(rel):
+        if rel is None or not ARTIFACT_REL.match(rel):
             return
         for other in [
             k
@@ -533,13 +451,13 @@ class ArtifactStore:
             if isinstance(r, dict) and r.get("artifact") == rel
         ]:
             del index["entries"][other]
-        _remove(self.dir / rel)
+        remove(self.dir / rel)
 
     def _unlink_if_unreferenced(self, index: dict, rel: Any) -> None:
-        if not isinstance(rel, str) or not _ARTIFACT_REL.match(rel):
+        if not isinstance(rel, str) or not ARTIFACT_REL.match(rel):
             return
         if self._find_by_artifact(index, rel) is None:
-            _remove(self.dir / rel)
+            remove(self.dir / rel)
 
     def _sweep_stale_temps(self) -> None:
         """Temp files only exist while their writer holds the lock, which we now hold: any
@@ -547,12 +465,12 @@ class ArtifactStore:
         for directory in (self.dir, self.dir / ARTIFACT_DIR, self.dir / BLOB_DIR):
             if directory.is_dir():
                 for tmp in directory.glob(f"{TMP_PREFIX}*"):
-                    _remove(tmp)
+                    remove(tmp)
 
     @staticmethod
     def _write_file(final: Path, write: Callable[[Path], None]) -> tuple[str, int]:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_path(final.parent, final.name)
+        tmp = tmp_path(final.parent, final.name)
         try:
             write(tmp)
             if not tmp.is_file():
@@ -569,6 +487,6 @@ class ArtifactStore:
                 size = f.tell()
             os.replace(tmp, final)
         finally:
-            _remove(tmp)
-        _fsync_dir(final.parent)
+            remove(tmp)
+        fsync_dir(final.parent)
         return h.hexdigest(), size

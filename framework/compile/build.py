@@ -7,52 +7,53 @@ split, passes, per-range compile, artifact cache, warm start without Dynamo).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
 from framework.cache.key import source_factors
+from framework.core.class_sources import class_source_files
 from framework.core.config import CompilationConfig, CompilationMode
+
+if TYPE_CHECKING:  # annotations only: the modules are imported when a piecewise build needs them
+    from backends.piecewise_backend import PiecewiseBackend
+    from framework.cache.store import ArtifactStore
+    from framework.compile.trace_once import TraceOnce
+    from passes.manager import PassManager
 
 logger = logging.getLogger(__name__)
 
 
 def model_source_files(model: torch.nn.Module) -> list[str]:
     """Source files of every module class in the model (what Dynamo will trace)."""
-    files = set()
-    for m in model.modules():
-        for cls in type(m).__mro__:
-            if cls.__module__.startswith("torch."):
-                break
-            try:
-                files.add(inspect.getsourcefile(cls))
-            except TypeError:
-                pass
-    return sorted(f for f in files if f)
+    return class_source_files(type(m) for m in model.modules())
 
 
 @dataclass
 class CompiledForward:
     """The step callable plus what it took to build it."""
 
-    forward: Callable
+    forward: Callable[..., Any]
+    """The model's forward (eager), its ``torch.compile`` (baseline) or a :class:`TraceOnce`."""
     mode: CompilationMode
-    stats: dict[str, Any] = field(default_factory=dict)
-    backend: Any = None
-    pass_manager: Any = None
-    trace_once: Any = None
-    store: Any = None
+    stats: dict[str, Union[float, bool]] = field(default_factory=dict)
+    """``warm_restore_s`` and ``dynamo_skipped`` when the program was restored from the cache."""
+    backend: Optional[PiecewiseBackend] = None
+    pass_manager: Optional[PassManager] = None
+    trace_once: Optional[TraceOnce] = None
+    store: Optional[ArtifactStore] = None
     finalize: Optional[Callable[[], None]] = None
     """Run after the first (tracing) forward: saves the program for warm starts."""
 
 
-def build_pass_manager(config: CompilationConfig, dtype: torch.dtype, quant_hash: Optional[str]):
+def build_pass_manager(
+    config: CompilationConfig, dtype: torch.dtype, quant_hash: Optional[str]
+) -> Optional[PassManager]:
     if not config.pass_config.passes:
         return None
     from passes.manager import PassManager

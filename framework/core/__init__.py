@@ -1,2 +1,2 @@
-"""The base layer every package may import: strict config dataclasses, compilation and
-quantization configs, the forward context. It imports nothing else from the project."""
+"""The base layer every package may import: configs (compilation, passes, quantization), the
+forward context and the shared vocabulary (registry, ops, CUDA-graph mode, compile ranges)."""

@@ -14,9 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from framework.core.config_base import NO_HASH, StrictConfig, check_sizes
+from framework.core.cudagraph_mode import effective_cudagraph_mode
 from framework.core.forward_context import CUDAGraphMode
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_LEVEL = 0
+"""The optimization level when none is given (``LLM(optimization_level=None)``, an unset
+``CompilationConfig.level``): eager. The experiments' Hydra config picks O2 explicitly."""
 
 LevelPasses = Callable[[int, str], list[str]]
 """``(level, device_type) -> pass names`` the level runs by default (``passes.registry``)."""
@@ -84,7 +89,8 @@ class CompilationConfig(StrictConfig):
     """How the model is traced, split, compiled, cached and wrapped in CUDA graphs."""
 
     level: Optional[int] = None
-    """Optimization level 0–3 whose defaults fill every unset field (default 2 via LLM)."""
+    """Optimization level 0–3 whose defaults fill every unset field (``None``:
+    :data:`DEFAULT_LEVEL`)."""
     mode: Optional[CompilationMode] = None
     """NONE (eager), STOCK_TORCH_COMPILE (baseline) or PIECEWISE."""
     backend: Optional[str] = None
@@ -178,7 +184,7 @@ class CompilationConfig(StrictConfig):
         (``passes.registry.level_passes``; this module may not import ``passes``)."""
         import torch
 
-        level = 2 if self.level is None else self.level
+        level = DEFAULT_LEVEL if self.level is None else self.level
         defaults = LEVEL_DEFAULTS[level]
         values = {}
         for name, default in defaults.items():
@@ -196,18 +202,16 @@ class CompilationConfig(StrictConfig):
             values["compile_sizes"] = []
         if values["cudagraph_capture_sizes"] is None:
             values["cudagraph_capture_sizes"] = default_capture_sizes(values["max_num_tokens"])
-        mode = values["cudagraph_mode"]
         has_cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
-        if mode != CUDAGraphMode.NONE and not has_cuda:
-            if self.cudagraph_mode is not None or level > 0:
-                logger.info("cudagraph_mode %s resolves to NONE: CUDA is not available", mode.name)
-            values["cudagraph_mode"] = CUDAGraphMode.NONE
-        if values["mode"] != CompilationMode.PIECEWISE and values["cudagraph_mode"].has_piecewise():
-            logger.info(
-                "cudagraph_mode %s needs piecewise compilation; using FULL instead",
-                values["cudagraph_mode"].name,
-            )
-            values["cudagraph_mode"] = CUDAGraphMode.FULL
+        requested = values["cudagraph_mode"]
+        mode, why = effective_cudagraph_mode(
+            requested,
+            has_cuda=has_cuda,
+            piecewise_compiled=values["mode"] == CompilationMode.PIECEWISE,
+        )
+        if why is not None and (self.cudagraph_mode is not None or level > 0):
+            logger.info("cudagraph_mode %s resolves to %s: %s", requested.name, mode.name, why)
+        values["cudagraph_mode"] = mode
         pass_defaults = (
             level_passes(level, "cuda" if has_cuda else "cpu")
             if self.pass_config.passes is None

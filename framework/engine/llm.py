@@ -24,7 +24,7 @@ import torch
 
 from backends.attention.selector import default_backend
 from framework.compile.build import CompiledForward, build_forward
-from framework.core.config import CompilationConfig, CompilationMode
+from framework.core.config import DEFAULT_LEVEL, CompilationConfig, CompilationMode
 from framework.cudagraph.emulation import EmulatedGraphOps
 from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
@@ -162,7 +162,8 @@ class LLM:
         if isinstance(cc, dict):
             cc = CompilationConfig.from_dict(cc)
         if cc.level is None:
-            cc = cc.replace(level=0 if optimization_level is None else optimization_level)
+            level = DEFAULT_LEVEL if optimization_level is None else optimization_level
+            cc = cc.replace(level=level)
         if cache_dir is not None:
             cc = cc.replace(cache_dir=cache_dir)
         max_num_tokens = max_num_batched_tokens or cc.max_num_tokens or self.max_model_len

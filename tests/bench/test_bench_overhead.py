@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.compiler import CompileRange
 from backends.piecewise_runtime import PiecewiseRuntime, RangeEntry
 from framework.compile.trace_once import ArgBinding, TraceOnce
+from framework.core.compile_range import CompileRange
 from framework.core.forward_context import ForwardContext, set_forward_context
 from framework.engine.runner import ModelRunner
 from framework.engine.scheduler import Request, ScheduledChunk

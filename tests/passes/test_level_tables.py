@@ -57,3 +57,18 @@ def test_canonical_order_of_the_builtin_passes():
 
 def test_unknown_device_types_use_the_cpu_table():
     assert level_passes(2, "mps") == PINNED[(2, "cpu")]
+
+
+def test_deriving_the_tables_imports_no_pattern_matcher_or_dynamo():
+    """Reading the metadata imports every pass module; none may pull in the pattern matcher or
+    Dynamo at import (the engine resolves the level's passes on the warm-start path)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from passes.registry import level_passes; level_passes(3, 'cuda'); "
+        "bad = [m for m in ('torch._inductor.pattern_matcher', 'torch._dynamo') "
+        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]

@@ -142,3 +142,23 @@ def test_bad_metadata_is_a_clear_error():
     finally:
         PASSES.remove("zz_a")
         PASSES.remove("zz_b")
+
+
+def test_an_entry_point_class_without_metadata_runs_only_when_named():
+    """What Registry does for a ``piecewise.passes`` entry point naming a class that did not
+    register itself: no levels (never a default), ordered before after=ALL passes."""
+    from passes.registry import PASSES, level_passes
+
+    class Plugin(GraphPass):
+        pass
+
+    PASSES.add("zz_plugin", Plugin, plugin="pkg.mod:Plugin")
+    try:
+        assert resolve_pass("zz_plugin") is Plugin and Plugin.name == "zz_plugin"
+        order = canonical_order()
+        assert order[-2:] == ["zz_plugin", "fix_functionalization"]
+        assert all(
+            "zz_plugin" not in level_passes(lvl, d) for lvl in (1, 2, 3) for d in "cpu cuda".split()
+        )
+    finally:
+        PASSES.remove("zz_plugin")

@@ -107,6 +107,19 @@ def test_lookup_with_graph_hash_links_identical_pieces_without_compiling(store):
     assert _files(store.dir / "artifacts") == ["g.bin"]
 
 
+def test_link_points_an_entry_at_a_stored_artifact_and_never_writes(store):
+    path = store.store("range_1_8/piece_0/inductor", "g", _writer(b"A"))
+    assert store.link("range_1_8/piece_1/inductor", "g") == path
+    assert store.entries()["range_1_8/piece_1/inductor"]["artifact"] == "artifacts/g.bin"
+    assert store.link("range_1_8/piece_2/inductor", "nothing_stored") is None
+    assert "range_1_8/piece_2/inductor" not in store.entries()
+    assert (store.stats.writes, store.stats.dedup_reuses) == (1, 1)
+    path.write_bytes(b"corrupt")  # a corrupt artifact is dropped, not linked
+    with pytest.warns(CacheCorruptionWarning):
+        assert store.link("range_1_8/piece_3/inductor", "g") is None
+    assert store.entries() == {}
+
+
 def test_restoring_an_entry_with_a_new_graph_drops_the_orphan(store):
     store.store("e", "old", _writer(b"1"))
     store.store("e", "new", _writer(b"2"))

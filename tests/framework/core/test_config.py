@@ -113,3 +113,10 @@ def test_hydra_schema_rejects_unknown_fields():
     schema = OmegaConf.structured(CompilationConfig)
     with pytest.raises(ConfigKeyError):
         OmegaConf.merge(schema, {"levl": 2})
+
+
+def test_the_default_level_is_one_constant_and_eager():
+    from framework.core.config import DEFAULT_LEVEL
+
+    r = CompilationConfig().resolve(max_num_tokens=64, level_passes=level_passes, has_cuda=False)
+    assert r.level == DEFAULT_LEVEL == 0 and r.mode == CompilationMode.NONE

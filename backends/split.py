@@ -1,0 +1,153 @@
+"""Splitting the one Dynamo graph into pieces: cut at the splitting ops, hash each piece's
+structure (identical layers hash equal), and learn each piece's example inputs, static inputs
+and token source. :class:`backends.piecewise_backend.PiecewiseBackend` compiles what this cuts."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from backends.graph_serde import op_name
+
+_STACK_FILE = re.compile(r'File "([^"]+)", line')
+
+
+@dataclass
+class PieceInfo:
+    name: str
+    index: int
+    is_splitting_op: bool
+
+
+def split_graph(
+    gm: fx.GraphModule, splitting_ops: list[str]
+) -> tuple[fx.GraphModule, list[PieceInfo]]:
+    """Split ``gm`` so each splitting op is alone in its submodule; the rest between two
+    splitting ops forms one piece.  ``[]`` keeps the whole graph as one piece."""
+    wanted = {s.removesuffix(".default") for s in splitting_ops}
+    part: dict[fx.Node, int] = {}
+    split_ids: set[int] = set()
+    pid = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        name = op_name(node.target) if node.op == "call_function" else None
+        if name is not None and name.removesuffix(".default") in wanted:
+            pid += 1
+            part[node] = pid
+            split_ids.add(pid)
+            pid += 1
+        else:
+            part[node] = pid
+    split = split_module(gm, None, lambda n: part[n], keep_original_order=True)
+    pieces = []
+    for name, _ in split.named_children():
+        idx = int(name.removeprefix("submod_"))
+        pieces.append(PieceInfo(name, idx, idx in split_ids))
+    return split, pieces
+
+
+def graph_hash(gm: fx.GraphModule, example_inputs: list) -> str:
+    """Structural hash: node names are canonicalised so identical layers hash equal."""
+    names: dict[str, str] = {}
+    lines = []
+
+    def ref(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return names[a.name]
+        if isinstance(a, (list, tuple)):
+            return [ref(x) for x in a]
+        if isinstance(a, dict):
+            return {k: ref(v) for k, v in a.items()}
+        return repr(a)
+
+    for i, n in enumerate(gm.graph.nodes):
+        names[n.name] = f"n{i}"
+        lines.append(
+            f"{n.op}|{n.target if n.op != 'placeholder' else ''}|"
+            f"{ref(n.args)}|{ref(dict(n.kwargs))}"
+        )
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            lines.append(f"in|{x.dtype}|{tuple(x.shape)}|{x.stride()}|{x.device.type}")
+        else:
+            lines.append(f"in|{type(x).__name__}|{x}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
+
+
+def token_source(example_inputs: list) -> tuple[int, Optional[int]]:
+    """Where a piece finds its token count: a SymInt argument, else a symbolic tensor dim."""
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.SymInt):
+            return i, None
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor):
+            for d, s in enumerate(x.shape):
+                if isinstance(s, torch.SymInt):
+                    return i, d
+    raise ValueError("piece has no input with a symbolic token dimension")
+
+
+def traced_files(gm: fx.GraphModule) -> list[str]:
+    """Files outside torch whose code produced nodes of the graph (from the stack traces
+    Dynamo records on every node)."""
+    files = set()
+    for n in gm.graph.nodes:
+        for f in _STACK_FILE.findall(n.meta.get("stack_trace") or ""):
+            if f"{os.sep}torch{os.sep}" not in f and os.path.isfile(f):
+                files.add(f)
+    return sorted(files)
+
+
+def static_piece_inputs(
+    gm: fx.GraphModule, split: fx.GraphModule, example_inputs: list
+) -> dict[str, dict[int, torch.Tensor]]:
+    """Per piece, its inputs that are real fixed-shape tensors handed to the backend (the
+    model's parameters and buffers), by input position.  The pass verifier runs pieces on
+    these real values: a fusion may rely on a property of a buffer (RoPE's cos/sin caches
+    repeat their two halves), which random values would break."""
+    real = {
+        n.name: x
+        for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)
+        if isinstance(x, torch.Tensor)
+        and not isinstance(x, torch._subclasses.FakeTensor)
+        and all(isinstance(s, int) for s in x.shape)
+    }
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for node in split.graph.find_nodes(op="call_module"):
+        out[node.target] = {
+            i: real[a.name]
+            for i, a in enumerate(node.args)
+            if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in real
+        }
+    return out
+
+
+def piece_example_inputs(split: fx.GraphModule, fakes: list) -> dict[str, list]:
+    """Run the split module on fake inputs, recording each submodule's arguments."""
+    seen: dict[str, list] = {}
+
+    class Recorder(fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            seen[target] = list(args)
+            return super().call_module(target, args, kwargs)
+
+    # The placeholders' own fake mode: Dynamo hands backends a different TracingContext mode.
+    fake_mode = next(f.fake_mode for f in fakes if isinstance(f, torch.Tensor))
+    with fake_mode, torch.no_grad():
+        Recorder(split).run(*fakes)
+    return seen
+
+
+def module_code(split: fx.GraphModule) -> str:
+    parts = [split.code]
+    for name, sub in split.named_children():
+        parts.append(f"# ---- {name}\n{getattr(sub, 'code', repr(sub))}")
+    return "\n".join(parts)
