@@ -151,6 +151,7 @@ class InductorStandalone(CompilerAdaptor):
         graph = copy.deepcopy(graph)
         patches = dict(self.inductor_config)
         if self.graph_pass is not None:
+            _register_custom_graph_pass(self.graph_pass)
             patches["post_grad_custom_post_pass"] = self.graph_pass
         if compile_range.is_single_size:
             inputs = concretize_inputs(example_inputs, compile_range.start)
@@ -199,6 +200,19 @@ class InductorStandalone(CompilerAdaptor):
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "artifact.bin").write_bytes(binary)
             return CompiledArtifact.load(path=str(Path(tmp) / "artifact.bin"), format="binary")
+
+
+def _register_custom_graph_pass(graph_pass: Any) -> None:
+    """Inductor keys its FX-graph cache by a custom pass's ``uuid()`` only if the pass is a
+    ``CustomGraphPass`` (``isinstance``).  The pass manager implements that interface without
+    inheriting from it (importing ``torch._inductor`` imports Dynamo, kept off warm starts),
+    so it is registered as a virtual subclass here, just before a compile."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    if not isinstance(graph_pass, CustomGraphPass):
+        if not callable(getattr(graph_pass, "uuid", None)):
+            raise TypeError(f"graph pass {graph_pass!r} has no uuid(); Inductor cannot cache it")
+        CustomGraphPass.register(type(graph_pass))
 
 
 ARTIFACT_MEMBER = "artifact.bin"
