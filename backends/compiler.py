@@ -165,8 +165,11 @@ class InductorStandalone(CompilerAdaptor):
         try:
             lean = export_lean(artifact, metas)
         except LeanUnsupported as e:
-            logger.info("piece %s: no lean form (%s); warm starts load it through Inductor",
-                        compile_range, e)
+            logger.info(
+                "piece %s: no lean form (%s); warm starts load it through Inductor",
+                compile_range,
+                e,
+            )
             lean = None
 
         def save(path: Path) -> None:

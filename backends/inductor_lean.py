@@ -145,8 +145,12 @@ def rewrite_source(source: str) -> str:
         return f"from backends.inductor_lean import {m.group(2)}"
 
     out = _IMPORT.sub(imp, source)
-    out = out.replace("async_compile = AsyncCompile()", "async_compile = __piecewise_async_compile__")
-    out = _KERNEL_DEF.sub(lambda m: f'{m.group(1)} = async_compile.cpp_pybinding_named("{m.group(1)}", ', out)
+    out = out.replace(
+        "async_compile = AsyncCompile()", "async_compile = __piecewise_async_compile__"
+    )
+    out = _KERNEL_DEF.sub(
+        lambda m: f'{m.group(1)} = async_compile.cpp_pybinding_named("{m.group(1)}", ', out
+    )
     return out
 
 
@@ -218,10 +222,8 @@ def export_lean(artifact: Any, metas: list) -> tuple[str, dict[str, Path]]:
     graph, meta = graphs[0], metas[0]
     if meta.num_mutated_inp_runtime_indices or meta.num_intermediate_bases:
         raise LeanUnsupported("input mutations or intermediate bases handled at run time")
-    if meta.tokens or meta.is_rng_op_functionalized or meta.subclass_inp_meta and any(
-        not isinstance(m, int) and type(m).__name__ != "PlainTensorMeta"
-        for m in meta.subclass_inp_meta
-    ):
+    subclasses = [m for m in meta.subclass_inp_meta if type(m).__name__ == "SubclassCreationMeta"]
+    if meta.tokens or meta.is_rng_op_functionalized or subclasses:
         raise LeanUnsupported("effect tokens, functionalized rng or tensor subclasses")
     if meta.num_unsafe_view_outputs:
         raise LeanUnsupported("unsafe-view outputs")

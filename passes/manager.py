@@ -329,4 +329,3 @@ def _safe(name: str) -> str:
 def _write_graph(directory: str, filename: str, graph: torch.fx.Graph, title: str) -> None:
     with open(os.path.join(directory, filename), "w") as f:
         f.write(f"# {title}\n{graph}\n")
-
