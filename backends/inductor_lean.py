@@ -125,13 +125,24 @@ def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
     module = types.ModuleType(f"piecewise_lean_{digest}")
     module.__dict__["__piecewise_async_compile__"] = compiler
     exec(compile(source, f"<piecewise lean module {digest}>", "exec"), module.__dict__)
-    call = module.__dict__["call"]
+    graph = LeanGraph(module.__dict__["call"])
 
     def run(*args: Any) -> Any:
-        return call(list(args))
+        return graph(list(args))
 
     run.lean = True  # type: ignore[attr-defined]
     return run
+
+
+class LeanGraph:
+    """A lean module's ``call``: takes the (boxed) input list, like Inductor's CompiledFxGraph,
+    so tools that hook compiled graphs (the CUDA-graph emulation) hook this one too."""
+
+    def __init__(self, call: Callable[[list], Any]):
+        self._call = call
+
+    def __call__(self, inputs: list) -> Any:
+        return self._call(inputs)
 
 
 def rewrite_source(source: str) -> str:

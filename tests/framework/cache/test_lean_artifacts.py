@@ -47,3 +47,41 @@ def test_piece_without_lean_form_loads_through_inductor(tmp_path, monkeypatch):
     loaded = compiler.load(tmp_path / "b.bin")
     assert not getattr(loaded, "lean", False)
     torch.testing.assert_close(loaded(x)[0], torch.sin(x) + 1)
+
+
+def test_lean_piece_is_captured_and_replayed_by_the_graph_emulation(tmp_path):
+    """A lean piece's kernels run outside the dispatcher too: the CUDA-graph emulation must
+    record it as one launch (as it does Inductor's CompiledFxGraph) and replay it."""
+    from framework.core.forward_context import (
+        BatchDescriptor,
+        CUDAGraphMode,
+        ForwardContext,
+        set_forward_context,
+    )
+    from framework.cudagraph.emulation import EmulatedGraphOps
+    from framework.cudagraph.wrapper import CUDAGraphWrapper, clear_all_graphs
+
+    x = torch.arange(8.0)
+
+    def f(x):
+        return (torch.sin(x * 2) + 1,)
+
+    compiler, _, save = _piece(f, x)
+    save(tmp_path / "c.bin")
+    loaded = compiler.load(tmp_path / "c.bin")
+    assert getattr(loaded, "lean", False)
+    w = CUDAGraphWrapper(
+        lambda t: loaded(t)[0], CUDAGraphMode.PIECEWISE, graph_ops=EmulatedGraphOps()
+    )
+    mode, desc = CUDAGraphMode.PIECEWISE, BatchDescriptor(8)
+    context = ForwardContext(
+        attn_metadata={}, kv_caches={}, cudagraph_runtime_mode=mode, batch_descriptor=desc
+    )
+    with set_forward_context(context):
+        w(x)
+        x.copy_(torch.linspace(-3, 3, 8))
+        out = w(x)
+    torch.testing.assert_close(out, torch.sin(x * 2) + 1)
+    names = [launch.name for launch in w._entries[desc].graph.tape]
+    clear_all_graphs()
+    assert "inductor graph" in names, names
