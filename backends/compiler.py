@@ -13,14 +13,27 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
+import os
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
+from backends.inductor_lean import (
+    LEAN_FORMAT,
+    LeanUnsupported,
+    capture_aot_metadata,
+    export_lean,
+    load_lean,
+)
 from framework.core.compile_range import CompileRange
 from framework.core.registry import Registry
 from framework.core.symbolic import concretize_inputs
+
+logger = logging.getLogger(__name__)
 
 SaveFn = Callable[[Path], None]
 
@@ -93,8 +106,13 @@ def make_compiler(name: str, **kwargs: Any) -> CompilerAdaptor:
 
 @register_compiler("inductor")
 class InductorStandalone(CompilerAdaptor):
-    """Inductor through ``torch._inductor.standalone_compile``; artifacts in the binary format
-    (one self-contained file, safe for several processes)."""
+    """Inductor through ``torch._inductor.standalone_compile``.  One file per artifact (safe
+    for several processes): a zip holding the binary-format ``CompiledArtifact`` and, where
+    the piece allows it, its lean form (:mod:`backends.inductor_lean`), which a warm start
+    loads without importing Inductor's compile path or probing the compiler."""
+
+    def compute_hash(self) -> str:
+        return f"{super().compute_hash()}-lean{LEAN_FORMAT}"
 
     def compile(self, graph, example_inputs, compile_range):
         from torch._inductor import standalone_compile
@@ -102,25 +120,90 @@ class InductorStandalone(CompilerAdaptor):
         graph = copy.deepcopy(graph)
         patches = dict(self.inductor_config)
         if self.graph_pass is not None:
+            _register_custom_graph_pass(self.graph_pass)
             patches["post_grad_custom_post_pass"] = self.graph_pass
         if compile_range.is_single_size:
             inputs = concretize_inputs(example_inputs, compile_range.start)
             dynamic = "from_example_inputs"
         else:
             inputs, dynamic = example_inputs, "from_graph"
-        artifact = standalone_compile(
-            graph, inputs, dynamic_shapes=dynamic, options={"config_patches": patches}
-        )
+        with capture_aot_metadata() as metas:
+            artifact = standalone_compile(
+                graph, inputs, dynamic_shapes=dynamic, options={"config_patches": patches}
+            )
+        try:
+            lean = export_lean(artifact, metas)
+        except LeanUnsupported as e:
+            logger.info(
+                "piece %s: no lean form (%s); warm starts load it through Inductor",
+                compile_range,
+                e,
+            )
+            lean = None
 
         def save(path: Path) -> None:
-            artifact.save(path=str(path), format="binary")
+            with tempfile.TemporaryDirectory() as tmp:
+                binary = Path(tmp) / "artifact.bin"
+                artifact.save(path=str(binary), format="binary")
+                with zipfile.ZipFile(path, "w") as zf:
+                    zf.write(binary, ARTIFACT_MEMBER)
+                    if lean is not None:
+                        source, kernels = lean
+                        zf.writestr(LEAN_SOURCE_MEMBER, source)
+                        for name, so in kernels.items():
+                            zf.write(so, f"{LEAN_KERNEL_DIR}/{name}.so")
 
         return artifact, save
 
     def load(self, path: Path) -> Callable:
+        with zipfile.ZipFile(path) as zf:
+            names = set(zf.namelist())
+            if LEAN_SOURCE_MEMBER in names:
+                source = zf.read(LEAN_SOURCE_MEMBER).decode()
+                kernels = {}
+                for member in sorted(n for n in names if n.startswith(LEAN_KERNEL_DIR + "/")):
+                    name = member[len(LEAN_KERNEL_DIR) + 1 : -len(".so")]
+                    kernels[name] = _extract_kernel(zf.read(member), Path(path))
+                return load_lean(source, kernels)
+            binary = zf.read(ARTIFACT_MEMBER)
+        # No lean form: Inductor's own loader (imports its compile path; torch 2.13).
         from torch._inductor import CompiledArtifact
 
-        return CompiledArtifact.load(path=str(path), format="binary")
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "artifact.bin").write_bytes(binary)
+            return CompiledArtifact.load(path=str(Path(tmp) / "artifact.bin"), format="binary")
+
+
+def _register_custom_graph_pass(graph_pass: Any) -> None:
+    """Inductor keys its FX-graph cache by a custom pass's ``uuid()`` only if the pass is a
+    ``CustomGraphPass`` (``isinstance``).  The pass manager implements that interface without
+    inheriting from it (importing ``torch._inductor`` imports Dynamo, kept off warm starts),
+    so it is registered as a virtual subclass here, just before a compile."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    if not isinstance(graph_pass, CustomGraphPass):
+        if not callable(getattr(graph_pass, "uuid", None)):
+            raise TypeError(f"graph pass {graph_pass!r} has no uuid(); Inductor cannot cache it")
+        CustomGraphPass.register(type(graph_pass))
+
+
+ARTIFACT_MEMBER = "artifact.bin"
+LEAN_SOURCE_MEMBER = "lean/module.py"
+LEAN_KERNEL_DIR = "lean/kernels"
+
+
+def _extract_kernel(data: bytes, artifact: Path) -> Path:
+    """A kernel's shared object as a file (dlopen needs one), named by its content so every
+    process agrees: ``<cache dir>/kernels/<sha>.so`` beside the artifacts folder."""
+    directory = artifact.parent.parent / "kernels"
+    target = directory / f"k{hashlib.sha256(data).hexdigest()[:32]}.so"
+    if target.exists() and target.stat().st_size == len(data):
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{target.name}.{os.getpid()}.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, target)
+    return target
 
 
 @register_compiler("eager")

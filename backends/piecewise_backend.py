@@ -302,6 +302,7 @@ def _first_output(fn: Callable) -> Callable:
     def call(*args):
         return fn(*args)[0]
 
+    call.lean = getattr(fn, "lean", False)  # type: ignore[attr-defined]  # lean artifact
     return call
 
 

@@ -112,7 +112,11 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, prefix: str = "model"):
         super().__init__()
         dt = config.torch_dtype
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dt)
+        # Built uninitialised (``_weight``): the checkpoint overwrites it, and Embedding's
+        # normal_ init runs through torch._refs, whose first call imports Dynamo (~1.5 s of
+        # every warm start).
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape, dtype=dt))
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,

@@ -228,7 +228,9 @@ def load_model(
     config = ModelConfig.from_hf_dict(raw, source=source, dtype=dtype_name(dtype))
     with torch.device("meta"):
         model = cls(config)
-    model.to_empty(device=device)
+    # Not ``to_empty``: its empty_like on meta tensors runs through torch._refs, which imports
+    # sympy and torch's symbolic shapes (~1 s of every start); the checkpoint fills them.
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.init_non_persistent_state()
     load_weights(model, model_dir)
     model.requires_grad_(False)

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from framework.core.config import PassConfig
 from passes.base import CompileRange, GraphPass, PassContext
@@ -82,8 +81,13 @@ def _range_tuple(compile_range: Optional[CompileRange]) -> Optional[tuple[int, i
     return None if compile_range is None else (int(compile_range.start), int(compile_range.end))
 
 
-class PassManager(CustomGraphPass):
+class PassManager:
     """Ordered passes from a resolved :class:`PassConfig` (``.passes`` is a list of names).
+
+    It implements Inductor's ``CustomGraphPass`` interface (``__call__`` + ``uuid``) and is
+    registered as one by the Inductor adaptor (``backends.compiler``) only when a compile is
+    about to run: importing ``torch._inductor`` imports Dynamo, which a warm start must not pay
+    for.
 
     The backend calls :meth:`set_current_piece` before compiling each piece so records, dumps
     and ``is_applicable`` see the piece's name and token range.

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from passes.base import GraphPass
 from passes.registry import register_pass
@@ -39,6 +38,14 @@ TO_THE_END = 2**62
 """Slice ends at or above this mean "to the end" (Python's ``x[a:]`` traces as INT64_MAX)."""
 
 
+def _statically_known_true(expr: Any) -> bool:
+    # Deferred: symbolic_shapes imports sympy (~1 s), which a warm start (no compile) never
+    # needs, and importing this pass is part of building the pass manager on every start.
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(expr)
+
+
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
@@ -48,7 +55,7 @@ def same_shape(a: Any, b: Any) -> bool:
         return False
     if a.dim() != b.dim():
         return False
-    return all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+    return all(_statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
 def _is_full_slice(node: torch.fx.Node) -> bool:
@@ -66,7 +73,7 @@ def _is_full_slice(node: torch.fx.Node) -> bool:
     if isinstance(end, torch.fx.Node):
         end = _val(end)
     size = inp.shape[dim]
-    return statically_known_true(end >= size)
+    return _statically_known_true(end >= size)
 
 
 # First (strips view/reshape/slice noise so patterns match); on from O1 everywhere.

@@ -148,8 +148,11 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def env_factors() -> dict[str, Any]:
+def env_factors(cpp_compiler: dict[str, str] | None = None) -> dict[str, Any]:
     """Software and hardware that change generated code: versions, CPU ISA, GPU, C++ compiler.
+
+    ``cpp_compiler``: the compiler identity when already known (``factor_memo``); computing it
+    imports Inductor.
 
     The CPU ISA comes from ATen's cpuinfo probes, not Inductor's ``pick_vec_isa()``: that one
     compiles test programs (~1 s per process) and is determined by these flags plus the compiler.
@@ -172,7 +175,7 @@ def env_factors() -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_isa_flags": isa_flags,
-        "cpp_compiler": _cpp_compiler_identity(),
+        "cpp_compiler": cpp_compiler if cpp_compiler is not None else _cpp_compiler_identity(),
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
     }

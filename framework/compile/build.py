@@ -176,12 +176,16 @@ def _build_piecewise(
 
 
 def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_hash, model_tag):
-    from framework.cache.key import env_factors, inductor_factors
+    from framework.cache.factor_memo import inductor_side_factors
+    from framework.cache.key import env_factors
     from framework.cache.store import ArtifactStore, default_cache_dir
 
+    root = config.cache_dir or default_cache_dir()
+    # Memoized under the cache root: computing them imports Inductor (and Dynamo).
+    side = inductor_side_factors(root)
     factors = {
-        "env": env_factors(),
-        "compiler": inductor_factors() if compiler.name == "inductor" else {},
+        "env": env_factors(cpp_compiler=side["cpp_compiler"]),
+        "compiler": side["inductor"] if compiler.name == "inductor" else {},
         "compiler_adaptor": compiler.compute_hash(),
         "compilation_config": config.compute_hash(),
         "passes": passes.cache_factors() if passes is not None else None,
@@ -190,5 +194,4 @@ def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_has
         "quantization": quant_hash,
         "source": source_factors(model_source_files(model)),
     }
-    root = config.cache_dir or default_cache_dir()
     return ArtifactStore.open(root, factors, rank=0, model_tag=model_tag)

@@ -1,0 +1,278 @@
+"""A loadable form of an Inductor CPU artifact that a warm start runs without the compiler.
+
+``CompiledArtifact.load`` (torch 2.13) imports ``torch._inductor.compile_fx`` (and with it
+AOTAutograd and Dynamo, ~3 s) and, through ``async_compile.cpp_pybinding``, probes the CPU's
+vector ISAs by compiling and running test programs and pre-compiles a header (~4 s more).
+None of that is needed to *run* code that was already compiled: the Inductor output module is
+plain Python calling C++ kernels that are already built as Python extension modules.
+
+So on a miss, right after compiling, :func:`export_lean` keeps the output module's source,
+with its ``torch._inductor`` imports replaced by the small runtime below, plus the kernels'
+``.so`` files; :func:`load_lean` runs them on a hit, importing nothing of Inductor.  The lean
+form is written only when the compiled callable is exactly the output module's ``call``
+behind a trivial AOTAutograd wrapper (no runtime input mutations, aliased outputs, tokens,
+subclasses, rng state); otherwise :func:`export_lean` says why and the caller keeps the
+standard artifact.  The facts the kernels were built for (CPU ISA, compiler, torch version)
+are in the cache key (``framework.cache.key``), so a hit may skip the probing.
+
+Everything that reads Inductor or AOTAutograd internals is in :func:`export_lean` (runs only
+after a compile, when those modules are loaded anyway); written against torch 2.13.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+LEAN_FORMAT = 1
+ALIGN_BYTES = 64  # torch._inductor.utils.ALIGN_BYTES (torch 2.13); checked by export_lean
+
+_IMPORT = re.compile(r"^from (torch\._inductor[\w.]*) import (.+)$", re.M)
+_KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(", re.M)
+_ASYNC_USE = re.compile(r"async_compile\.(\w+)")
+_EXTERN_USE = re.compile(r"extern_kernels\.(\w+)")
+
+
+# ---------------------------------------------------------------- runtime (no Inductor)
+def align(nbytes: int) -> int:
+    """Inductor's ``align`` (round up to ALIGN_BYTES)."""
+    return (nbytes + ALIGN_BYTES - 1) & -ALIGN_BYTES
+
+
+_align = align
+
+
+@contextlib.contextmanager
+def maybe_profile(should_profile: bool, *args: Any, **kwargs: Any):
+    if should_profile:
+        with torch.profiler.profile(*args, **kwargs) as p:
+            yield p
+    else:
+        yield
+
+
+def run_intermediate_hooks(name: str, val: Any) -> None:
+    """Inductor's debugging hooks; none are registered outside Inductor's own tests."""
+
+
+class _ExternKernels:
+    """``extern_kernels.mm`` etc.: each is the torch function of that name (export_lean
+    checks the identity against Inductor's registry for every name a module uses)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+extern_kernels = _ExternKernels()
+
+_SHIM_NAMES = {
+    "AsyncCompile",
+    "extern_kernels",
+    "run_intermediate_hooks",
+    "maybe_profile",
+    "_align as align",
+    "align",
+}
+
+
+class AsyncCompile:
+    """Stands in for Inductor's AsyncCompile in a lean module: hands out prebuilt kernels."""
+
+    kernels: dict[str, Callable] = {}
+
+    def cpp_pybinding_named(self, name: str, argtypes: Any, source: str) -> Callable:
+        return self.kernels[name]
+
+    def wait(self, scope: dict) -> None:
+        pass
+
+
+def _load_extension(path: Path, module_name: str) -> Callable:
+    # The kernels resolve tensor data pointers through a function torch exports to them by
+    # address (as CppPythonBindingsCodeCache._load_library_inner does, torch 2.13).
+    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
+        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr
+    )
+    if module_name in sys.modules:
+        return sys.modules[module_name].kernel
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load kernel {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[module_name] = module
+    return module.kernel
+
+
+def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
+    """The output module's ``call`` as ``fn(*args) -> tuple``, built from the rewritten source
+    and the kernel files (name -> path).  Imports nothing of Inductor."""
+    loaded = {}
+    for name, path in kernels.items():
+        loaded[name] = _load_extension(path, f"piecewise_lean_{path.stem}.kernel")
+    compiler = AsyncCompile()
+    compiler.kernels = loaded
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    module = types.ModuleType(f"piecewise_lean_{digest}")
+    module.__dict__["__piecewise_async_compile__"] = compiler
+    exec(compile(source, f"<piecewise lean module {digest}>", "exec"), module.__dict__)
+    graph = LeanGraph(module.__dict__["call"])
+
+    def run(*args: Any) -> Any:
+        return graph(list(args))
+
+    run.lean = True  # type: ignore[attr-defined]
+    return run
+
+
+class LeanGraph:
+    """A lean module's ``call``: takes the (boxed) input list, like Inductor's CompiledFxGraph,
+    so tools that hook compiled graphs (the CUDA-graph emulation) hook this one too."""
+
+    def __init__(self, call: Callable[[list], Any]):
+        self._call = call
+
+    def __call__(self, inputs: list) -> Any:
+        return self._call(inputs)
+
+
+def rewrite_source(source: str) -> str:
+    """Point the module's Inductor imports at this runtime and name each kernel."""
+
+    def imp(m: re.Match) -> str:
+        names = [n.strip() for n in m.group(2).split(",")]
+        bad = [n for n in names if n not in _SHIM_NAMES]
+        if bad:
+            raise LeanUnsupported(f"imports {bad} from {m.group(1)}")
+        return f"from backends.inductor_lean import {m.group(2)}"
+
+    out = _IMPORT.sub(imp, source)
+    out = out.replace(
+        "async_compile = AsyncCompile()", "async_compile = __piecewise_async_compile__"
+    )
+    out = _KERNEL_DEF.sub(
+        lambda m: f'{m.group(1)} = async_compile.cpp_pybinding_named("{m.group(1)}", ', out
+    )
+    return out
+
+
+# ---------------------------------------------------------------- export (after a compile)
+class LeanUnsupported(Exception):
+    """The compiled artifact has no lean form; the reason says what it needs."""
+
+
+@contextlib.contextmanager
+def capture_aot_metadata():
+    """Collects the AOTAutograd runtime metadata (ViewAndMutationMeta) of the compiles run
+    inside; torch 2.13 keeps it only inside generated wrapper code, so this spies on
+    ``runtime_wrappers._create_runtime_wrapper`` for the duration (single-threaded compile)."""
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    seen: list = []
+    original = runtime_wrappers._create_runtime_wrapper
+
+    def spy(compiled_fn, *, runtime_metadata, **kwargs):
+        seen.append(runtime_metadata)
+        return original(compiled_fn, runtime_metadata=runtime_metadata, **kwargs)
+
+    runtime_wrappers._create_runtime_wrapper = spy
+    try:
+        yield seen
+    finally:
+        runtime_wrappers._create_runtime_wrapper = original
+
+
+def _find_compiled_graphs(obj: Any, depth: int = 0, seen: Optional[set] = None) -> list:
+    """CompiledFxGraph objects reachable from the artifact's callable through closures and
+    attributes (torch 2.13: AOT wrapper -> SerializableCompiledFunction -> CompiledFxGraph)."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 12:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, CompiledFxGraph):
+        return [obj]
+    children = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _full(c)]
+    if hasattr(obj, "__dict__") and not isinstance(obj, (types.ModuleType, type)):
+        children += [v for v in vars(obj).values() if callable(v)]
+    found = []
+    for c in children:
+        found += _find_compiled_graphs(c, depth + 1, seen)
+    return found
+
+
+def _full(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:
+        return False
+
+
+def export_lean(artifact: Any, metas: list) -> tuple[str, dict[str, Path]]:
+    """The rewritten source and kernel files of a fresh ``standalone_compile`` artifact;
+    raises :class:`LeanUnsupported` with the reason when there is no faithful lean form."""
+    # torch 2.13 internals: ``metas`` from capture_aot_metadata around the compile.
+    from torch._functorch._aot_autograd.schemas import OutputType
+    from torch._inductor import utils as inductor_utils
+    from torch._inductor.select_algorithm import extern_kernels as inductor_extern
+
+    graphs = _find_compiled_graphs(getattr(artifact, "_compiled_fn", artifact))
+    if len(graphs) != 1 or len(metas) != 1:
+        raise LeanUnsupported(f"found {len(graphs)} compiled graphs, {len(metas)} AOT metadata")
+    graph, meta = graphs[0], metas[0]
+    if meta.num_mutated_inp_runtime_indices or meta.num_intermediate_bases:
+        raise LeanUnsupported("input mutations or intermediate bases handled at run time")
+    subclasses = [m for m in meta.subclass_inp_meta if type(m).__name__ == "SubclassCreationMeta"]
+    if meta.tokens or meta.is_rng_op_functionalized or subclasses:
+        raise LeanUnsupported("effect tokens, functionalized rng or tensor subclasses")
+    if meta.num_unsafe_view_outputs:
+        raise LeanUnsupported("unsafe-view outputs")
+    kinds = {o.output_type for o in meta.output_info}
+    if not kinds <= {OutputType.non_alias}:
+        raise LeanUnsupported(f"outputs alias inputs or each other ({sorted(map(str, kinds))})")
+    module = sys.modules.get(getattr(graph.current_callable, "__module__", ""), None)
+    call = getattr(module, "call", None)
+    if module is None or graph.current_callable != call:
+        raise LeanUnsupported("the compiled callable is wrapped (input alignment, cudagraphs)")
+    if inductor_utils.ALIGN_BYTES != ALIGN_BYTES:
+        raise LeanUnsupported(f"Inductor aligns to {inductor_utils.ALIGN_BYTES} bytes")
+    source = Path(module.__file__).read_text()
+    unknown = set(_ASYNC_USE.findall(source)) - {"cpp_pybinding", "wait"}
+    if unknown:
+        raise LeanUnsupported(f"kernels of kinds {sorted(unknown)}")
+    for name in set(_EXTERN_USE.findall(source)):
+        if getattr(inductor_extern, name, None) is not getattr(torch, name, object()):
+            raise LeanUnsupported(f"extern kernel {name} is not torch.{name}")
+    kernels = {}
+    for name in _KERNEL_DEF.findall(source):
+        fn = getattr(module, name, None)
+        so = getattr(getattr(fn, "__self__", None), "__file__", None)
+        if so is None or not so.endswith(".so"):
+            raise LeanUnsupported(f"kernel {name} is not a loaded extension module")
+        kernels[name] = Path(so)
+    lean = rewrite_source(_executed_part(source))
+    for banned in ("torch._inductor", "torch._dynamo", "import triton"):
+        if banned in lean:
+            raise LeanUnsupported(f"the module still refers to {banned}")
+    try:  # the lean form must at least load here, or warm starts would discard it
+        load_lean(lean, kernels)
+    except Exception as e:
+        raise LeanUnsupported(f"the lean module does not load ({type(e).__name__}: {e})") from e
+    return lean, kernels
+
+
+def _executed_part(source: str) -> str:
+    """The module without its leading docstring and the benchmark helpers at its end."""
+    body = source.split('"""', 2)[-1] if source.startswith('r"""') else source
+    return body.split("\ndef get_args():")[0]
