@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from framework.core.parallel_state import divide, get_tp_state, kv_head_layout
 from models.attention import PagedAttention
 from models.config import ModelConfig
 from models.family import FamilyTraits, register_model
-from framework.core.parallel_state import divide, get_tp_state, kv_head_layout
 from models.layers import RMSNorm
 from models.parallel_layers import (
     BlockShard,

@@ -172,7 +172,7 @@ def _build_piecewise(
 
 
 def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_hash, model_tag):
-    from framework.cache.key import env_factors, inductor_factors
+    from framework.cache.key import env_factors, inductor_factors, tp_factors
     from framework.cache.store import ArtifactStore, default_cache_dir
 
     factors = {
@@ -185,6 +185,7 @@ def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_has
         "dtype": str(dtype),
         "quantization": quant_hash,
         "source": source_factors(model_source_files(model)),
+        "tensor_parallel": tp_factors(),
     }
     root = config.cache_dir or default_cache_dir()
-    return ArtifactStore.open(root, factors, rank=0, model_tag=model_tag)
+    return ArtifactStore.open(root, factors, rank=tp_factors()["rank"], model_tag=model_tag)

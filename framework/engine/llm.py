@@ -26,11 +26,13 @@ import torch
 from backends.attention.selector import default_backend
 from framework.compile.build import CompiledForward, build_forward
 from framework.core.config import CompilationConfig, CompilationMode
+from framework.core.parallel_state import kv_head_layout
 from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
 from framework.engine.capture import capture_graphs
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from framework.engine.outputs import RequestOutput
+from framework.engine.parallel import start_tensor_parallel
 from framework.engine.request import (
     Request,
     ScheduledChunk,
@@ -73,7 +75,9 @@ class LLM:
         model_tag: Optional[str] = None,
         graph_ops: Any = None,
         enable_prefix_caching: bool = False,
+        tensor_parallel_size: int = 1,
     ):
+        llm_args = {k: v for k, v in locals().items() if k not in ("self", "tensor_parallel_size")}
         from models.config import parse_dtype
         from models.loader import load_model
 
@@ -86,6 +90,10 @@ class LLM:
         ):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"LLM.{name}: must be a positive int, got {v!r}")
+        # Tensor parallelism (framework/engine/parallel.py): None for one process.
+        self._tp = start_tensor_parallel(tensor_parallel_size, llm_args)
+        if self._tp is not None:
+            self._tp.activate()
         self.device = torch.device(device or "cpu")
         self.dtype = parse_dtype(dtype)
         self.model, self.model_config = load_model(model, self.dtype, self.device)
@@ -108,7 +116,8 @@ class LLM:
         self.max_model_len = max_model_len
 
         mc = self.model_config
-        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, block_size)
+        kv_heads = kv_head_layout(mc.num_kv_heads, tensor_parallel_size)[0]  # this rank's
+        spec = KVCacheSpec(mc.num_layers, kv_heads, mc.head_dim, self.dtype, block_size)
         num_blocks = num_blocks_for(
             spec,
             max_model_len=max_model_len,
@@ -159,6 +168,8 @@ class LLM:
             attn_backend=attention_backend,
             dispatch=self.graphs.dispatcher.dispatch,
         )
+        if self._tp is not None:
+            self._tp.handshake()
         self._next_id = 0
         self._rng = random.Random(seed)
         self._requests: dict[int, Request] = {}
@@ -172,6 +183,13 @@ class LLM:
             capture_graphs(self.runner, self.graphs, progress=self.config.progress_bar)
         )
         self._startup["startup_s"] = time.perf_counter() - t_start
+        if self._tp is not None:
+            self._tp.attach(self)  # rank 0 broadcasts steps from now on; others serve here
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (no-op for one process; also runs at exit)."""
+        if self._tp is not None:
+            self._tp.close()
 
     # ------------------------------------------------------------------ setup
     def _quantize(self, quantization: Any) -> tuple[Any, Optional[str]]:
