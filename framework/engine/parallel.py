@@ -30,18 +30,22 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from framework.core.parallel_state import TPState, set_tp_state
+from framework.core.parallel_state import TPState, divide, kv_head_layout, set_tp_state
 from framework.engine.request import ScheduledChunk
+from models.config import ModelConfig, read_hf_config
 
 logger = logging.getLogger(__name__)
 
 FAIL_HOOK_ENV = "PIECEWISE_TP_FAIL"
+_ACTIVE: list["TPGroup"] = []
+"""The group this process spawned and still holds (at most one)."""
 _TIMEOUT = timedelta(seconds=int(os.environ.get("PIECEWISE_TP_TIMEOUT_S", "300")))
 
 
@@ -55,12 +59,25 @@ def check_tp_size(n: Any) -> int:
     return n
 
 
+def check_shardable(model_dir, n: int) -> None:
+    """Refuse a size the model cannot be split by before any process starts."""
+    source = str(Path(model_dir) / "config.json")
+    mc = ModelConfig.from_hf_dict(read_hf_config(model_dir), source=source)
+    divide(mc.num_heads, n, "num_attention_heads")
+    divide(mc.intermediate_size, n, "intermediate_size")
+    kv_head_layout(mc.num_kv_heads, n)
+
+
 def start_tensor_parallel(n: int, llm_args: dict[str, Any]) -> Optional["TPGroup"]:
     """None for ``n == 1``; else this process's handle in an ``n``-rank group."""
     if check_tp_size(n) == 1:
         return None
+    check_shardable(llm_args["model"], n)
     device = str(llm_args.get("device") or "cpu")
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    for old in list(_ACTIVE):  # one group per process: a new TP LLM retires the previous one
+        logger.warning("tensor parallel: closing the previous LLM's group for a new one")
+        old.close()
     if dist.is_initialized() or "WORLD_SIZE" in os.environ:
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=_TIMEOUT)  # torchrun's env:// rendezvous
@@ -136,6 +153,7 @@ class TPGroup:
         self._fail_step = _fail_hook(rank)
         if owns_group:
             atexit.register(self.close)
+            _ACTIVE.append(self)
 
     # -------------------------------------------------------------- set-up
     def activate(self) -> None:
@@ -244,6 +262,8 @@ class TPGroup:
         if self.store_path and os.path.exists(self.store_path):
             os.unlink(self.store_path)
         atexit.unregister(self.close)
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
 
 
 def _fail_hook(rank: int) -> Optional[int]:
