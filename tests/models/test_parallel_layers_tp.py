@@ -36,9 +36,7 @@ def test_shards_reassemble_the_full_weights(checkpoint):
     D, Hq = mc.head_dim, mc.num_heads
     per_rank_kv, replicas = kv_head_layout(num_kv, 2)
     f_attn = full.model.layers[1].self_attn
-    q_full, k_full, v_full = f_attn.qkv_proj.weight.split(
-        [Hq * D, num_kv * D, num_kv * D]
-    )
+    q_full, k_full, v_full = f_attn.qkv_proj.weight.split([Hq * D, num_kv * D, num_kv * D])
     qb_full = f_attn.qkv_proj.bias.split([Hq * D, num_kv * D, num_kv * D])[0]
     for r, m in enumerate(shards):
         a = m.model.layers[1].self_attn
