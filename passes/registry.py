@@ -14,6 +14,7 @@ from passes.base import GraphPass
 
 CANONICAL_ORDER: list[str] = [
     "noop_elimination",  # first: strips view/reshape/slice noise so patterns match
+    "sequence_parallelism",  # TP, big concrete sizes: reduce-scatter / norm on 1/N / gather
     "fuse_allreduce_rmsnorm",  # TP all-reduce + add + RMSNorm (before the add is taken)
     "fuse_add_rmsnorm",  # add + RMSNorm -> fused_add_rms_norm
     "fuse_rmsnorm_quant",  # (fused-add-)RMSNorm + quant -> one op (sees the op above)

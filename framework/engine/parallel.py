@@ -26,6 +26,7 @@ import atexit
 import logging
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -132,7 +133,9 @@ def _worker_main(rank, n, backend, init, llm_args, errors, threads) -> None:
             llm_args = {**llm_args, "device": f"cuda:{rank}"}
         LLM(**llm_args, tensor_parallel_size=n)
     except BaseException:
-        errors.put((rank, traceback.format_exc()))
+        tb = traceback.format_exc()
+        print(f"[tensor parallel rank {rank}] {tb}", file=sys.stderr, flush=True)
+        errors.put((rank, tb))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
