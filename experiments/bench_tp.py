@@ -33,11 +33,12 @@ def _prompts(batch: int, prompt_len: int) -> list[list[int]]:
     ]
 
 
-def run_one(args, tp: int, model: str) -> dict:
+def run_one(args, tp: int, model: str, enable: tuple[str, ...] = ()) -> dict:
+    cc = {"level": args.level, "pass_config": {"enable": list(enable)}}
     llm = LLM(
         model,
         dtype=args.dtype,
-        optimization_level=args.level,
+        compilation_config=cc,
         tensor_parallel_size=tp,
         device=args.device,
         cache_dir=args.cache_dir,
@@ -52,6 +53,7 @@ def run_one(args, tp: int, model: str) -> dict:
         st = llm.stats
         return {
             "tp": tp,
+            "passes": "+".join(enable) or "-",
             "tokens": tokens,
             "startup_s": round(st["startup_s"], 2),
             "prefill_ms": round(st.get("prefill_ms_median", float("nan")), 2),
@@ -73,6 +75,13 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cache-dir", default=None)
+    p.add_argument(
+        "--enable",
+        nargs="*",
+        default=[],
+        help="extra TP=N rows with these passes on (needs --level >= 1), e.g. "
+        "fuse_allreduce_rmsnorm",
+    )
     p.add_argument("--check", action="store_true", help="exit 1 unless tokens are identical")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
@@ -87,17 +96,21 @@ def main(argv=None) -> int:
     args.cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench-tp-")
     model = str(ensure_tiny_model(preset=args.preset))
     rows = [run_one(args, 1, model), run_one(args, args.tp, model)]
-    same = rows[0]["tokens"] == rows[1]["tokens"]
+    rows += [run_one(args, args.tp, model, (name,)) for name in args.enable]
+    same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
     print(
         f"\n{args.preset}, {args.dtype}, O{args.level}, {args.device}, batch {args.batch} "
         f"(prompts {args.prompt_len} down), {args.new_tokens} new tokens, {threads} thread(s) "
         f"per rank\n"
     )
-    print("| TP | start-up s | prefill step ms | decode step ms | tokens == TP=1 |")
-    print("|---|---|---|---|---|")
+    print("| TP | passes added | start-up s | prefill step ms | decode step ms | tokens == TP=1 |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         ok = "yes" if r["tokens"] == rows[0]["tokens"] else "NO"
-        print(f"| {r['tp']} | {r['startup_s']} | {r['prefill_ms']} | {r['decode_ms']} | {ok} |")
+        print(
+            f"| {r['tp']} | {r['passes']} | {r['startup_s']} | {r['prefill_ms']} | "
+            f"{r['decode_ms']} | {ok} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.check and not same:

@@ -134,6 +134,14 @@ def _keep_residual_sharded(graph: torch.fx.Graph, rank: int) -> None:
         if val is None or dim != 0:
             continue
         c = int(val.shape[0])
-        if start == rank * c and end == (rank + 1) * c:
+        gathered = int(src.meta["val"].shape[0]) if "val" in src.meta else None
+        # the last rank's slice may be traced with an end past the size (``x[r*c:]``)
+        end_ok = end == (rank + 1) * c or (
+            gathered is not None
+            and (rank + 1) * c == gathered
+            and end is not None
+            and end >= gathered
+        )
+        if start == rank * c and end_ok:
             node.replace_all_uses_with(chunk)
             graph.erase_node(node)
