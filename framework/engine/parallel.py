@@ -223,6 +223,8 @@ class TPGroup:
         raise TensorParallelError(f"tensor parallel rank {rank} failed:\n{tb.rstrip()}") from None
 
     def _first_error(self, wait_s: float):
+        if self.errors is None:  # torchrun: the launcher reports the other ranks
+            return None
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:

@@ -97,3 +97,30 @@ def test_tp2_o2_with_both_passes(mqa_checkpoint, tmp_path):
     assert _by_range(fused) == {(1, 128): 4, (32, 32): 0}  # SP took those sites first
     code = (dump / "split_graph.py").read_text()
     assert code.count("_c10d_functional.all_reduce") == 5  # the trace itself is unchanged
+
+
+@pytest.mark.slow  # reason: another cold TP=2 O2 compile (~2 min under load)
+def test_tp2_verify_passes_runs_on_every_rank(mqa_checkpoint, tmp_path):
+    """verify_passes at TP=2: each rank runs every piece before and after each pass (the
+    collectives in the piece run on both ranks in step) and records its error."""
+    from framework.engine.llm import LLM
+
+    cc = {
+        "level": 2,
+        "pass_config": {"enable": ["fuse_allreduce_rmsnorm"], "verify_passes": True},
+    }
+    llm = LLM(
+        str(mqa_checkpoint),
+        compilation_config=cc,
+        tensor_parallel_size=2,
+        cache_dir=str(tmp_path / "cache"),
+        max_model_len=128,
+    )
+    try:
+        llm.generate(PROMPTS[:2], max_new_tokens=2)
+        fused = llm.stats["passes"]["fuse_allreduce_rmsnorm"]
+    finally:
+        llm.close()
+    assert _by_range(fused) == {(1, 128): 4}
+    errors = [p["max_abs_error"] for p in fused["pieces"] if p["matches"]]
+    assert errors and all(e == 0 for e in errors)  # the reference op is bit-identical
