@@ -162,6 +162,7 @@ def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
         enable_prefix_caching=bool(engine.get("enable_prefix_caching", False)),
         block_size=int(engine.get("block_size", 16)),
         kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes),
+        tensor_parallel_size=int((cfg.get("parallel") or {}).get("tensor_parallel_size", 1)),
     )
 
 

@@ -19,10 +19,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from framework.core.parallel_state import divide, get_tp_state, kv_head_layout
 from models.attention import PagedAttention
 from models.config import ModelConfig
 from models.family import FamilyTraits, register_model
-from models.layers import Linear, MergedLinear, RMSNorm
+from models.layers import RMSNorm
+from models.parallel_layers import (
+    BlockShard,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from models.rotary import RotaryEmbedding
 
 
@@ -30,17 +38,25 @@ class DecoderAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, prefix: str, layer_idx: int):
         super().__init__()
         dt = config.torch_dtype
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
+        # Tensor parallelism: this rank's q heads, and its KV heads (replicated over ranks
+        # when there are fewer KV heads than ranks).  World size 1: every head.
+        tp = get_tp_state()
+        self.num_heads = divide(config.num_heads, tp.world_size, "num_attention_heads")
+        self.num_kv_heads, kv_replicas = kv_head_layout(config.num_kv_heads, tp.world_size)
+        self.head_dim = D = config.head_dim
+        self.q_size = self.num_heads * D
+        self.kv_size = self.num_kv_heads * D
+        kv_start = (tp.rank // kv_replicas) * self.kv_size
+        kv = BlockShard(self.kv_size, kv_start, config.num_kv_heads * D)
+        self.qkv_proj = MergedColumnParallelLinear(
             config.hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
+            [BlockShard(self.q_size, tp.rank * self.q_size, config.num_heads * D), kv, kv],
             bias=config.attention_bias,
             dtype=dt,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dt)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * D, config.hidden_size, bias=config.o_proj_bias, dtype=dt
+        )
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dt)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dt)
@@ -74,11 +90,12 @@ class DecoderMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         dt = config.torch_dtype
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(
-            config.hidden_size, [config.intermediate_size] * 2, dtype=dt
+        I = config.intermediate_size  # noqa: E741
+        self.intermediate_size = divide(I, get_tp_state().world_size, "intermediate_size")
+        self.gate_up_proj = MergedColumnParallelLinear.even(
+            config.hidden_size, [I, I], "intermediate_size", dtype=dt
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dt)
+        self.down_proj = RowParallelLinear(I, config.hidden_size, dtype=dt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
@@ -112,12 +129,9 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, prefix: str = "model"):
         super().__init__()
         dt = config.torch_dtype
-        # Built uninitialised (``_weight``): the checkpoint overwrites it, and Embedding's
-        # normal_ init runs through torch._refs, whose first call imports Dynamo (~1.5 s of
-        # every warm start).
-        shape = (config.vocab_size, config.hidden_size)
-        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape, dtype=dt))
-        self.embed_tokens.weight.requires_grad_(False)
+        # VocabParallelEmbedding allocates uninitialised (torch.empty): the checkpoint overwrites
+        # it, and nn.Embedding's normal_ init would import Dynamo on every warm start.
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dt)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -161,7 +175,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, prefix="model")
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=config.torch_dtype)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, config.torch_dtype)
         self.tie_weights()
 
     def tie_weights(self) -> None:

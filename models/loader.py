@@ -173,10 +173,14 @@ def _load_file(
             param_name, block = expected[hf_name]
             param = params[param_name]
             target = param.data
+            module_path, _, attr = param_name.rpartition(".")
+            module = model.get_submodule(module_path)
             if block is not None:
-                module = model.get_submodule(param_name.rpartition(".")[0])
                 start, size = module.shard_bounds(block)
                 target = target.narrow(0, start, size)
+            # Tensor parallelism: the layer names the slice of the checkpoint tensor this
+            # rank holds; only that slice is read from the file.
+            shard = module.load_slice(attr, block) if hasattr(module, "load_slice") else None
             sl = f.get_slice(hf_name)
             dtype = sl.get_dtype()
             if dtype not in _FLOAT_DTYPES:
@@ -186,19 +190,35 @@ def _load_file(
                     f"quantize at load time through the quantization config"
                 )
             shape = list(sl.get_shape())
-            if shape != list(target.shape):
+            want = list(target.shape)
+            if shard is not None:
+                want[shard.dim] = shard.full
+            if shape != want:
                 raise CheckpointError(
                     f"{file}: tensor {hf_name!r} has shape {shape}, expected "
-                    f"{list(target.shape)} (from config.json)"
+                    f"{want} (from config.json)"
                 )
             try:
-                tensor = f.get_tensor(hf_name)
+                tensor = _read(f, sl, hf_name, shard)
             except Exception as e:
                 raise CheckpointError(
                     f"{file}: cannot read tensor {hf_name!r} ({e}); the file "
                     f"is corrupt or truncated, re-download it"
                 ) from None
+            if shard is not None:
+                if shard.size < target.shape[shard.dim]:
+                    target.zero_()  # vocabulary padding rows
+                target = target.narrow(shard.dim, shard.dst_start, shard.size)
             target.copy_(tensor)
+
+
+def _read(f, sl, name: str, shard) -> torch.Tensor:
+    """The whole tensor, or only this rank's slice of it (``get_slice`` reads just those
+    bytes)."""
+    if shard is None:
+        return f.get_tensor(name)
+    index = [slice(None)] * shard.dim + [slice(shard.src_start, shard.src_start + shard.size)]
+    return sl[tuple(index)]
 
 
 def _where(files: dict[str, Path], model_dir: Union[str, Path]) -> str:

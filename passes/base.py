@@ -28,6 +28,8 @@ class PassContext:
     dtype: Optional[torch.dtype] = None
     """The model's activation dtype; ``None``: fusions register patterns for fp32/bf16/fp16."""
     quant_config_hash: Optional[str] = None
+    sequence_parallel_min_tokens: int = 256
+    """``PassConfig.sequence_parallel_min_tokens`` (the sequence-parallelism threshold)."""
     """Hash of the quantization config (passes that depend on it put it in their factors)."""
 
 

@@ -49,7 +49,9 @@ def add_rms_replacement(x, residual, weight, eps):
 
 # GPU from O2; CPU only at O3 (neutral against Inductor's own fusion).
 @register_pass(
-    "fuse_add_rmsnorm", after=("noop_elimination",), levels={"cpu": 3, "cuda": 2}, fusion=True
+    "fuse_add_rmsnorm",
+    after=("noop_elimination", "sequence_parallelism", "fuse_allreduce_rmsnorm"),
+    levels={"cpu": 3, "cuda": 2}, fusion=True
 )
 class FuseAddRMSNormPass(PatternFusionPass):
     __doc__ = __doc__

@@ -107,7 +107,11 @@ class PassManager:
                 "config first (CompilationConfig.resolve) so the level fills it"
             )
         self.pass_config = pass_config
-        self.context = PassContext(dtype=dtype, quant_config_hash=quant_config_hash)
+        self.context = PassContext(
+            dtype=dtype,
+            quant_config_hash=quant_config_hash,
+            sequence_parallel_min_tokens=pass_config.sequence_parallel_min_tokens,
+        )
         self.debug_dump_path = debug_dump_path
         self.names = order_passes(list(pass_config.passes))
         self.passes: list[GraphPass] = [resolve_pass(n)(self.context) for n in self.names]

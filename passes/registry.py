@@ -35,6 +35,8 @@ DEVICE_TYPES = ("cpu", "cuda")
 
 BUILTIN_MODULES: tuple[str, ...] = (
     "passes.noop_elimination",
+    "passes.sequence_parallelism",
+    "passes.fuse_allreduce_rmsnorm",
     "passes.fuse_add_rmsnorm",
     "passes.fuse_rmsnorm_quant",
     "passes.fuse_silu_mul_quant",

@@ -138,7 +138,20 @@ def undefined_nodes(graph: torch.fx.Graph) -> set[str]:
         for arg in _written_args(node):
             if arg.name in root:
                 written.add(root[arg.name])
-    return {name for name, r in root.items() if r not in written}
+    undefined = {name for name, r in root.items() if r not in written}
+    # A functional collective's result is defined only after its wait_tensor (tensor
+    # parallelism): the value in between is never compared.
+    undefined |= {
+        n.name for n in graph.nodes if n.op == "call_function" and n.target in ASYNC_COLLECTIVES
+    }
+    return undefined
+
+
+ASYNC_COLLECTIVES = {
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
 
 
 def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -45,6 +45,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIECEWISE_GPU_CHECK=1          # tests/conftest.py: report the collection guard
 TEST_MARKS="gpu or triton_kernel"
 TEST_CMD=(-m pytest -q -p no:cacheprovider -m "$TEST_MARKS" --junitxml "$OUT/tests.xml" tests)
+TP_TIMEOUT=${GPU_CHECK_TP_TIMEOUT:-180}
+# Tensor parallelism: TP=2 (NCCL) greedy tokens against TP=1 at O2; skips with a reason when
+# fewer than 2 GPUs are visible (experiments/bench_tp.py prints it).
+TP_CMD=(-m experiments.bench_tp --device cuda --tp 2 --level 2 --check --json "$OUT/tp_check.json")
 BENCH_CMD=(-m experiments.gpu_decode_bench --batch-sizes 1 8 32 --dtype bfloat16
            --out "$OUT/decode_bench.json")
 
@@ -111,6 +115,7 @@ if [ $DRY_RUN -eq 1 ]; then
     echo "TRITON_INTERPRET: unset"
     echo "tests: timeout $TEST_TIMEOUT python ${TEST_CMD[*]}"
     echo "benchmark: timeout $BENCH_TIMEOUT python ${BENCH_CMD[*]} ${BENCH_ARGS:-}"
+    echo "tensor parallel: timeout $TP_TIMEOUT python ${TP_CMD[*]} (skips below 2 GPUs)"
     step "dry run: collect the GPU test selection"
     "$PY" "${TEST_CMD[@]:0:7}" --collect-only tests
     rc=$?
@@ -215,12 +220,17 @@ timeout --kill-after=15 "$TEST_TIMEOUT" "$PY" "${TEST_CMD[@]}"
 TEST_RC=$?
 [ $TEST_RC -eq 124 ] && echo "GPU tests timed out after ${TEST_TIMEOUT}s"
 
+step "tensor parallel TP=2 vs TP=1 (timeout ${TP_TIMEOUT}s)"
+timeout --kill-after=15 "$TP_TIMEOUT" "$PY" "${TP_CMD[@]}"
+TP_RC=$?
+[ $TP_RC -eq 124 ] && echo "TP check timed out after ${TP_TIMEOUT}s"
+
 step "decode benchmark (timeout ${BENCH_TIMEOUT}s)"
 # shellcheck disable=SC2086
 timeout --kill-after=15 "$BENCH_TIMEOUT" "$PY" "${BENCH_CMD[@]}" ${BENCH_ARGS:-}
 BENCH_RC=$?
 [ $BENCH_RC -eq 124 ] && echo "benchmark timed out after ${BENCH_TIMEOUT}s"
 
-step "done: tests rc=$TEST_RC, benchmark rc=$BENCH_RC (results in $OUT/)"
+step "done: tests rc=$TEST_RC, TP rc=$TP_RC, benchmark rc=$BENCH_RC (results in $OUT/)"
 summary ""
-[ $TEST_RC -eq 0 ] && [ $BENCH_RC -eq 0 ]
+[ $TEST_RC -eq 0 ] && [ $TP_RC -eq 0 ] && [ $BENCH_RC -eq 0 ]

@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from framework.core.parallel_state import get_tp_state
+
 KEY_LENGTH = 16
 
 # Config entries whose *name* says they hold a filesystem location (last dotted component):
@@ -298,6 +300,13 @@ def source_factors(files: Iterable[str]) -> dict[str, str]:
             name = f"{name}#{digest}"
         out[name] = digest
     return out
+
+
+def tp_factors() -> dict[str, Any]:
+    """Tensor parallelism: each rank compiles its own shard (other shapes, its collectives'
+    group), so world size, rank and group name are part of the key."""
+    st = get_tp_state()
+    return {"world_size": st.world_size, "rank": st.rank, "group": st.group_name}
 
 
 def flatten_factors(factors: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

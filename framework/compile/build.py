@@ -177,7 +177,7 @@ def _build_piecewise(
 
 def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_hash, model_tag):
     from framework.cache.factor_memo import inductor_side_factors
-    from framework.cache.key import env_factors
+    from framework.cache.key import env_factors, tp_factors
     from framework.cache.store import ArtifactStore, default_cache_dir
 
     root = config.cache_dir or default_cache_dir()
@@ -193,5 +193,6 @@ def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_has
         "dtype": str(dtype),
         "quantization": quant_hash,
         "source": source_factors(model_source_files(model)),
+        "tensor_parallel": tp_factors(),
     }
-    return ArtifactStore.open(root, factors, rank=0, model_tag=model_tag)
+    return ArtifactStore.open(root, factors, rank=tp_factors()["rank"], model_tag=model_tag)

@@ -58,6 +58,9 @@ class PassConfig(StrictConfig):
     verify_tolerance: Optional[float] = None
     """Absolute tolerance of ``verify_passes``; ``None``: per dtype (fp32 1e-3, bf16 5e-2)."""
     warn_on_no_match: bool = True
+    sequence_parallel_min_tokens: int = 256
+    """``sequence_parallelism`` (tensor parallelism) rewrites only pieces compiled for one
+    concrete size of at least this many tokens (and divisible by the world size)."""
     """Warn (naming the pass) when an enabled fusion matched nothing in the whole model."""
 
     def validate(self) -> None:

@@ -25,6 +25,7 @@ import torch
 from backends.attention.selector import default_backend
 from framework.compile.build import CompiledForward, build_forward
 from framework.core.config import DEFAULT_LEVEL, CompilationConfig, CompilationMode
+from framework.core.parallel_state import kv_head_layout
 from framework.cudagraph.emulation import EmulatedGraphOps
 from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
@@ -32,6 +33,7 @@ from framework.engine.capture import capture_graphs, dummy_batch
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from framework.engine.model_prep import prepack_lm_head, quantize
 from framework.engine.outputs import RequestOutput, output_of
+from framework.engine.parallel import start_tensor_parallel
 from framework.engine.request import Request, validate_max_tokens, validate_token_ids
 from framework.engine.runner import ModelRunner
 from framework.engine.sampling_params import SamplingParams, params_per_prompt
@@ -81,7 +83,10 @@ class LLM:
         model_tag: Optional[str] = None,
         enable_prefix_caching: bool = False,
         emulate_cuda_graphs: bool = False,
+        tensor_parallel_size: int = 1,
     ):
+        # What every tensor-parallel rank rebuilds (framework/engine/parallel.py).
+        llm_args = {k: v for k, v in locals().items() if k not in ("self", "tensor_parallel_size")}
         t_start = time.perf_counter()
         torch.manual_seed(seed)
         for name, v in (
@@ -97,6 +102,12 @@ class LLM:
         ):
             if not isinstance(v, bool):
                 raise ValueError(f"LLM.{name}: must be a bool, got {v!r}")
+        # Tensor parallelism: None for one process; else this process is rank 0 (or a
+        # torchrun rank) and the other ranks build the same LLM in lockstep.
+        self._tp = start_tensor_parallel(tensor_parallel_size, llm_args)
+        if self._tp is not None:
+            self._tp.activate()
+        self._tp_size = tensor_parallel_size
         self.device = torch.device(device or "cpu")
         self.max_model_len = max_model_len
         self.startup = StartupStats()
@@ -132,6 +143,13 @@ class LLM:
         )
         self._capture()
         self.startup.startup_s = time.perf_counter() - t_start
+        if self._tp is not None:
+            self._tp.attach(self)  # rank 0 broadcasts steps from now on; others serve here
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (no-op for one process; also runs at exit)."""
+        if self._tp is not None:
+            self._tp.close()
 
     # ------------------------------------------------------------------ setup
     def _load(
@@ -173,7 +191,8 @@ class LLM:
         )
 
         mc = self.model_config
-        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, block_size)
+        kv_heads = kv_head_layout(mc.num_kv_heads, self._tp_size)[0]  # this rank's heads
+        spec = KVCacheSpec(mc.num_layers, kv_heads, mc.head_dim, self.dtype, block_size)
         num_blocks = num_blocks_for(
             spec,
             max_model_len=self.max_model_len,
@@ -236,6 +255,8 @@ class LLM:
             attn_backend=attention_backend,
             dispatch=self.graphs.dispatcher.dispatch,
         )
+        if self._tp is not None:
+            self._tp.handshake()
         self.startup.load_s = time.perf_counter() - t_start
         if self.quant_config is not None:
             self._calibrate(seed)
