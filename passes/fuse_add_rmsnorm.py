@@ -51,7 +51,8 @@ def add_rms_replacement(x, residual, weight, eps):
 @register_pass(
     "fuse_add_rmsnorm",
     after=("noop_elimination", "sequence_parallelism", "fuse_allreduce_rmsnorm"),
-    levels={"cpu": 3, "cuda": 2}, fusion=True
+    levels={"cpu": 3, "cuda": 2},
+    fusion=True,
 )
 class FuseAddRMSNormPass(PatternFusionPass):
     __doc__ = __doc__
