@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from framework.core.class_sources import class_modules
 from passes.base import GraphPass, PassContext
-from passes.code_hash import class_modules
 
 NOT_REPORTED = None
 """``match_count`` of a callable that neither returned nor set a count."""
