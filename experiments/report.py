@@ -27,158 +27,27 @@ Rules (also in experiments/README.md):
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import yaml
-
 from experiments import report_rounds
-
-MISSING = "—"
-
-
-@dataclass
-class Job:
-    """One job of the multirun: its folder, overrides and parsed results."""
-
-    name: str
-    path: Path
-    overrides: list[str]
-    results: dict
-    override_map: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.override_map = dict(_split_override(o) for o in self.overrides)
-
-    @property
-    def experiment(self) -> str:
-        value = self.results.get("experiment")
-        return value if isinstance(value, str) and value else "(unnamed)"
-
-
-def _split_override(override: str) -> tuple[str, str]:
-    """``++compile.level=2`` -> ``("compile.level", "2")``; a bare key maps to ``""``."""
-    key, _, value = str(override).partition("=")
-    return key.lstrip("+~"), value
-
-
-def get(results: Any, *keys: str) -> Any:
-    """``results[k0][k1]...`` or None when any level is missing or not a mapping."""
-    for key in keys:
-        if not isinstance(results, dict) or key not in results:
-            return None
-        results = results[key]
-    return results
-
-
-def number(results: Any, *keys: str) -> Optional[float]:
-    """A finite number at ``keys`` or None (bools, strings and NaN count as missing)."""
-    value = get(results, *keys)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _natural_key(name: str) -> list:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def load_jobs(root: Path) -> tuple[list[Job], list[str]]:
-    """All jobs under ``root`` in job order, and a list of problems with skipped jobs."""
-    jobs: list[Job] = []
-    problems: list[str] = []
-    for results_path in root.rglob("results.json"):
-        rel = results_path.parent.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts):
-            continue  # .hydra, .submitit, ... hold no job results
-        name = str(rel) if rel.parts else "."
-        try:
-            results = json.loads(results_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            problems.append(f"job `{name}`: {results_path} is not readable JSON ({e})")
-            continue
-        if not isinstance(results, dict):
-            problems.append(f"job `{name}`: {results_path} holds no JSON object")
-            continue
-        overrides = _read_overrides(results_path.parent, results, name, problems)
-        jobs.append(Job(name=name, path=results_path.parent, overrides=overrides, results=results))
-    jobs.sort(key=lambda job: _natural_key(job.name))
-    return jobs, problems
-
-
-def _read_overrides(job_dir: Path, results: dict, name: str, problems: list[str]) -> list[str]:
-    path = job_dir / ".hydra" / "overrides.yaml"
-    if path.is_file():
-        try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as e:
-            problems.append(
-                f"job `{name}`: {path} is not valid YAML ({e}); using the overrides in results.json"
-            )
-        else:
-            if isinstance(loaded, list):
-                return [str(o) for o in loaded]
-            if loaded is None:
-                return []
-            problems.append(f"job `{name}`: {path} is not a list; using results.json")
-    fallback = results.get("overrides")
-    return [str(o) for o in fallback] if isinstance(fallback, list) else []
-
-
-def group_by_experiment(jobs: Sequence[Job]) -> dict[str, list[Job]]:
-    groups: dict[str, list[Job]] = {}
-    for job in jobs:
-        groups.setdefault(job.experiment, []).append(job)
-    return groups
-
-
-def varying_keys(jobs: Sequence[Job]) -> list[str]:
-    """Override keys whose value (or presence) differs between the jobs, in first-seen order."""
-    keys: list[str] = []
-    for job in jobs:
-        keys.extend(k for k in job.override_map if k not in keys)
-    return [k for k in keys if len({job.override_map.get(k) for job in jobs}) > 1]
-
-
-_HYDRA_ESCAPE = re.compile(r"\\(.)")
-
-
-def unescape_override(value: str) -> str:
-    """An override value as the user meant it: Hydra's command-line escapes removed
-    (``mypasses.silu\\:SigmoidMulToSilu`` -> ``mypasses.silu:SigmoidMulToSilu``)."""
-    return _HYDRA_ESCAPE.sub(r"\1", value)
-
-
-def config_label(job: Job, keys: Sequence[str]) -> str:
-    parts = [f"{k}={unescape_override(job.override_map[k])}" for k in keys if k in job.override_map]
-    return ", ".join(parts) if parts else f"job {job.name}"
-
-
-def reference_of(results: dict) -> str:
-    """Which agreement decides "outputs changed": the sweep's baseline when measured."""
-    return (
-        "agreement_baseline" if isinstance(results.get("agreement_baseline"), dict) else "agreement"
-    )
-
-
-def outputs_changed(results: dict) -> bool:
-    ref = reference_of(results)
-    agreement = number(results, ref, "token_agreement")
-    if agreement is not None:
-        return agreement < 1.0
-    return get(results, ref, "outputs_equal") is False
-
-
-def baseline_job(jobs: Sequence[Job]) -> Job:
-    for job in jobs:
-        if job.results.get("baseline") is True:
-            return job
-    return jobs[0]
+from experiments.report_jobs import (  # noqa: F401  (names the report and its tests use)
+    MISSING,
+    Job,
+    baseline_job,
+    config_label,
+    get,
+    group_by_experiment,
+    load_jobs,
+    number,
+    outputs_changed,
+    reference_of,
+    unescape_override,
+    varying_keys,
+)
+from experiments.report_plots import write_plots
 
 
 @dataclass(frozen=True)
@@ -378,120 +247,6 @@ def changed_lines(jobs: Sequence[Job], labels: dict[str, str]) -> list[str]:
             f"- ⚠ outputs changed: `{labels[job.name]}` (job {job.name}) — " + ", ".join(details)
         )
     return lines
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "sweep"
-
-
-def _sizes_label(sizes: Any, fallback: str) -> str:
-    if not isinstance(sizes, list) or not sizes:
-        return fallback
-    if len(sizes) <= 6:
-        return "[" + ",".join(str(s) for s in sizes) + "]"
-    return f"[{sizes[0]},{sizes[1]},…,{sizes[-1]}] K={len(sizes)}"
-
-
-def write_plots(
-    group: str, jobs: Sequence[Job], labels: dict[str, str], out_dir: Path
-) -> list[tuple[str, Path]]:
-    """Latency, compile-time and padding-waste PNGs for one sweep; returns (title, path)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
-    written: list[tuple[str, Path]] = []
-    slug = _slug(group)
-
-    def save(fig, title: str, suffix: str) -> None:
-        path = out_dir / f"{slug}_{suffix}.png"
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append((title, path))
-
-    def bars(ax, phase: str) -> bool:
-        # Configurations that changed outputs are hatched and labelled, so a fast but wrong
-        # configuration cannot be mistaken for a win.
-        rows = [
-            (
-                labels[j.name] + (" (outputs changed)" if outputs_changed(j.results) else ""),
-                number(j.results, "latency_ms", phase, "median"),
-                number(j.results, "latency_ms", phase, "p90"),
-                outputs_changed(j.results),
-            )
-            for j in jobs
-        ]
-        rows = [r for r in rows if r[1] is not None]
-        if not rows:
-            return False
-        x = range(len(rows))
-        upper = [max((p90 if p90 is not None else med) - med, 0.0) for _, med, p90, _ in rows]
-        drawn = ax.bar(
-            x,
-            [r[1] for r in rows],
-            yerr=[[0.0] * len(rows), upper],
-            capsize=4,
-            color="tab:blue" if phase == "decode" else "tab:orange",
-        )
-        for patch, row in zip(drawn.patches, rows):
-            if row[3]:
-                patch.set_hatch("//")
-        ax.set_xticks(list(x), [r[0] for r in rows], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("ms (bar: median, whisker: p90)")
-        ax.set_title(f"{phase} step latency")
-        return True
-
-    width = max(6.0, 1.1 * len(jobs) + 2)
-    fig, axes = plt.subplots(1, 2, figsize=(2 * width, 4.5))
-    drawn = [bars(axes[0], "decode"), bars(axes[1], "prefill")]
-    if any(drawn):
-        for ax, ok in zip(axes, drawn):
-            if not ok:
-                ax.set_axis_off()
-        fig.suptitle(f"{group}: latency per configuration")
-        save(fig, "Latency per configuration (median, p90 whiskers)", "latency")
-    else:
-        plt.close(fig)
-
-    rows = [
-        (
-            labels[j.name],
-            number(j.results, "compile", "cold_s"),
-            number(j.results, "compile", "warm_s"),
-        )
-        for j in jobs
-    ]
-    rows = [r for r in rows if r[1] is not None or r[2] is not None]
-    if rows:
-        fig, ax = plt.subplots(figsize=(width, 4.5))
-        x = list(range(len(rows)))
-        ax.bar([i - 0.2 for i in x], [r[1] or 0.0 for r in rows], width=0.4, label="cold")
-        ax.bar([i + 0.2 for i in x], [r[2] or 0.0 for r in rows], width=0.4, label="warm")
-        ax.set_xticks(x, [r[0] for r in rows], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("seconds")
-        ax.set_title(f"{group}: compile time per configuration")
-        ax.legend()
-        save(fig, "Compile time per configuration (cold vs warm cache)", "compile")
-
-    rows = [
-        (
-            _sizes_label(get(j.results, "capture_sizes"), labels[j.name]),
-            number(j.results, "padding_waste"),
-        )
-        for j in jobs
-    ]
-    rows = [r for r in rows if r[1] is not None]
-    if rows:
-        fig, ax = plt.subplots(figsize=(width, 4.5))
-        x = list(range(len(rows)))
-        ax.bar(x, [100 * r[1] for r in rows], color="tab:green")
-        ax.set_xticks(x, [r[0] for r in rows], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("padded tokens, % of computed tokens")
-        ax.set_title(f"{group}: padding waste per capture-size set")
-        save(fig, "Padding waste per capture-size set", "padding")
-    return written
 
 
 def _versions_line(jobs: Sequence[Job]) -> str:
