@@ -125,6 +125,8 @@ class PassManager:
         self._static_inputs: dict[int, torch.Tensor] = {}
         self._verifier = None
         if pass_config.verify_passes:
+            # Deferred: the verifier imports fake tensors (Dynamo's stack), which a warm
+            # start without verification never needs.
             from passes.verify import PassVerifier
 
             self._verifier = PassVerifier(tolerance=pass_config.verify_tolerance, dtype=dtype)

@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from framework.cache.key import _cpp_compiler_identity, inductor_factors
+
 MEMO_DIR = "factor_memo"
 _ENV_PREFIXES = (
     "TORCH", "PYTORCH", "INDUCTOR", "TRITON", "CUDA", "ROCM", "HIP", "CXX", "CC", "CPATH",
@@ -55,7 +57,6 @@ def _memo_name() -> str:
 def inductor_side_factors(memo_root: str | Path | None) -> dict[str, Any]:
     """``{"cpp_compiler": ..., "inductor": ...}`` (see ``framework.cache.key``), memoized
     under ``<memo_root>/factor_memo/`` while ``torch._inductor`` is not imported."""
-    from framework.cache.key import _cpp_compiler_identity, inductor_factors
 
     def compute() -> dict[str, Any]:
         return {"cpp_compiler": _cpp_compiler_identity(), "inductor": inductor_factors()}

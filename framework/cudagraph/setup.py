@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from backends.attention.selector import select_cudagraph_mode
 from framework.core.config import CompilationConfig, CompilationMode
 from framework.core.forward_context import CUDAGraphMode
 from framework.cudagraph.dispatcher import CudagraphDispatcher
@@ -53,8 +54,6 @@ class GraphSetup:
 def setup_graphs(
     config: CompilationConfig, *, attention_backend: str, max_num_seqs: int, graph_ops: Any = None
 ) -> GraphSetup:
-    from backends.attention.selector import select_cudagraph_mode
-
     mode = config.cudagraph_mode
     if mode != CUDAGraphMode.NONE:
         mode = select_cudagraph_mode(

@@ -40,6 +40,9 @@ from framework.engine.sampling_params import SamplingParams, params_per_prompt
 from framework.engine.scheduler import Scheduler
 from framework.engine.stats import StartupStats, compile_stats, step_time_stats
 from framework.engine.tokenizer import encode_prompt, load_tokenizer
+from models.config import parse_dtype
+from models.loader import load_model
+from passes.quant_schemes import calibrate_activation_scales
 from passes.registry import level_passes
 
 logger = logging.getLogger(__name__)
@@ -104,7 +107,7 @@ class LLM:
                 raise ValueError(f"LLM.{name}: must be a bool, got {v!r}")
         # Tensor parallelism: None for one process; else this process is rank 0 (or a
         # torchrun rank) and the other ranks build the same LLM in lockstep.
-        self._tp = start_tensor_parallel(tensor_parallel_size, llm_args)
+        self._tp = start_tensor_parallel(tensor_parallel_size, llm_args, type(self))
         if self._tp is not None:
             self._tp.activate()
         self._tp_size = tensor_parallel_size
@@ -170,9 +173,6 @@ class LLM:
     ) -> Optional[str]:
         """Step 1: weights (and quantization), the resolved config, the KV cache, the block
         manager, the tokenizer and the scheduler.  Returns the quantization hash."""
-        from models.config import parse_dtype
-        from models.loader import load_model
-
         self.dtype = parse_dtype(dtype)
         self.model, self.model_config = load_model(model, self.dtype, self.device)
         self.quant_config, quant_hash, self.quantized_layers = quantize(self.model, quantization)
@@ -275,8 +275,6 @@ class LLM:
 
     def _calibrate(self, seed: int) -> None:
         """Static activation scales: absmax over one eager forward of seeded random tokens."""
-        from passes.quant_schemes import calibrate_activation_scales
-
         gen = torch.Generator().manual_seed(seed)
         n = min(self.config.max_num_tokens, 64)
         tokens = torch.randint(self.model_config.vocab_size, (n,), generator=gen).tolist()

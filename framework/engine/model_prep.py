@@ -8,6 +8,9 @@ from typing import Any, Optional
 import torch
 
 from framework.core.config import CompilationConfig
+from framework.core.quantization import QuantizationConfig
+from passes.ops_prepack import PrepackedLinearMethod
+from passes.quant_schemes import quantize_model
 
 
 def quantize(model: torch.nn.Module, quantization: Any) -> tuple[Any, Optional[str], Any]:
@@ -15,8 +18,6 @@ def quantize(model: torch.nn.Module, quantization: Any) -> tuple[Any, Optional[s
     returns (the parsed config, its hash, the quantized layers), all None without one."""
     if quantization is None:
         return None, None, None
-    from framework.core.quantization import QuantizationConfig
-    from passes.quant_schemes import quantize_model
 
     qc = QuantizationConfig.parse(quantization)
     if qc is None:
@@ -30,7 +31,6 @@ def prepack_lm_head(model: torch.nn.Module, config: CompilationConfig) -> None:
     head = getattr(model, "lm_head", None)
     if head is None or "prepack_linear" not in config.pass_config.passes:
         return
-    from passes.ops_prepack import PrepackedLinearMethod
 
     if PrepackedLinearMethod.applies_to(head):
         head.linear_method = PrepackedLinearMethod()

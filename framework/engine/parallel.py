@@ -69,7 +69,7 @@ def check_shardable(model_dir, n: int) -> None:
     kv_head_layout(mc.num_kv_heads, n)
 
 
-def start_tensor_parallel(n: int, llm_args: dict[str, Any]) -> Optional["TPGroup"]:
+def start_tensor_parallel(n: int, llm_args: dict[str, Any], llm_cls: type) -> Optional["TPGroup"]:
     """None for ``n == 1``; else this process's handle in an ``n``-rank group."""
     if check_tp_size(n) == 1:
         return None
@@ -88,10 +88,10 @@ def start_tensor_parallel(n: int, llm_args: dict[str, Any]) -> Optional["TPGroup
                 f"{dist.get_world_size()} ranks (torchrun --nproc-per-node must match)"
             )
         return TPGroup(dist.get_rank(), n, workers=[], errors=None, owns_group=False)
-    return _spawn(n, backend, llm_args)
+    return _spawn(n, backend, llm_cls, llm_args)
 
 
-def _spawn(n: int, backend: str, llm_args: dict[str, Any]) -> "TPGroup":
+def _spawn(n: int, backend: str, llm_cls: type, llm_args: dict[str, Any]) -> "TPGroup":
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     fd, path = tempfile.mkstemp(prefix="piecewise-tp-")
@@ -103,7 +103,7 @@ def _spawn(n: int, backend: str, llm_args: dict[str, Any]) -> "TPGroup":
     for rank in range(1, n):
         p = ctx.Process(
             target=_worker_main,
-            args=(rank, n, backend, init, llm_args, errors, threads),
+            args=(rank, n, backend, init, llm_cls, llm_args, errors, threads),
             name=f"piecewise-tp-rank{rank}",
             daemon=True,  # never outlive rank 0
         )
@@ -117,7 +117,7 @@ def _spawn(n: int, backend: str, llm_args: dict[str, Any]) -> "TPGroup":
     return group
 
 
-def _worker_main(rank, n, backend, init, llm_args, errors, threads) -> None:
+def _worker_main(rank, n, backend, init, llm_cls, llm_args, errors, threads) -> None:
     """Entry point of a spawned rank: join the group, build the same LLM (which serves steps
     from rank 0 until told to stop), leave."""
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pools in a daemon
@@ -126,12 +126,10 @@ def _worker_main(rank, n, backend, init, llm_args, errors, threads) -> None:
         dist.init_process_group(
             backend, init_method=init, rank=rank, world_size=n, timeout=_TIMEOUT
         )
-        from framework.engine.llm import LLM  # deferred: keeps the spawn import light
-
         if backend == "nccl":
             torch.cuda.set_device(rank)
             llm_args = {**llm_args, "device": f"cuda:{rank}"}
-        LLM(**llm_args, tensor_parallel_size=n)
+        llm_cls(**llm_args, tensor_parallel_size=n)  # the class rank 0 was built as
     except BaseException:
         tb = traceback.format_exc()
         print(f"[tensor parallel rank {rank}] {tb}", file=sys.stderr, flush=True)
