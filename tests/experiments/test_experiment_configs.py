@@ -209,7 +209,15 @@ def test_ablate_passes_each_toggle_changes_that_pass_record(
     assert ran[0] != ran[1], (name, base["passes"], toggled["passes"])
     assert set(base["passes"]) ^ set(toggled["passes"]) == {name}
     with_pass = base if ran[0] else toggled
-    assert with_pass["passes"][name]["status"] == "ran"
+    if name == "sequence_parallelism":  # one process, no concrete compile size >= threshold
+        assert with_pass["passes"][name]["status"] == "not run: not applicable"
+    else:
+        assert with_pass["passes"][name]["status"] == "ran"
+    if name in ("sequence_parallelism", "fuse_allreduce_rmsnorm"):  # no all-reduce at TP=1
+        assert name in toggled["unmatched_fusions"] or with_pass["passes"][name]["matches"] in (
+            0,
+            None,
+        )
     if name in ("noop_elimination", "fuse_add_rmsnorm"):
         assert with_pass["passes"][name]["matches"] > 0  # they have something to do here
     if name == "fuse_qk_norm_rope":  # a Llama has no q/k norms: the zero match is reported
