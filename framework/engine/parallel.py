@@ -290,8 +290,15 @@ class _MirrorRequest:
         self.block_ids = block_ids
         self.num_tokens = start + len(tokens) + (0 if samples else 1)
 
+        # The runner slices ``prompt[start:end]`` for multi-token chunks: positions before
+        # the chunk are never read, so they are placeholders.
+        self.prompt = [0] * start + list(tokens)
+
     def token_at(self, p: int) -> int:
         return self.tokens[p - self.start]
+
+    def all_tokens(self) -> list[int]:
+        return self.prompt
 
 
 def _chunk_msg(c) -> tuple:
