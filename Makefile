@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not bench" $(ARGS)
