@@ -28,25 +28,21 @@ def require_cuda_backend() -> None:
     """Skip (with the reason) when this Triton build cannot target CUDA at all."""
     triton = pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip(
-            "TRITON_INTERPRET=1 in this process: kernels are interpreted functions, "
-            "there is nothing to compile (run pytest without it)"
-        )
+        why = "TRITON_INTERPRET=1 here: kernels are interpreted, nothing to compile"
+        pytest.skip(reason=why)
     from triton.backends import backends
 
     if "nvidia" not in backends:
-        pytest.skip(
-            f"this triton {triton.__version__} build has no NVIDIA backend "
-            f"(backends: {sorted(backends)})"
-        )
+        why = f"triton {triton.__version__} has no NVIDIA backend ({sorted(backends)})"
+        pytest.skip(reason=why)
     from triton import knobs
 
     try:
         ptxas = knobs.nvidia.ptxas.path
     except RuntimeError as e:  # raised when the tool is found nowhere
-        pytest.skip(f"this triton build ships no ptxas and none is on PATH: {e}")
+        pytest.skip(reason=f"this triton build ships no ptxas and none is on PATH: {e}")
     if not ptxas or not os.path.exists(ptxas):
-        pytest.skip(f"this triton build ships no ptxas ({ptxas!r})")
+        pytest.skip(reason=f"this triton build ships no ptxas ({ptxas!r})")
 
 
 def compile_for_sm90(kernel: Any, types: Mapping[str, str], constexprs: Mapping[str, Any]) -> Any:
