@@ -191,6 +191,8 @@ class PiecewiseBackend:
                     info.name, rng, static_inputs=self._static_inputs.get(info.name, {})
                 )
             fn, save = self.compiler.compile(sub, inputs, rng)
+            if single and getattr(fn, "lean", False):  # a lean module returns a flat list
+                fn = _first_output(fn)
             self.stats.compiles += 1
             source = "compiled"
             if self.store is not None and save is not None:

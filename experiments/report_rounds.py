@@ -3,7 +3,7 @@
 Each job's results.json keeps its per-round samples (``rounds.samples``, written by
 experiments.sweep). For every measure the report prints the median over rounds with its 95%
 bootstrap interval, and for every delta against the sweep's baseline the ratio's paired 95%
-interval and a verdict, **significant** (the interval excludes no change) or **within noise**
+t interval and a verdict, **significant** (the interval excludes no change) or **within noise**
 (experiments.stats). A measure taken once (the cold compile) gets no interval and no verdict.
 """
 
@@ -129,9 +129,9 @@ def rounds_note(jobs: Sequence[Any]) -> str:
     n = "/".join(str(c) for c in counts)
     return (
         f"Timed in {n} round(s) per configuration, {how}. Cells: median over rounds "
-        f"[95% bootstrap interval]; deltas: ratio of medians to the baseline, paired by round, "
-        f"[95% bootstrap interval], **significant** when the interval excludes no change, "
-        f"else **within noise**."
+        f"[95% bootstrap interval]; deltas: geometric mean of the per-round ratios to the "
+        f"baseline (paired by round) [95% t interval on log times], **significant** when the "
+        f"interval excludes no change, else **within noise**."
     )
 
 

@@ -1,5 +1,5 @@
 """Lean artifacts (backends/inductor_lean.py) through the Inductor adaptor: a plain piece
-gets a lean form that loads and matches; a piece without one keeps the standard artifact,
+gets a lean form, runs it from the cold compile on, and it loads and matches; a piece without one keeps the standard artifact,
 which still loads through Inductor."""
 
 import torch
@@ -21,6 +21,9 @@ def test_plain_piece_round_trips_through_its_lean_form(tmp_path):
         return (torch.relu(x @ w) * 2 + 1,)
 
     compiler, compiled, save = _piece(f, x, w)
+    # a cold compile already runs the lean module, the code a warm start will run
+    assert getattr(compiled, "lean", False)
+    torch.testing.assert_close(compiled(x, w)[0], f(x, w)[0])
     save(tmp_path / "a.bin")
     loaded = compiler.load(tmp_path / "a.bin")
     assert getattr(loaded, "lean", False)
@@ -43,6 +46,7 @@ def test_piece_without_lean_form_loads_through_inductor(tmp_path, monkeypatch):
         return (torch.sin(x) + 1,)
 
     compiler, compiled, save = _piece(f, x)
+    assert not getattr(compiled, "lean", False)  # no lean form: the standard artifact runs
     save(tmp_path / "b.bin")
     loaded = compiler.load(tmp_path / "b.bin")
     assert not getattr(loaded, "lean", False)
