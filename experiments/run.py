@@ -14,9 +14,7 @@ import json
 import logging
 import os
 import platform
-import random
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -24,6 +22,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.compiler_env import compiler_caches_under, warm_up_compiler
+from experiments.job_inputs import job_prompts, resolve_model_path, text_examples
+from experiments.job_summary import summary
 from experiments.pass_cli import apply_short
 from experiments.sweep import Entry, agreement, finish_all, park
 from framework.core.config import CompilationConfig, register_hydra_configs
@@ -31,82 +32,6 @@ from passes.registry import canonical_order, level_passes
 
 logger = logging.getLogger("experiments.run")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-
-SYNTHETIC_DIR = Path(__file__).resolve().parent.parent / "models" / "synthetic"
-
-
-def resolve_model_path(model_cfg: DictConfig) -> str:
-    if model_cfg.source == "hf":
-        return str(model_cfg.path)
-    if model_cfg.source == "synthetic":
-        path = SYNTHETIC_DIR / str(model_cfg.name)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model.name={model_cfg.name!r}: no checkpoint in {path}")
-        return str(path)
-    from models.tiny import ensure_tiny_model
-
-    return str(ensure_tiny_model(preset=model_cfg.preset))
-
-
-def make_prompts(workload: DictConfig, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    lo, hi = int(workload.prompt_len_min), int(workload.prompt_len_max)
-    if not 0 < lo <= hi:
-        raise ValueError(f"workload.prompt_len_min/max: need 0 < min <= max, got {lo}, {hi}")
-    return [
-        [rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))]
-        for _ in range(int(workload.num_prompts))
-    ]
-
-
-def prompt_seed(cfg: DictConfig) -> int:
-    """The prompts' seed: ``workload.seed`` (the top-level ``seed`` seeds the LLM: sampling
-    and calibration), so an A/A sweep over ``seed`` under greedy decoding sees the same
-    prompts."""
-    seed = cfg.workload.get("seed")
-    return int(cfg.seed if seed is None else seed)
-
-
-def synthetic_task_of(model_path: str):
-    """The synthetic task a trained checkpoint was made for (experiments.train_synthetic writes
-    it into the folder's metrics.json), or None for any other model."""
-    metrics = Path(model_path) / "metrics.json"
-    if not metrics.is_file():
-        return None
-    try:
-        name = json.loads(metrics.read_text()).get("task")
-    except (OSError, ValueError, AttributeError):
-        return None
-    from experiments.synthetic_task import get_task, task_names
-
-    return get_task(name) if name in task_names() else None
-
-
-def job_prompts(
-    cfg: DictConfig, model_path: str, vocab_size: int
-) -> tuple[list[list[int]], int, bool, Optional[list[list[int]]]]:
-    """(prompts, max_new_tokens, ignore_eos, answers). A synthetic-task checkpoint gets
-    ``workload.num_prompts`` held-out prompts of its task (answers known, so exact match is
-    measured); any other model the workload's random prompts (answers None)."""
-    task = synthetic_task_of(model_path)
-    if task is None:
-        return (
-            make_prompts(cfg.workload, vocab_size, prompt_seed(cfg)),
-            int(cfg.workload.max_new_tokens),
-            bool(cfg.workload.ignore_eos),
-            None,
-        )
-    logger.info(
-        "%s is a %r synthetic-task checkpoint: %d held-out prompts, exact match recorded",
-        model_path,
-        task.name,
-        int(cfg.workload.num_prompts),
-    )
-    keys = task.held_out_keys(int(cfg.workload.num_prompts), prompt_seed(cfg))
-    prompts, answers = task.split(task.sequences(keys))
-    # The answer ends with EOS: the model must stop by itself for an exact match.
-    return prompts, task.answer_len + 1, False, answers
 
 
 def compilation_config(cfg: DictConfig) -> CompilationConfig:
@@ -166,86 +91,6 @@ def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
     )
 
 
-def text_examples(
-    llm, model_path: str, prompts: list[list[int]], outputs: list[list[int]]
-) -> Optional[list[dict[str, str]]]:
-    """With a tokenizer: a few prompts and answers as text (None without one).  A synthetic
-    addition checkpoint answers ``123+456=`` in the usual notation (its own writes numbers
-    least significant digit first)."""
-    if llm.tokenizer is None:
-        return None
-    task = synthetic_task_of(model_path)
-    if task is not None and task.name == "addition":
-        from experiments.synthetic_tokenizer import from_model_notation, to_model_notation
-
-        shown = ["123+456=", "999+1=", "500+500="]
-        answers = llm.generate(
-            [to_model_notation(p) for p in shown], max_new_tokens=task.answer_len + 1
-        )
-        return [{"prompt": p, "answer": from_model_notation(a)} for p, a in zip(shown, answers)]
-    dec = llm.tokenizer.decode
-    return [
-        {"prompt": dec(p, skip_special_tokens=True), "answer": dec(o, skip_special_tokens=True)}
-        for p, o in zip(prompts[:3], outputs)
-    ]
-
-
-@contextmanager
-def compiler_caches_under(cache_dir: Optional[str]):
-    """Point Inductor's and Triton's own on-disk caches (FX graphs, generated code, compiled
-    kernels) into ``cache_dir`` while the job runs, and drop Inductor's in-memory caches of
-    earlier jobs in this process (the basic launcher runs a whole sweep in one process, joblib
-    reuses its workers), so a fresh ``cache_dir`` means a cold compile and not a hit in a cache
-    an earlier job filled. ``None``: untouched."""
-    if cache_dir is None:
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(Path(cache_dir).resolve() / "triton")
-    from torch._inductor.utils import clear_inductor_caches
-
-    clear_inductor_caches()
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-_compiler_warmed_up = False
-
-
-def warm_up_compiler() -> Optional[float]:
-    """Pay Inductor's one-time start-up of this process (imports, C++ toolchain probing; ~10 s
-    on a small CPU, whatever the model) on a throw-away function and cache, so ``cold_s``
-    measures the model's own trace + compile and is comparable between the first compiling
-    job of an in-process sweep and the later ones (or a job alone in its process). Returns
-    the seconds spent, None when this process already paid it."""
-    global _compiler_warmed_up
-    if _compiler_warmed_up:
-        return None
-    import tempfile
-
-    from torch._inductor.utils import clear_inductor_caches
-
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, compiler_caches_under(tmp):
-        fn = torch.compile(
-            lambda x, w: torch.nn.functional.silu(x @ w) * x.sum(-1, True),
-            dynamic=True,
-            fullgraph=True,
-        )
-        fn(torch.randn(8, 16), torch.randn(16, 16))
-        torch._dynamo.reset()
-        clear_inductor_caches()  # nothing of the throw-away compile may serve the job
-    _compiler_warmed_up = True
-    return time.perf_counter() - t0
-
-
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Build, generate, check and time one configuration (its rounds back to back)."""
     entry = prepare_job(cfg, out_dir, finish=lambda result: None)
@@ -263,6 +108,11 @@ def prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any]
 def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any]], None]) -> Entry:
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
+    n_builds = cfg.get("builds", 1)
+    if isinstance(n_builds, bool) or not isinstance(n_builds, int) or n_builds < 1:
+        raise ValueError(
+            f"builds: must be an int >= 1 (builds of each configuration), got {n_builds!r}"
+        )
     model_path = resolve_model_path(cfg.model)
     cc = compilation_config(cfg)
     process_init_s = None
@@ -281,11 +131,17 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
     stats = llm.stats
     trace = llm.runner.trace or []
     llm.runner.trace = None  # the rounds add no steps to the trace
-    warm_s = None
-    if cfg.measure_warm_start and llm.config.level > 0 and llm.config.use_cache:
+    # Further builds of this configuration, timed in alternate rounds (experiments.sweep);
+    # the first of them is the warm start when the configuration caches its artifacts.
+    warm_s, more_builds = None, []
+    want_warm = cfg.measure_warm_start and llm.config.level > 0 and llm.config.use_cache
+    for i in range(1, max(n_builds, 2 if want_warm else 1)):
         t2 = time.perf_counter()
-        build_llm(cfg, model_path, cc)
-        warm_s = time.perf_counter() - t2
+        build = build_llm(cfg, model_path, cc)
+        if i == 1 and want_warm:
+            warm_s = time.perf_counter() - t2
+        if i < n_builds:
+            more_builds.append(build)
     agree = None
     if cfg.check_agreement:
         if llm.config.level == 0 and not cfg.quantization:
@@ -365,6 +221,7 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
         outputs=outputs,
         logits=logits,
         baseline=bool(cfg.baseline),
+        more_builds=more_builds,
     )
 
 
@@ -393,64 +250,6 @@ def _overrides() -> list[str]:
         return list(HydraConfig.get().overrides.task)
     except ValueError:
         return []
-
-
-def summary(r: dict[str, Any]) -> str:
-    lat = r["latency_ms"]
-
-    def fmt(d):
-        if not d:
-            return "—"
-        ci = d.get("ci95")
-        interval = f" [95% {ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
-        return f"{d['median']:.2f} ms{interval} (p90 {d['p90']:.2f})"
-
-    def agrees(agree, what):
-        if agree is None:
-            return f"  generated tokens agree with {what}: n/a"
-        if agree["outputs_equal"]:
-            return f"  generated tokens agree with {what}: yes"
-        rate = agree["token_agreement"]
-        return f"  generated tokens agree with {what}: no (agreement {rate:.3f})"
-
-    rounds = r.get("rounds") or {}
-    tps = r["tokens_per_s"]
-    lines = [
-        f"experiment {r['experiment']}  overrides {' '.join(r['overrides']) or '(none)'}",
-        f"  start (cold) {r['compile']['cold_s']:.2f} s"
-        + (f", warm {r['compile']['warm_s']:.2f} s" if r["compile"]["warm_s"] else ""),
-        f"  timed in {rounds.get('n', 0)} round(s)"
-        + (" interleaved with the sweep's other configurations" * bool(rounds.get("interleaved"))),
-        f"  prefill step {fmt(lat['prefill'])}; decode step {fmt(lat['decode'])}",
-        f"  tokens/s {'—' if tps is None else format(tps, '.1f')}",
-        agrees(r["agreement"], "eager (O0)"),
-    ]
-    comp = r["compile"]
-    if comp.get("compiles") is not None or comp.get("loads") is not None:
-        lines.append(
-            f"  pieces: {comp.get('compiles') or 0} compiled, {comp.get('loads') or 0} loaded "
-            f"from the cache (cache hits {comp.get('cache_hits')}, misses "
-            f"{comp.get('cache_misses')})"
-        )
-    if r.get("passes"):
-        counts = [
-            f"{name} {'not reported' if p.get('matches_reported') is False else p.get('matches')}"
-            f" ({p.get('status')})"
-            for name, p in r["passes"].items()
-        ]
-        lines.append("  pass matches: " + ", ".join(counts))
-    if r.get("agreement_baseline") is not None:
-        lines.append(agrees(r["agreement_baseline"], "the sweep's baseline"))
-    for name in r.get("unmatched_fusions") or []:
-        lines.append(f"  warning: fusion {name} matched nothing in the whole model")
-    for ex in r.get("text_examples") or []:
-        lines.append(f"  {ex['prompt']!r} -> {ex['answer']!r}")
-    if r.get("accuracy"):
-        lines.append(
-            f"  exact match {r['accuracy']['exact_match']:.3f} "
-            f"({r['accuracy']['n']} held-out prompts)"
-        )
-    return "\n".join(lines)
 
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"

@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional
 import torch
 from hydra.experimental.callback import Callback
 
+from experiments.stats import median_ci
+
 logger = logging.getLogger("experiments.sweep")
 
 
@@ -37,6 +39,7 @@ class Entry:
     """One configuration waiting for its timing rounds."""
 
     llm: Any
+    """The configuration's first build (the cold start)."""
     prompts: list[list[int]]
     max_new_tokens: int
     ignore_eos: bool
@@ -46,6 +49,11 @@ class Entry:
     outputs: list[list[int]] = field(default_factory=list)
     logits: list[Any] = field(default_factory=list)
     baseline: bool = False
+    more_builds: list[Any] = field(default_factory=list)
+    """Further builds of the same configuration (loaded from its cache: the warm start);
+    round r runs build ``r % len(builds)``, so a difference between two builds of one
+    configuration (weights' memory placement, allocator state) shows as noise of the rounds
+    instead of reading as an effect of the configuration."""
     samples: dict[str, list[float]] = field(default_factory=dict)
     decode_steps: list[float] = field(default_factory=list)
     prefill_steps: list[float] = field(default_factory=list)
@@ -63,9 +71,15 @@ def parked() -> list[Entry]:
     return list(_PARKED)
 
 
-def time_round(entry: Entry) -> None:
-    """Generate the workload once and append this round's samples (ms, tokens/s)."""
-    llm = entry.llm
+def builds(entry: Entry) -> list[Any]:
+    return [entry.llm, *entry.more_builds]
+
+
+def time_round(entry: Entry, r: int = 0) -> None:
+    """Generate the workload once on build ``r % len(builds)`` and append this round's
+    samples (ms, tokens/s, which build)."""
+    index = r % len(builds(entry))
+    llm = builds(entry)[index]
     for times in llm.runner.step_times.values():
         times.clear()
     t0 = time.perf_counter()
@@ -83,27 +97,28 @@ def time_round(entry: Entry) -> None:
         "prefill_median_ms": statistics.median(prefill) if prefill else None,
         "tokens_per_s": sum(len(o) for o in outputs) / elapsed if elapsed > 0 else None,
         "wall_s": elapsed,
+        "build": index,
     }
     for key, value in sample.items():
         entry.samples.setdefault(key, []).append(value)
 
 
 def run_rounds(entries: list[Entry], rounds: int) -> None:
-    """One untimed round of every entry (the first configurations were built long before the
-    last: page faults, lazy allocations and allocator state are settled alike), then
-    ``rounds`` timed generations of every entry, round-robin with a rotating start."""
+    """One untimed round of every build of every entry (the first configurations were built
+    long before the last: page faults, lazy allocations and allocator state are settled
+    alike), then ``rounds`` timed generations of every entry, round-robin with a rotating
+    start, round r on each entry's build ``r % builds`` (paired rounds compare like builds)."""
     n = len(entries)
     for e in entries:
-        e.llm.generate(e.prompts, max_new_tokens=e.max_new_tokens, ignore_eos=e.ignore_eos)
+        for llm in builds(e):
+            llm.generate(e.prompts, max_new_tokens=e.max_new_tokens, ignore_eos=e.ignore_eos)
     for r in range(rounds):
         for i in range(n):
-            time_round(entries[(r + i) % n])
+            time_round(entries[(r + i) % n], r)
         logger.info("timing round %d/%d done (%d configurations)", r + 1, rounds, n)
 
 
 def _latency(round_medians: list[Optional[float]], steps: list[float]) -> Optional[dict]:
-    from experiments.stats import median_ci
-
     ci = median_ci([m for m in round_medians if m is not None])
     if ci is None:
         return None
@@ -119,11 +134,14 @@ def _latency(round_medians: list[Optional[float]], steps: list[float]) -> Option
 
 def complete(entry: Entry, interleaved: bool) -> dict[str, Any]:
     """Fill the timing part of the entry's result from its rounds."""
-    from experiments.stats import median_ci
-
     r = entry.result
     s = entry.samples
-    r["rounds"] = {"interleaved": interleaved, "n": len(s.get("wall_s", [])), "samples": s}
+    r["rounds"] = {
+        "interleaved": interleaved,
+        "n": len(s.get("wall_s", [])),
+        "builds": len(builds(entry)),
+        "samples": s,
+    }
     r["latency_ms"] = {
         "prefill": _latency(s.get("prefill_median_ms", []), entry.prefill_steps),
         "decode": _latency(s.get("decode_median_ms", []), entry.decode_steps),

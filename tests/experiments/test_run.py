@@ -10,15 +10,10 @@ import torch
 from hydra_job_harness import TINY, compose_job, run_job_in_process
 from omegaconf import OmegaConf
 
-from experiments.run import (
-    agreement,
-    compiler_caches_under,
-    job_prompts,
-    make_prompts,
-    synthetic_task_of,
-    toggle_passes,
-    warm_up_compiler,
-)
+from experiments.compiler_env import compiler_caches_under, warm_up_compiler
+from experiments.job_inputs import job_prompts, make_prompts, synthetic_task_of
+from experiments.run import toggle_passes
+from experiments.sweep import agreement
 from experiments.trace import read_trace
 from passes.registry import level_passes
 
