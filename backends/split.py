@@ -54,8 +54,25 @@ def split_graph(
     return split, pieces
 
 
+def stable_name(target: Any) -> str:
+    """A node target's name that is the same in every process: ``str()`` of a Python function
+    or a torch builtin holds its address (``<function embedding at 0x7f...>``).  Op overloads
+    and strings print stably; callables get their qualified name (the name FX's code
+    generation uses: ``torch.fx.node._get_qualified_name``, private, torch 2.13)."""
+    if isinstance(target, str) or not callable(target):
+        return str(target)
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    try:
+        return fx.node._get_qualified_name(target)
+    except Exception:  # a callable FX cannot name (a bound method, a partial): its type
+        return f"{type(target).__module__}.{type(target).__qualname__}"
+
+
 def graph_hash(gm: fx.GraphModule, example_inputs: list) -> str:
-    """Structural hash: node names are canonicalised so identical layers hash equal."""
+    """Structural hash: node names are canonicalised so identical layers hash equal, and
+    targets are named without addresses, so the same graph hashes equal in every process
+    (the artifact store deduplicates by it across processes)."""
     names: dict[str, str] = {}
     lines = []
 
@@ -66,14 +83,12 @@ def graph_hash(gm: fx.GraphModule, example_inputs: list) -> str:
             return [ref(x) for x in a]
         if isinstance(a, dict):
             return {k: ref(v) for k, v in a.items()}
-        return repr(a)
+        return stable_name(a) if callable(a) else repr(a)
 
     for i, n in enumerate(gm.graph.nodes):
         names[n.name] = f"n{i}"
-        lines.append(
-            f"{n.op}|{n.target if n.op != 'placeholder' else ''}|"
-            f"{ref(n.args)}|{ref(dict(n.kwargs))}"
-        )
+        target = "" if n.op == "placeholder" else stable_name(n.target)
+        lines.append(f"{n.op}|{target}|{ref(n.args)}|{ref(dict(n.kwargs))}")
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
             lines.append(f"in|{x.dtype}|{tuple(x.shape)}|{x.stride()}|{x.device.type}")
