@@ -4,10 +4,12 @@ on them. One definition for both."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import sympy
 import torch
+
+if TYPE_CHECKING:  # annotations only: importing sympy costs ~0.3 s of a warm start
+    import sympy
 
 
 def free_symbols(values: list[Any]) -> dict[sympy.Symbol, Optional[int]]:

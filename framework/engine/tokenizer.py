@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from transformers import AutoTokenizer
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -15,6 +13,10 @@ def load_tokenizer(model_dir: str | Path) -> Optional[Any]:
     d = Path(model_dir)
     if not any((d / f).is_file() for f in TOKENIZER_FILES):
         return None
+    # Imported here, not at the top: importing transformers costs ~1 s, which a warm start of
+    # a model folder without a tokenizer (every test checkpoint) need not pay.
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(str(d))
     except Exception as e:  # noqa: BLE001 - any loader failure is reported with the folder

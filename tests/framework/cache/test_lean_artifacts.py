@@ -1,6 +1,6 @@
 """Lean artifacts (backends/inductor_lean.py) through the Inductor adaptor: a plain piece
-gets a lean form, runs it from the cold compile on, and it loads and matches; a piece without one keeps the standard artifact,
-which still loads through Inductor."""
+gets a lean form, runs it from the cold compile on, and it loads and matches; a piece
+without one keeps the standard artifact, which still loads through Inductor."""
 
 import torch
 

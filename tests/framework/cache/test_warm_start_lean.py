@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     importers = {}
 
     class Spy:  # records the project frame that first imports these modules
-        WATCH = ("torch._dynamo", "torch._inductor")
+        WATCH = ("torch._dynamo", "torch._inductor", "transformers", "sympy")
 
         def find_spec(self, name, path=None, target=None):
             if name in self.WATCH and name not in importers:
@@ -49,6 +49,7 @@ SCRIPT = textwrap.dedent(
         "compile_fx": "torch._inductor.compile_fx" in modules,
         "aot_autograd": "torch._functorch.aot_autograd" in modules,
         "dynamo": "torch._dynamo" in modules, "inductor": "torch._inductor" in modules,
+        "transformers": "transformers" in modules, "sympy": "sympy" in modules,
         "importers": importers, "isa_probed": probed,
         "lean": all(getattr(e.runnable, "lean", False)
                     for r in runtimes for e in r.entries.values()),
@@ -82,6 +83,8 @@ def test_warm_start_loads_without_the_compiler(llama_checkpoint, tmp_path):
     # (framework/cache/factor_memo.py), so nothing imports Inductor or Dynamo.
     assert not warm["dynamo"], f"torch._dynamo imported by {warm['importers']}"
     assert not warm["inductor"], f"torch._inductor imported by {warm['importers']}"
+    # A folder without tokenizer files needs neither transformers (~1 s to import) nor sympy
+    assert not warm["transformers"] and not warm["sympy"], warm
 
 
 def test_memoized_inductor_factors_equal_the_computed_ones(tmp_path):
