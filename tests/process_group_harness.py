@@ -94,7 +94,9 @@ def run_script(
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{args} still running after {timeout_s:.0f} s (killed):\n{out[-4000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+    done.pid = proc.pid  # the process group's id too (a new session)
+    return done
 
 
 def group_alive(pgid: int) -> bool:

@@ -167,8 +167,16 @@ def test_tp2_o2_with_both_passes(mqa_checkpoint, tmp_path):
     sp, fused = passes["sequence_parallelism"], passes["fuse_allreduce_rmsnorm"]
     assert _by_range(sp) == {(32, 32): 4}  # only the concrete size above the threshold
     assert _by_range(fused) == {(1, 128): 4, (32, 32): 0}  # SP took those sites first
-    code = (dump / "split_graph.py").read_text()
-    assert code.count("_c10d_functional.all_reduce") == 5  # the trace itself is unchanged
+    # Each rank dumps into its own folder (before: both wrote into one).
+    assert sorted(p.name for p in dump.iterdir()) == ["rank_0", "rank_1"]
+    after_sp = {}
+    for r in (0, 1):
+        code = (dump / f"rank_{r}" / "split_graph.py").read_text()
+        assert code.count("_c10d_functional.all_reduce") == 5  # the trace itself is unchanged
+        files = sorted((dump / f"rank_{r}" / "passes").glob("*/*/*_after_sequence_parallelism.txt"))
+        after_sp[r] = [f.read_text() for f in files]
+    assert len(after_sp[0]) == len(after_sp[1]) > 0
+    assert after_sp[0] != after_sp[1]  # each rank keeps its own slice of the residual
 
 
 _VERIFY_RUN = """
