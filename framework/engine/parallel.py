@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from framework.core.parallel_state import TPState, divide, kv_head_layout, set_tp_state
-from framework.engine.request import ScheduledChunk
+from framework.engine.tp_messages import chunk_from_msg, chunk_msg
 from models.config import ModelConfig, read_hf_config
 
 logger = logging.getLogger(__name__)
@@ -250,8 +250,13 @@ class TPGroup:
             execute = llm.runner.execute
 
             def driver_execute(chunks, force=None, **kwargs):
-                self._broadcast(("step", [_chunk_msg(c) for c in chunks], force))
-                return self._collective(lambda: execute(chunks, force, **kwargs))
+                self._broadcast(("step", [chunk_msg(c) for c in chunks], force))
+
+                def step():
+                    self._step_fail_hook()
+                    return execute(chunks, force, **kwargs)
+
+                return self._collective(step)
 
             llm.runner.execute = driver_execute
             return
@@ -269,10 +274,13 @@ class TPGroup:
             kind, chunks, force = msg[0]
             if kind == "stop":
                 return
-            self.steps += 1
-            if isinstance(self._fail_step, int) and self.steps >= self._fail_step:
-                raise RuntimeError(f"{FAIL_HOOK_ENV} test hook: rank {self.rank} raises")
-            runner.execute([_chunk_from_msg(m) for m in chunks], force)
+            self._step_fail_hook()
+            runner.execute([chunk_from_msg(m) for m in chunks], force)
+
+    def _step_fail_hook(self) -> None:
+        self.steps += 1
+        if isinstance(self._fail_step, int) and self.steps >= self._fail_step:
+            raise RuntimeError(f"{FAIL_HOOK_ENV} test hook: rank {self.rank} raises")
 
     def _broadcast(self, msg) -> None:
         self._collective(lambda: dist.broadcast_object_list([msg], src=0))
@@ -390,34 +398,3 @@ def _fail_hook(rank: int) -> Union[int, str, None]:
 
 def _no_sample(logits, reqs):
     return [0] * len(reqs), None
-
-
-# ------------------------------------------------------------------ step messages
-class _MirrorRequest:
-    """What a worker's runner reads of a request: its tokens in the chunk and its blocks."""
-
-    def __init__(self, req_id, start, tokens, block_ids, samples):
-        self.req_id, self.start, self.tokens = req_id, start, tokens
-        self.block_ids = block_ids
-        self.num_tokens = start + len(tokens) + (0 if samples else 1)
-
-        # The runner slices ``prompt[start:end]`` for multi-token chunks: positions before
-        # the chunk are never read, so they are placeholders.
-        self.prompt = [0] * start + list(tokens)
-
-    def token_at(self, p: int) -> int:
-        return self.tokens[p - self.start]
-
-    def all_tokens(self) -> list[int]:
-        return self.prompt
-
-
-def _chunk_msg(c) -> tuple:
-    req = c.req
-    tokens = [req.token_at(p) for p in range(c.start, c.end)]
-    return (req.req_id, c.start, tokens, list(req.block_ids), c.samples)
-
-
-def _chunk_from_msg(m) -> ScheduledChunk:
-    req = _MirrorRequest(*m)
-    return ScheduledChunk(req, m[1], len(m[2]))

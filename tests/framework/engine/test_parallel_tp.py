@@ -83,12 +83,13 @@ def test_tp2_o2_tokens_equal_tp1_and_collectives_in_graph(mqa_checkpoint, tmp_pa
     assert "/rank_0/" in llm.stats["cache_dir"] + "/"
 
 
-def test_worker_failure_names_rank_and_leaves_no_process(llama_checkpoint, monkeypatch):
-    monkeypatch.setenv(FAIL_HOOK_ENV, "1:2")  # rank 1 raises at its second served step
+@pytest.mark.parametrize("rank", [1, 0])
+def test_step_failure_names_rank_and_leaves_no_process(llama_checkpoint, monkeypatch, rank):
+    monkeypatch.setenv(FAIL_HOOK_ENV, f"{rank}:2")  # the rank raises at its second step
     llm = LLM(str(llama_checkpoint), tensor_parallel_size=2, max_model_len=128)
-    with pytest.raises(TensorParallelError, match="rank 1 failed") as info:
+    with pytest.raises(TensorParallelError, match=f"rank {rank} failed") as info:
         llm.generate(PROMPTS, max_new_tokens=4)
-    assert FAIL_HOOK_ENV in str(info.value)  # the worker's traceback is in the message
+    assert FAIL_HOOK_ENV in str(info.value)  # the failed rank's traceback is in the message
     assert all(p.exitcode is not None for p in llm._tp.workers)
     assert not [p for p in mp.active_children() if p.name.startswith("piecewise-tp")]
     with pytest.raises(TensorParallelError, match="closed"):
