@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 FAIL_HOOK_ENV = "PIECEWISE_TP_FAIL"
 _ACTIVE: list["TPGroup"] = []
-"""The group this process spawned and still holds (at most one)."""
+"""The group this process leads as rank 0 and still holds (at most one)."""
 _SPAWNED_RANK: list[int] = []
 """Set in a worker process this module spawned: its rank."""
 _TIMEOUT = timedelta(seconds=int(os.environ.get("PIECEWISE_TP_TIMEOUT_S", "300")))
