@@ -204,7 +204,7 @@ print("RESULT " + json.dumps({"tokens": tokens, "passes": passes}))
 
 
 @pytest.mark.slow  # reason: a cold TP=2 O2 compile that runs every piece before and after
-# each pass (~40 s alone, minutes under load)
+# each pass (28 s on a quiet machine, 40 s under load)
 def test_tp2_verify_passes_with_sequence_parallelism_on_every_rank(mqa_checkpoint, tmp_path):
     """verify_passes at TP=2 with both TP passes: each rank runs every piece before and after
     each pass (the collectives in the piece run on both ranks in step: reduce-scatter and
