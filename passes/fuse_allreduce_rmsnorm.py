@@ -56,6 +56,7 @@ def make_pattern(group: str):
 )
 class FuseAllReduceRMSNormPass(PatternFusionPass):
     __doc__ = __doc__
+    trace_on_fake_tensors = True  # the pattern holds an all-reduce
 
     def config_factors(self) -> dict[str, Any]:
         st = get_tp_state()

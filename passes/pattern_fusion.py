@@ -15,6 +15,7 @@ shapes) are re-derived by the matcher from each match's real shapes.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional
 
@@ -105,6 +106,10 @@ class PatternFusionPass(GraphPass):
     """
 
     is_fusion: ClassVar[bool] = True
+    trace_on_fake_tensors: ClassVar[bool] = False
+    """Trace the patterns on fake tensors instead of real ones.  Set by passes whose
+    patterns hold collectives: traced on real tensors, building the pass would run them (a
+    cross-rank call, one that deadlocks on gloo under the tracer's Python dispatcher)."""
     _matchers: ClassVar[dict[tuple, PatternMatcherPass]] = {}
 
     def patterns(self) -> Iterable[FusionPattern]:
@@ -122,20 +127,22 @@ class PatternFusionPass(GraphPass):
 
             matcher = PatternMatcherPass(pass_name=self.name or type(self).__name__)
             for p in self.patterns():
-                self._register(p, matcher)
+                self._register(p, matcher, fake=self.trace_on_fake_tensors)
             PatternFusionPass._matchers[key] = matcher
         self.matcher = matcher
 
     @staticmethod
-    def _register(p: FusionPattern, matcher: PatternMatcherPass) -> None:
+    def _register(p: FusionPattern, matcher: PatternMatcherPass, fake: bool = False) -> None:
         from torch._inductor.pattern_matcher import register_replacement  # deferred: see top
+        from torch._subclasses.fake_tensor import FakeTensorMode  # deferred: see top
 
         kwargs: dict[str, Any] = {}
         if p.scalars:
             kwargs["scalar_workaround"] = dict(p.scalars)
         kwargs["extra_check"] = _scalars_are_constants(p)
-        # The example inputs are real tensors: trace without autograd, on CPU, once.
-        with torch.no_grad():
+        # The example inputs are real tensors (fake ones with ``fake``): trace without
+        # autograd, on CPU, once.
+        with torch.no_grad(), FakeTensorMode() if fake else contextlib.nullcontext():
             register_replacement(
                 p.pattern,
                 p.replacement,

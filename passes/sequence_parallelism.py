@@ -64,6 +64,7 @@ def make_sp_replacement(group: str, rank: int, world: int):
 @register_pass("sequence_parallelism", after=("noop_elimination",), fusion=True)
 class SequenceParallelismPass(PatternFusionPass):
     __doc__ = __doc__
+    trace_on_fake_tensors = True  # the pattern holds an all-reduce
 
     def config_factors(self) -> dict[str, Any]:
         st = get_tp_state()

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx
+from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from framework.core.compile_range import CompileRange
@@ -180,7 +181,12 @@ class PassVerifier:
     def _run(self, graph: torch.fx.Graph) -> tuple[dict[str, Any], list[Any]]:
         gm = _as_module(graph)
         rec = _Recorder(gm)
-        with torch.no_grad():
+        # Inductor calls the passes with the Python dispatcher on.  A collective issued here
+        # hands that thread-local state to the process group's worker thread (gloo), whose
+        # own ops (``narrow`` of the gathered buffer) then need the GIL, which this thread
+        # holds while it blocks in ``wait_tensor``: a deadlock.  Real tensors need no
+        # Python dispatcher.  (torch._dispatch.python is private; torch 2.13.)
+        with torch.no_grad(), no_python_dispatcher():
             outs = rec.run(*[_clone(x) for x in self._inputs])
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         # Inputs swapped by a pass are compared as their readers saw them: after any write.

@@ -33,7 +33,7 @@ from framework.engine.capture import capture_graphs, dummy_batch
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from framework.engine.model_prep import prepack_lm_head, quantize
 from framework.engine.outputs import RequestOutput, output_of
-from framework.engine.parallel import start_tensor_parallel
+from framework.engine.parallel import start_tensor_parallel, startup_guard
 from framework.engine.request import Request, validate_max_tokens, validate_token_ids
 from framework.engine.runner import ModelRunner
 from framework.engine.sampling_params import SamplingParams, params_per_prompt
@@ -108,46 +108,50 @@ class LLM:
         # Tensor parallelism: None for one process; else this process is rank 0 (or a
         # torchrun rank) and the other ranks build the same LLM in lockstep.
         self._tp = start_tensor_parallel(tensor_parallel_size, llm_args, type(self))
-        if self._tp is not None:
-            self._tp.activate()
-        self._tp_size = tensor_parallel_size
-        self.device = torch.device(device or "cpu")
-        self.max_model_len = max_model_len
-        self.startup = StartupStats()
-        """Typed timings and counts of construction (per instance)."""
-        self._next_id = 0
-        self._rng = random.Random(seed)
-        self._requests: dict[int, Request] = {}
-        self._streaming: set[int] = set()
-        self._first_logits: dict[int, Optional[torch.Tensor]] = {}
+        # Any failure from here on, on any rank, ends as one TensorParallelError naming the
+        # rank, with no process left (framework/engine/parallel.py).
+        with startup_guard(self._tp):
+            if self._tp is not None:
+                self._tp.activate()
+            self._tp_size = tensor_parallel_size
+            tp_device = self._tp.device if self._tp is not None else None
+            self.device = torch.device(tp_device or device or "cpu")  # torchrun: cuda:<local>
+            self.max_model_len = max_model_len
+            self.startup = StartupStats()
+            """Typed timings and counts of construction (per instance)."""
+            self._next_id = 0
+            self._rng = random.Random(seed)
+            self._requests: dict[int, Request] = {}
+            self._streaming: set[int] = set()
+            self._first_logits: dict[int, Optional[torch.Tensor]] = {}
 
-        quant_hash = self._load(
-            model,
-            dtype,
-            quantization,
-            compilation_config,
-            optimization_level=optimization_level,
-            cache_dir=cache_dir,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enable_prefix_caching=enable_prefix_caching,
-            has_graphs=self.device.type == "cuda" or emulate_cuda_graphs,
-        )
-        self._compile(
-            quant_hash,
-            attention_backend=attention_backend or default_backend(self.device),
-            max_num_seqs=max_num_seqs,
-            model_tag=model_tag,
-            graph_ops=EmulatedGraphOps() if emulate_cuda_graphs else None,
-            seed=seed,
-            t_start=t_start,
-        )
-        self._capture()
-        self.startup.startup_s = time.perf_counter() - t_start
-        if self._tp is not None:
-            self._tp.attach(self)  # rank 0 broadcasts steps from now on; others serve here
+            quant_hash = self._load(
+                model,
+                dtype,
+                quantization,
+                compilation_config,
+                optimization_level=optimization_level,
+                cache_dir=cache_dir,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enable_prefix_caching=enable_prefix_caching,
+                has_graphs=self.device.type == "cuda" or emulate_cuda_graphs,
+            )
+            self._compile(
+                quant_hash,
+                attention_backend=attention_backend or default_backend(self.device),
+                max_num_seqs=max_num_seqs,
+                model_tag=model_tag,
+                graph_ops=EmulatedGraphOps() if emulate_cuda_graphs else None,
+                seed=seed,
+                t_start=t_start,
+            )
+            self._capture()
+            self.startup.startup_s = time.perf_counter() - t_start
+            if self._tp is not None:
+                self._tp.attach(self)  # rank 0 broadcasts steps from now on; others serve here
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (no-op for one process; also runs at exit)."""
@@ -189,6 +193,10 @@ class LLM:
         self.config = cc.resolve(
             max_num_tokens=max_num_tokens, level_passes=level_passes, has_cuda=has_graphs
         )
+        if self._tp is not None and self.config.debug_dump_path:
+            # Each rank dumps into its own folder: the ranks' graphs differ (shards, slices).
+            dump = self._tp.rank_path(self.config.debug_dump_path)
+            self.config = self.config.replace(debug_dump_path=dump)
 
         mc = self.model_config
         kv_heads = kv_head_layout(mc.num_kv_heads, self._tp_size)[0]  # this rank's heads
@@ -257,6 +265,7 @@ class LLM:
         )
         if self._tp is not None:
             self._tp.handshake()
+            self._tp.startup_fail_hook()  # test hook: PIECEWISE_TP_FAIL=<rank>:startup
         self.startup.load_s = time.perf_counter() - t_start
         if self.quant_config is not None:
             self._calibrate(seed)

@@ -7,10 +7,14 @@ close (the all-reduce changes the summation order, so not bit-identical).
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import os
+from pathlib import Path
 
 import pytest
 import torch
+from process_group_harness import group_alive, run_script
 
 from framework.engine.llm import LLM
 from framework.engine.parallel import FAIL_HOOK_ENV, TensorParallelError
@@ -69,25 +73,66 @@ def test_tp2_o2_tokens_equal_tp1_and_collectives_in_graph(mqa_checkpoint, tmp_pa
     dump = tmp_path / "dump"
     cc = {"level": 2, "debug_dump_path": str(dump)}
     llm = _assert_same(mqa_checkpoint, compilation_config=cc, cache_dir=str(tmp_path / "c"))
-    # The TP=2 trace (written last) holds the all-reduces as functional collectives: one for
-    # the embedding and two per layer, and the split is unchanged (2 attention ops).
-    code = (dump / "split_graph.py").read_text()
+    # The TP=2 trace (rank 0's folder) holds the all-reduces as functional collectives: one
+    # for the embedding and two per layer, and the split is unchanged (2 attention ops).
+    assert "_c10d_functional" not in (dump / "split_graph.py").read_text()  # TP=1's
+    code = (dump / "rank_0" / "split_graph.py").read_text()
     assert code.count("_c10d_functional.all_reduce") == 1 + 2 * 2
     assert code.count("_c10d_functional.wait_tensor") == 1 + 2 * 2
     assert llm.stats["compile_num_splitting_ops"] == 2
     assert "/rank_0/" in llm.stats["cache_dir"] + "/"
 
 
-def test_worker_failure_names_rank_and_leaves_no_process(llama_checkpoint, monkeypatch):
-    monkeypatch.setenv(FAIL_HOOK_ENV, "1:2")  # rank 1 raises at its second served step
+@pytest.mark.parametrize("rank", [1, 0])
+def test_step_failure_names_rank_and_leaves_no_process(llama_checkpoint, monkeypatch, rank):
+    monkeypatch.setenv(FAIL_HOOK_ENV, f"{rank}:2")  # the rank raises at its second step
     llm = LLM(str(llama_checkpoint), tensor_parallel_size=2, max_model_len=128)
-    with pytest.raises(TensorParallelError, match="rank 1 failed") as info:
+    with pytest.raises(TensorParallelError, match=f"rank {rank} failed") as info:
         llm.generate(PROMPTS, max_new_tokens=4)
-    assert FAIL_HOOK_ENV in str(info.value)  # the worker's traceback is in the message
+    assert FAIL_HOOK_ENV in str(info.value)  # the failed rank's traceback is in the message
     assert all(p.exitcode is not None for p in llm._tp.workers)
     assert not [p for p in mp.active_children() if p.name.startswith("piecewise-tp")]
     with pytest.raises(TensorParallelError, match="closed"):
         llm.generate(PROMPTS, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_startup_failure_names_rank_and_leaves_no_process(llama_checkpoint, monkeypatch, rank):
+    """A rank that fails during start-up at O1 (after the handshake, before the warm-up
+    compile whose forward runs the collectives): one error naming it, no process left.
+    (Before: a worker's failure surfaced on rank 0 as the raw gloo error of the warm-up's
+    all-reduce, and rank 0's own failure left the worker waiting in a collective.)"""
+    monkeypatch.setenv(FAIL_HOOK_ENV, f"{rank}:startup")
+    cc = {"level": 1, "backend": "eager"}  # the O1 start-up path, without Inductor's cost
+    with pytest.raises(TensorParallelError, match=f"rank {rank} failed") as info:
+        LLM(str(llama_checkpoint), tensor_parallel_size=2, max_model_len=128, compilation_config=cc)
+    assert f"{FAIL_HOOK_ENV} test hook: rank {rank} raises at start-up" in str(info.value)
+    assert "Traceback" in str(info.value)
+    assert not [p for p in mp.active_children() if p.name.startswith("piecewise-tp")]
+
+
+def test_torchrun_ranks_serve_rank0_and_exit_cleanly(mqa_checkpoint):
+    """``torchrun --nproc_per_node 2``: both ranks run the script, join torchrun's group (gloo)
+    instead of spawning, rank 1 serves rank 0's steps inside ``LLM(...)`` and exits when rank 0
+    closes; tokens equal TP=1 and every process ends with status 0.  (Before: rank 0's close
+    sent no stop message to ranks it had not spawned, so rank 1 died in its next collective
+    when rank 0 left: exit 1.)"""
+    torch.set_num_threads(1)
+    ref = LLM(str(mqa_checkpoint), optimization_level=0, max_model_len=128)
+    expected = ref.generate(PROMPTS, max_new_tokens=4)
+    script = Path(__file__).with_name("torchrun_generate.py")
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    args += [str(script), str(mqa_checkpoint), json.dumps(PROMPTS), "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PIECEWISE_TP_TIMEOUT_S": "60"}
+    done = run_script(args, timeout_s=240, env=env)
+    assert done.returncode == 0, done.stdout[-4000:]
+    results = [
+        json.loads(ln[len("RESULT ") :])
+        for ln in done.stdout.splitlines()
+        if ln.startswith("RESULT ")
+    ]
+    assert results == [{"rank": 0, "tokens": expected}]  # the script's tail ran on rank 0 only
+    assert not group_alive(done.pid)
 
 
 def test_tensor_parallel_size_is_validated(llama_checkpoint):
