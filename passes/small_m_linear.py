@@ -32,7 +32,7 @@ from passes.weight_cache import WeightCache
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 8
+MAX_ROWS = 16
 """Rows (tokens) up to which the kernel beats oneDNN here (``python -m
 experiments.bench_small_m_linear``); batches of more rows go to oneDNN."""
 
@@ -58,7 +58,9 @@ LIBRARY = NativeLibrary(
 )
 
 
+@functools.lru_cache(maxsize=None)
 def load_library(portable: Optional[bool] = None) -> ctypes.CDLL:
+    """Load (building if needed) the library; cached per ``portable`` value."""
     lib = LIBRARY.load(portable)
     if lib.piecewise_small_m_linear_lanes() != LANES:
         raise KernelBuildError(f"{LIBRARY.source.name}: panel width differs from LANES={LANES}")
@@ -96,6 +98,16 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 
 _PACKED = WeightCache(pack)
+_KERNEL = None
+"""The default build's C function, once loaded (saves two cached look-ups per call)."""
+
+
+def _kernel(portable: Optional[bool] = None):
+    global _KERNEL
+    fn = load_library(portable).piecewise_small_m_linear
+    if portable is None:
+        _KERNEL = fn
+    return fn
 
 
 def clear_packed_weights() -> None:
@@ -108,7 +120,7 @@ def use_small_m(x2: torch.Tensor, w: torch.Tensor) -> bool:
         x2.shape[0] <= MAX_ROWS
         and w.dtype in DTYPES
         and x2.dtype == w.dtype
-        and w.device.type == "cpu"
+        and w.is_cpu
         and kernel_available()
     )
 
@@ -137,7 +149,8 @@ def small_m_linear(
             )
         bias = bias.contiguous()
     out = x2.new_empty(m, n)
-    rc = load_library(portable).piecewise_small_m_linear(
+    fn = (_KERNEL or _kernel()) if portable is None else _kernel(portable)
+    rc = fn(
         x2.data_ptr(),
         x2.stride(0) if m > 1 else k,  # a size-1 dim's stride can be anything
         m,

@@ -30,6 +30,10 @@ class WeightCache:
             self._entries[key] = entry
         return entry[0]
 
+    def values(self) -> list[torch.Tensor]:
+        """The cached copies."""
+        return [entry[0] for entry in self._entries.values()]
+
     def clear(self) -> None:
         self._entries.clear()
 

@@ -148,7 +148,9 @@ class NativeLibrary:
         candidates = [PORTABLE_FLAGS] if portable else [NATIVE_FLAGS, PORTABLE_FLAGS]
         errors = []
         for flags in candidates:
-            target = kernel_dir() / f"{self.name}-{self.build_key(cxx, flags)}" / f"lib{self.name}.so"
+            target = (
+                kernel_dir() / f"{self.name}-{self.build_key(cxx, flags)}" / f"lib{self.name}.so"
+            )
             if target.exists():
                 return target
             try:
