@@ -19,7 +19,8 @@ import torch
 
 from framework.core.ops import define_op
 from passes.small_m_linear import clear_packed_weights as clear_small_m_weights
-from passes.small_m_linear import small_m_linear, use_small_m
+from passes.small_m_linear import run as small_m_run
+from passes.small_m_linear import use_small_m
 from passes.weight_cache import WeightCache
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -55,15 +56,18 @@ def prepacked_linear_cpu(
             f"piecewise::prepacked_linear: x ({x.dtype}) and w ({w.dtype}) must "
             f"share a dtype in {PACKABLE_DTYPES}"
         )
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if use_small_m(x2, w):  # decode-sized bf16: the hand-written kernel (passes/small_m_linear.py)
-        out = small_m_linear(x2, w, bias)
+        if bias is not None and bias.shape != w.shape[:1]:
+            raise ValueError(
+                f"piecewise::prepacked_linear: bias {tuple(bias.shape)} for w {tuple(w.shape)}"
+            )
+        out = small_m_run(x2, w, bias)
     else:
         out = torch.ops.mkldnn._linear_pointwise(
             x2.contiguous(), packed_weight(w), bias, "none", [], ""
         )
-    return out.reshape(*lead, w.shape[0])
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def _fake(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

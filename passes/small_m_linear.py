@@ -132,21 +132,39 @@ def small_m_linear(
     portable: Optional[bool] = None,
 ) -> torch.Tensor:
     """``x2 [M, K] @ w[N, K].T (+ bias [N])`` with the kernel; returns a new ``[M, N]``."""
-    m, k = x2.shape
-    n = w.shape[0]
-    if w.shape[1] != k or w.dtype not in DTYPES or x2.dtype != w.dtype:
+    if (
+        x2.dim() != 2
+        or w.dim() != 2
+        or w.shape[1] != x2.shape[1]
+        or w.dtype not in DTYPES
+        or x2.dtype != w.dtype
+        or not (x2.is_cpu and w.is_cpu)
+    ):
         raise ValueError(
             f"small_m_linear: x {tuple(x2.shape)} {x2.dtype} and w {tuple(w.shape)} "
-            f"{w.dtype} must be [M, K] and [N, K] of one dtype in {list(DTYPES)}"
+            f"{w.dtype} must be CPU [M, K] and [N, K] of one dtype in {list(DTYPES)}"
         )
+    if bias is not None and (bias.shape != w.shape[:1] or bias.dtype != w.dtype):
+        raise ValueError(
+            f"small_m_linear: bias must be [{w.shape[0]}] {w.dtype}, got "
+            f"{tuple(bias.shape)} {bias.dtype}"
+        )
+    return run(x2, w, bias, portable)
+
+
+def run(
+    x2: torch.Tensor,
+    w: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    portable: Optional[bool] = None,
+) -> torch.Tensor:
+    """:func:`small_m_linear` without the argument checks, for callers that made them
+    (``piecewise::prepacked_linear``: one call per linear per decode step)."""
+    m, k = x2.shape
+    n = w.shape[0]
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if bias is not None:
-        if bias.shape != (n,) or bias.dtype != w.dtype:
-            raise ValueError(
-                f"small_m_linear: bias must be [{n}] {w.dtype}, got {tuple(bias.shape)} "
-                f"{bias.dtype}"
-            )
+    if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     out = x2.new_empty(m, n)
     fn = (_KERNEL or _kernel()) if portable is None else _kernel(portable)
