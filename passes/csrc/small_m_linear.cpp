@@ -8,8 +8,8 @@
 // vectors) and a panel is one contiguous stream.  With AVX512-BF16 (vdpbf16ps) each vector
 // of a k-pair meets the broadcast pair (x[2i], x[2i+1]) of each row: 16 outputs x 2 products
 // per instruction, no horizontal reductions.  Up to 6 rows share one pass over a panel
-// (24 accumulators in registers); more rows take further passes over the panel, which is then
-// in L1/L2.  Panels are split over OpenMP threads (torch's pool: libgomp is shared by soname).
+// (24 accumulators in registers); more rows take further passes over k-blocks of the panel
+// that are then in L1/L2.  Panels are split over OpenMP threads (torch's pool: libgomp is shared by soname).
 //
 // No torch headers: a C ABI called through ctypes on data pointers (framework/core/
 // native_build.py builds it with -O3 -march=native, or portable -O3 where that fails).  The
@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -30,6 +31,7 @@ namespace {
 
 constexpr int kLanes = 64;    // output features per panel
 constexpr int kMaxRows = 6;   // rows per pass over a panel
+constexpr int64_t kBlockPairs = 256;  // k-pairs per block (64 KB of a panel) with several passes
 // Below this many weight bytes one thread streams the weight faster than a team wakes up.
 constexpr int64_t kParallelMinBytes = 96 * 1024;
 
@@ -60,19 +62,24 @@ struct Args {
   int64_t k;
 };
 
+// One pass of MR rows (from m0) over k-pairs [i0, i1) of panel p.  `first`: start from zero,
+// else from the partial sums in `buf` (MR x 64 floats); `last`: add the bias, round and store
+// the outputs, else leave the partial sums in `buf`.
 #if defined(PW_AVX512BF16)
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 template <int MR>
-void panel(const Args& a, int64_t p, int64_t m0) {
-  const int64_t kp = (a.k + 1) / 2, full = a.k / 2;
+void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
+           bool last) {
+  const int64_t kp = (a.k + 1) / 2, full = std::min(i1, a.k / 2);
   const uint16_t* w = a.w + p * kp * 2 * kLanes;
   const uint16_t* x = a.x + m0 * a.x_st;
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
-    for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < full; ++i) {
+    for (int b = 0; b < 4; ++b)
+      acc[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(buf + r * kLanes + 16 * b);
+  for (int64_t i = i0; i < full; ++i) {
     const uint16_t* wi = w + i * 2 * kLanes;
     const __m512bh w0 = as_bh(_mm512_loadu_si512(wi));
     const __m512bh w1 = as_bh(_mm512_loadu_si512(wi + 32));
@@ -88,13 +95,18 @@ void panel(const Args& a, int64_t p, int64_t m0) {
       acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
     }
   }
-  if (a.k & 1) {  // last k alone; its partner in the packed weight is zero padding
-    const uint16_t* wi = w + full * 2 * kLanes;
+  if ((a.k & 1) && i1 == kp) {  // last k alone; its partner in the packed weight is zero
+    const uint16_t* wi = w + (kp - 1) * 2 * kLanes;
     for (int r = 0; r < MR; ++r) {
       const __m512bh xb = as_bh(_mm512_set1_epi32(x[r * a.x_st + a.k - 1]));
       for (int b = 0; b < 4; ++b)
         acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xb, as_bh(_mm512_loadu_si512(wi + 32 * b)));
     }
+  }
+  if (!last) {
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < 4; ++b) _mm512_storeu_ps(buf + r * kLanes + 16 * b, acc[r][b]);
+    return;
   }
   const int64_t n0 = p * kLanes;
   for (int b = 0; b < 4; ++b) {
@@ -116,15 +128,16 @@ void panel(const Args& a, int64_t p, int64_t m0) {
 #else  // portable: the same packed layout, plain loops
 
 template <int MR>
-void panel(const Args& a, int64_t p, int64_t m0) {
+void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
+           bool last) {
   const int64_t kp = (a.k + 1) / 2;
   const uint16_t* w = a.w + p * kp * 2 * kLanes;
   const uint16_t* x = a.x + m0 * a.x_st;
   float acc[MR][kLanes];
   float w0[kLanes], w1[kLanes];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < kLanes; ++j) acc[r][j] = 0.0f;
-  for (int64_t i = 0; i < kp; ++i) {
+    for (int j = 0; j < kLanes; ++j) acc[r][j] = first ? 0.0f : buf[r * kLanes + j];
+  for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* wi = w + i * 2 * kLanes;
 #pragma omp simd
     for (int j = 0; j < kLanes; ++j) {
@@ -138,6 +151,11 @@ void panel(const Args& a, int64_t p, int64_t m0) {
       for (int j = 0; j < kLanes; ++j) acc[r][j] += x0 * w0[j] + x1 * w1[j];
     }
   }
+  if (!last) {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < kLanes; ++j) buf[r * kLanes + j] = acc[r][j];
+    return;
+  }
   const int64_t n0 = p * kLanes;
   const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
   for (int r = 0; r < MR; ++r) {
@@ -149,25 +167,37 @@ void panel(const Args& a, int64_t p, int64_t m0) {
 
 #endif
 
-void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t rows) {
-  switch (rows) {
-    case 1: return panel<1>(a, p, m0);
-    case 2: return panel<2>(a, p, m0);
-    case 3: return panel<3>(a, p, m0);
-    case 4: return panel<4>(a, p, m0);
-    case 5: return panel<5>(a, p, m0);
-    default: return panel<6>(a, p, m0);
+using PanelFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, float*, bool, bool);
+constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,   panel<1>, panel<2>, panel<3>,
+                                           panel<4>, panel<5>, panel<6>};
+
+// One panel, all rows.  Rows go in passes of <= 6 (balanced: 8 rows -> 4 + 4).  One pass
+// streams the whole panel; with several passes the panel is cut into k-blocks small enough to
+// stay in L1/L2 across the passes (partial sums wait in `buf`), so the weight is read from
+// memory once whatever K is.
+void run_panel(const Args& a, int64_t p, std::vector<float>& buf) {
+  const int64_t kp = (a.k + 1) / 2;
+  const int64_t passes = (a.m + kMaxRows - 1) / kMaxRows;
+  const int64_t rows = (a.m + passes - 1) / passes;
+  if (passes == 1) return kPanels[a.m](a, p, 0, 0, kp, nullptr, true, true);
+  buf.resize(a.m * kLanes);
+  for (int64_t i0 = 0; i0 < kp; i0 += kBlockPairs) {
+    const int64_t i1 = std::min(kp, i0 + kBlockPairs);
+    for (int64_t m0 = 0; m0 < a.m; m0 += rows)
+      kPanels[std::min(rows, a.m - m0)](a, p, m0, i0, i1, buf.data() + m0 * kLanes, i0 == 0,
+                                        i1 == kp);
   }
 }
 
 void run(const Args& a) {
   const int64_t panels = (a.n + kLanes - 1) / kLanes;
-  const int64_t passes = (a.m + kMaxRows - 1) / kMaxRows;
-  const int64_t rows = (a.m + passes - 1) / passes;  // balanced: 8 rows -> 4 + 4
   const bool parallel = panels > 1 && a.n * a.k * 2 >= kParallelMinBytes;
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t m0 = 0; m0 < a.m; m0 += rows) panel_rows(a, p, m0, std::min(rows, a.m - m0));
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) run_panel(a, p, buf);
+  }
 }
 
 }  // namespace
