@@ -42,9 +42,11 @@ def _sweep_s(fn, xs, ws) -> float:
     return (time.perf_counter() - t0) / len(ws)
 
 
-def bench_shape(n: int, k: int, rows: list[int], rounds: int) -> list[dict]:
+def bench_shape(
+    n: int, k: int, rows: list[int], rounds: int, sweep_bytes: int = SWEEP_BYTES
+) -> list[dict]:
     g = torch.Generator().manual_seed(0)
-    copies = max(3, -(-SWEEP_BYTES // (n * k * 2)))
+    copies = max(3, -(-sweep_bytes // (n * k * 2)))
     ws = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for _ in range(copies)]
     impls = {
         "kernel": lambda x, w: small_m_linear(x, w, None),
@@ -76,6 +78,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument(
+        "--sweep-mb", type=int, default=SWEEP_BYTES >> 20, help="weight copies per timed sweep"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     bw = measure_read_bandwidth()
@@ -91,7 +96,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for shape in args.shapes:
         n, k = (int(v) for v in shape.lower().split("x"))
-        for r in bench_shape(n, k, args.rows, args.rounds):
+        for r in bench_shape(n, k, args.rows, args.rounds, args.sweep_mb << 20):
             rows.append(r)
             (kt, kb, kx), (mt, mb, mx), (ft, fb, fx) = r["kernel"], r["mkldnn"], r["F.linear"]
             print(
