@@ -6,6 +6,11 @@ arrive as graph inputs are multiplied unpacked.  This op hides the packed tensor
 weight is packed ONCE per (address, shape, dtype) -- and again only if it is modified in place
 (its version counter moves) -- then every call runs ``mkldnn._linear_pointwise``.
 
+Decode-sized bf16 calls (at most ``small_m_linear.MAX_ROWS`` rows) run the hand-written
+small-M kernel instead (:mod:`passes.small_m_linear`, its own packed layout, cached the same
+way): oneDNN reaches ~12-17 GB/s on a GEMV here, the kernel streams the weight at close to the
+machine's read bandwidth.  ``PIECEWISE_SMALL_M_LINEAR=0`` keeps every call on oneDNN.
+
 Registration: :func:`framework.core.ops.define_op` with a CPU kernel only (the op exists
 for oneDNN); the op is functional (no mutation, output never aliases an input) and passes
 ``opcheck``.
@@ -13,17 +18,15 @@ for oneDNN); the op is functional (no mutation, output never aliases an input) a
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
 
 from framework.core.ops import define_op
-
-_PACKED: dict[tuple, tuple[torch.Tensor, int]] = {}
-"""(data_ptr, shape, dtype) -> (packed weight, weight version).  An entry lives exactly as long
-as its weight (a finalizer drops it), so neither a dead model's packed copy is kept alive nor
-can another tensor reuse the address while the entry exists."""
+from passes.small_m_linear import clear_packed_weights as clear_small_m_weights
+from passes.small_m_linear import run as small_m_run
+from passes.small_m_linear import use_small_m
+from passes.weight_cache import WeightCache
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -36,19 +39,18 @@ def mkldnn_available() -> bool:
 
 def packed_weight(w: torch.Tensor) -> torch.Tensor:
     """The oneDNN-packed form of ``w [N, K]``, packed on first use."""
-    key = (w.data_ptr(), tuple(w.shape), w.dtype)
-    entry = _PACKED.get(key)
-    if entry is None or entry[1] != w._version:
-        if entry is None:
-            weakref.finalize(w, _PACKED.pop, key, None)
-        entry = (torch.ops.mkldnn._reorder_linear_weight(w.contiguous()), w._version)
-        _PACKED[key] = entry
-    return entry[0]
+    return _PACKED.get(w)
+
+
+_PACKED = WeightCache(lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous()))
+"""One oneDNN-packed copy per weight, as long as the weight lives (remade if modified)."""
 
 
 def clear_packed_weights() -> None:
-    """Drop every packed weight (e.g. before loading new weights into the same buffers)."""
+    """Drop every packed weight, oneDNN's and the small-M kernel's (e.g. before loading new
+    weights into the same buffers)."""
     _PACKED.clear()
+    clear_small_m_weights()
 
 
 def prepacked_linear_cpu(
@@ -59,10 +61,18 @@ def prepacked_linear_cpu(
             f"piecewise::prepacked_linear: x ({x.dtype}) and w ({w.dtype}) must "
             f"share a dtype in {PACKABLE_DTYPES}"
         )
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(x2, packed_weight(w), bias, "none", [], "")
-    return out.reshape(*lead, w.shape[0])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if use_small_m(x2, w):  # decode-sized bf16: the hand-written kernel (passes/small_m_linear.py)
+        if bias is not None and bias.shape != w.shape[:1]:
+            raise ValueError(
+                f"piecewise::prepacked_linear: bias {tuple(bias.shape)} for w {tuple(w.shape)}"
+            )
+        out = small_m_run(x2, w, bias)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(
+            x2.contiguous(), packed_weight(w), bias, "none", [], ""
+        )
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def _fake(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

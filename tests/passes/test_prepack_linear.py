@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from graph_test_backend import TestBackend, assert_close_to_eager, compile_with, count_op
 
 from framework.core.config import PassConfig
+from passes import small_m_linear as small_m
 from passes.manager import PassManager
 from passes.ops_prepack import _PACKED, clear_packed_weights, mkldnn_available
 
@@ -25,13 +26,23 @@ def test_opcheck_and_numerics(dtype):
         torch.testing.assert_close(out, F.linear(x, w, bias), atol=tol, rtol=tol)
 
 
-def test_weight_packed_once_and_repacked_after_in_place_update():
+def _cache_for(rows: int):
+    """The cache a bf16 call of ``rows`` rows packs into: the small-M kernel's or oneDNN's."""
+    if rows <= small_m.MAX_ROWS and small_m.kernel_available():
+        return small_m._PACKED
+    return _PACKED
+
+
+@pytest.mark.parametrize("rows", [2, small_m.MAX_ROWS + 1])
+def test_weight_packed_once_and_repacked_after_in_place_update(rows):
     clear_packed_weights()
-    x, w = torch.randn(2, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
+    cache = _cache_for(rows)
+    x = torch.randn(rows, 32, dtype=torch.bfloat16)
+    w = torch.randn(16, 32, dtype=torch.bfloat16)
     torch.ops.piecewise.prepacked_linear(x, w, None)
-    packed = next(iter(_PACKED.values()))[0]
+    packed = cache.values()[0]
     torch.ops.piecewise.prepacked_linear(x, w, None)
-    assert len(_PACKED) == 1 and next(iter(_PACKED.values()))[0] is packed
+    assert len(cache) == 1 and cache.values()[0] is packed
     w.mul_(2)  # weights reloaded in place: the version counter moves, the pack is redone
     out = torch.ops.piecewise.prepacked_linear(x, w, None)
     torch.testing.assert_close(out, F.linear(x, w), atol=5e-2, rtol=5e-2)
@@ -81,13 +92,15 @@ def test_addmm_with_a_residual_input_becomes_linear_plus_add():
     assert_close_to_eager(out, f(*args), dtype)
 
 
-def test_packed_copy_dies_with_its_weight():
+@pytest.mark.parametrize("rows", [2, small_m.MAX_ROWS + 1])
+def test_packed_copy_dies_with_its_weight(rows):
     import gc
 
     clear_packed_weights()
+    cache = _cache_for(rows)
     w = torch.randn(16, 32, dtype=torch.bfloat16)
-    torch.ops.piecewise.prepacked_linear(torch.randn(2, 32, dtype=torch.bfloat16), w, None)
-    assert len(_PACKED) == 1
+    torch.ops.piecewise.prepacked_linear(torch.randn(rows, 32, dtype=torch.bfloat16), w, None)
+    assert len(cache) == 1
     del w
     gc.collect()
-    assert len(_PACKED) == 0
+    assert len(cache) == 0

@@ -1,0 +1,172 @@
+"""Build and load a project C++ kernel library with plain g++ + ctypes, cached per machine.
+
+Used by every hand-written CPU kernel (the fused paged attention in ``backends/attention``,
+the small-M linear in ``passes``): one :class:`NativeLibrary` per source file.
+
+Why plain g++ + ctypes rather than ``torch.utils.cpp_extension``: the kernels need no torch
+headers (they work on data pointers), so one g++ call builds a library in ~1-2 s, against
+~40-60 s for a C++ extension on this project's 2-core machines (that would eat CI's test
+budget on a fresh cache).  A ctypes call costs ~3 µs here, about one torch op dispatch, so
+nothing is lost per call; the ops users see stay ``piecewise::`` ops.
+
+The build is per machine: ``-O3 -march=native`` lets the compiler vectorise for this CPU
+(AVX-512 on the project's EPYC machines), so the cache key holds the source hash, the
+compiler's identity, the flags and the CPU's feature flags.  If the native build fails (a
+compiler without ``-march=native``), the portable ``-O3`` build is used; the library's
+``portable_env`` variable (e.g. ``PIECEWISE_CPU_PAGED_PORTABLE=1``) forces it.  Libraries
+live under ``$PIECEWISE_CACHE_DIR/kernels`` (default ``~/.cache/piecewise/kernels``), written
+to a temporary name and renamed, so concurrent builders never load a half-written file.
+
+Threads: the libraries are built with ``-fopenmp`` and link ``libgomp.so.1`` by soname, which
+resolves to the copy torch already loaded, so ``torch.set_num_threads`` governs them and no
+second thread pool exists.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+PORTABLE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+
+
+class KernelBuildError(RuntimeError):
+    """A native kernel library could not be built or loaded."""
+
+
+def compiler() -> str | None:
+    """Path of the C++ compiler (``$CXX`` or g++), None when there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> str:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; the processor string elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def kernel_dir() -> Path:
+    root = os.environ.get("PIECEWISE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "piecewise"
+    )
+    return Path(root) / "kernels"
+
+
+def _compiler_identity(cxx: str) -> str:
+    """The compiler's resolved path, size and mtime: changes with any compiler upgrade, and
+    costs a stat rather than a ``--version`` subprocess on every process start."""
+    real = os.path.realpath(cxx)
+    st = os.stat(real)
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
+class NativeLibrary:
+    """One C++ source file built into ``lib<name>.so`` and loaded through ctypes.
+
+    ``declare(lib)`` sets the ``argtypes``/``restype`` of the library's C functions after each
+    load; ``portable_env`` names the environment variable that forces the portable build.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        source: Path,
+        *,
+        portable_env: str,
+        declare: Callable[[ctypes.CDLL], None],
+    ) -> None:
+        self.name = name
+        self.source = Path(source)
+        self.portable_env = portable_env
+        self._declare = declare
+        self.load = functools.lru_cache(maxsize=None)(self._load)
+
+    def __repr__(self) -> str:
+        return f"NativeLibrary({self.name!r}, {str(self.source)!r})"
+
+    def build_key(self, cxx: str, flags: tuple[str, ...]) -> str:
+        h = hashlib.sha256()
+        for part in (
+            self.source.read_bytes(),
+            _compiler_identity(cxx).encode(),
+            " ".join(flags).encode(),
+            cpu_flags().encode() if "-march=native" in flags else b"",
+            platform.machine().encode(),
+        ):
+            h.update(part)
+            h.update(b"\0")
+        return h.hexdigest()[:20]
+
+    def _compile(self, cxx: str, flags: tuple[str, ...], target: Path) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run(
+                [cxx, *flags, str(self.source), "-o", tmp],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                raise KernelBuildError(
+                    f"{cxx} failed to build {self.source.name} with "
+                    f"{' '.join(flags)}:\n{proc.stderr[-2000:]}"
+                )
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def portable_forced(self) -> bool:
+        return os.environ.get(self.portable_env, "") not in ("", "0")
+
+    def library_path(self, portable: Optional[bool] = None) -> Path:
+        """The cached library for this machine, building it on first use."""
+        cxx = compiler()
+        if cxx is None:
+            raise KernelBuildError(
+                f"no C++ compiler found (${{CXX}} or g++ on PATH) to build {self.source.name}"
+            )
+        if portable is None:
+            portable = self.portable_forced()
+        candidates = [PORTABLE_FLAGS] if portable else [NATIVE_FLAGS, PORTABLE_FLAGS]
+        errors = []
+        for flags in candidates:
+            target = (
+                kernel_dir() / f"{self.name}-{self.build_key(cxx, flags)}" / f"lib{self.name}.so"
+            )
+            if target.exists():
+                return target
+            try:
+                self._compile(cxx, flags, target)
+                return target
+            except KernelBuildError as e:
+                errors.append(str(e))
+        raise KernelBuildError("\n".join(errors))
+
+    def _load(self, portable: Optional[bool] = None) -> ctypes.CDLL:
+        """Load (building if needed) the library and declare its C signatures; cached per
+        ``portable`` value (call as ``lib.load()``)."""
+        path = self.library_path(portable)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise KernelBuildError(f"cannot load {path}: {e}") from e
+        self._declare(lib)
+        return lib

@@ -1,0 +1,240 @@
+// Small-M linear (see passes/small_m_linear.py for the contract): y = x @ W^T (+ bias) for the
+// few rows of a decode step, streaming the weight once at close to memory bandwidth.
+//
+// bfloat16 x, W, bias and y; fp32 accumulation; y rounded to nearest even (as torch does).
+// The weight is re-laid out once (in Python) into panels of 64 output features:
+//   packed[p][i][j][t] = W[64 p + j][2 i + t]    p < ceil(N/64), i < ceil(K/2), j < 64, t < 2
+// zero-padded in N and K, so one k-pair of a panel is 256 contiguous bytes (four 16-lane
+// vectors) and a panel is one contiguous stream.  With AVX512-BF16 (vdpbf16ps) each vector
+// of a k-pair meets the broadcast pair (x[2i], x[2i+1]) of each row: 16 outputs x 2 products
+// per instruction, no horizontal reductions.  Up to 6 rows share one pass over a panel
+// (24 accumulators in registers); more rows take further passes over k-blocks of the panel
+// that are then in L1/L2.  Panels are split over OpenMP threads (torch's pool: libgomp is shared by soname).
+//
+// No torch headers: a C ABI called through ctypes on data pointers (framework/core/
+// native_build.py builds it with -O3 -march=native, or portable -O3 where that fails).  The
+// portable path runs the same layout with plain loops the compiler vectorises.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__)
+#define PW_AVX512BF16 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 64;    // output features per panel
+constexpr int kMaxRows = 6;   // rows per pass over a panel
+constexpr int64_t kBlockPairs = 256;  // k-pairs per block (64 KB of a panel) with several passes
+// Below this many weight bytes one thread streams the weight faster than a team wakes up.
+constexpr int64_t kParallelMinBytes = 96 * 1024;
+
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+struct Args {
+  const uint16_t* x;
+  int64_t x_st;
+  int64_t m;
+  const uint16_t* w;  // packed
+  const uint16_t* bias;
+  uint16_t* out;
+  int64_t out_st;
+  int64_t n;
+  int64_t k;
+};
+
+// One pass of MR rows (from m0) over k-pairs [i0, i1) of panel p.  `first`: start from zero,
+// else from the partial sums in `buf` (MR x 64 floats); `last`: add the bias, round and store
+// the outputs, else leave the partial sums in `buf`.
+#if defined(PW_AVX512BF16)
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+template <int MR>
+void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
+           bool last) {
+  const int64_t kp = (a.k + 1) / 2, full = std::min(i1, a.k / 2);
+  const uint16_t* w = a.w + p * kp * 2 * kLanes;
+  const uint16_t* x = a.x + m0 * a.x_st;
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < 4; ++b)
+      acc[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(buf + r * kLanes + 16 * b);
+  for (int64_t i = i0; i < full; ++i) {
+    const uint16_t* wi = w + i * 2 * kLanes;
+    const __m512bh w0 = as_bh(_mm512_loadu_si512(wi));
+    const __m512bh w1 = as_bh(_mm512_loadu_si512(wi + 32));
+    const __m512bh w2 = as_bh(_mm512_loadu_si512(wi + 64));
+    const __m512bh w3 = as_bh(_mm512_loadu_si512(wi + 96));
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * a.x_st + 2 * i, 4);
+      const __m512bh xb = as_bh(_mm512_set1_epi32(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
+    }
+  }
+  if ((a.k & 1) && i1 == kp) {  // last k alone; its partner in the packed weight is zero
+    const uint16_t* wi = w + (kp - 1) * 2 * kLanes;
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xb = as_bh(_mm512_set1_epi32(x[r * a.x_st + a.k - 1]));
+      for (int b = 0; b < 4; ++b)
+        acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xb, as_bh(_mm512_loadu_si512(wi + 32 * b)));
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < 4; ++b) _mm512_storeu_ps(buf + r * kLanes + 16 * b, acc[r][b]);
+    return;
+  }
+  const int64_t n0 = p * kLanes;
+  for (int b = 0; b < 4; ++b) {
+    const int64_t left = a.n - n0 - 16 * b;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    __m512 bias = _mm512_setzero_ps();
+    if (a.bias) {
+      const __m256i hb = _mm256_maskz_loadu_epi16(mask, a.bias + n0 + 16 * b);
+      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], bias));
+      _mm256_mask_storeu_epi16(a.out + (m0 + r) * a.out_st + n0 + 16 * b, mask, (__m256i)y);
+    }
+  }
+}
+
+#else  // portable: the same packed layout, plain loops
+
+template <int MR>
+void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
+           bool last) {
+  const int64_t kp = (a.k + 1) / 2;
+  const uint16_t* w = a.w + p * kp * 2 * kLanes;
+  const uint16_t* x = a.x + m0 * a.x_st;
+  float acc[MR][kLanes];
+  float w0[kLanes], w1[kLanes];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < kLanes; ++j) acc[r][j] = first ? 0.0f : buf[r * kLanes + j];
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint16_t* wi = w + i * 2 * kLanes;
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      w0[j] = bf16_to_f32(wi[2 * j]);
+      w1[j] = bf16_to_f32(wi[2 * j + 1]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const float x0 = bf16_to_f32(x[r * a.x_st + 2 * i]);
+      const float x1 = 2 * i + 1 < a.k ? bf16_to_f32(x[r * a.x_st + 2 * i + 1]) : 0.0f;
+#pragma omp simd
+      for (int j = 0; j < kLanes; ++j) acc[r][j] += x0 * w0[j] + x1 * w1[j];
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < kLanes; ++j) buf[r * kLanes + j] = acc[r][j];
+    return;
+  }
+  const int64_t n0 = p * kLanes;
+  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
+  for (int r = 0; r < MR; ++r) {
+    uint16_t* y = a.out + (m0 + r) * a.out_st + n0;
+    for (int64_t j = 0; j < valid; ++j)
+      y[j] = f32_to_bf16(acc[r][j] + (a.bias ? bf16_to_f32(a.bias[n0 + j]) : 0.0f));
+  }
+}
+
+#endif
+
+using PanelFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, float*, bool, bool);
+constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,   panel<1>, panel<2>, panel<3>,
+                                           panel<4>, panel<5>, panel<6>};
+
+// One panel, all rows.  Rows go in passes of <= 6 (balanced: 8 rows -> 4 + 4).  One pass
+// streams the whole panel; with several passes the panel is cut into k-blocks small enough to
+// stay in L1/L2 across the passes (partial sums wait in `buf`), so the weight is read from
+// memory once whatever K is.
+void run_panel(const Args& a, int64_t p, std::vector<float>& buf) {
+  const int64_t kp = (a.k + 1) / 2;
+  const int64_t passes = (a.m + kMaxRows - 1) / kMaxRows;
+  const int64_t rows = (a.m + passes - 1) / passes;
+  if (passes == 1) return kPanels[a.m](a, p, 0, 0, kp, nullptr, true, true);
+  buf.resize(a.m * kLanes);
+  for (int64_t i0 = 0; i0 < kp; i0 += kBlockPairs) {
+    const int64_t i1 = std::min(kp, i0 + kBlockPairs);
+    for (int64_t m0 = 0; m0 < a.m; m0 += rows)
+      kPanels[std::min(rows, a.m - m0)](a, p, m0, i0, i1, buf.data() + m0 * kLanes, i0 == 0,
+                                        i1 == kp);
+  }
+}
+
+void run(const Args& a) {
+  const int64_t panels = (a.n + kLanes - 1) / kLanes;
+  const bool parallel = panels > 1 && a.n * a.k * 2 >= kParallelMinBytes;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) run_panel(a, p, buf);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 1 = bfloat16 (the only one).  x [m, k] with row stride x_st, packed weight (layout
+// above), bias [n] or null, out [m, n] with row stride out_st.  Returns 0, or 1 for a bad
+// dtype, 2 for bad sizes.
+int piecewise_small_m_linear(const void* x, int64_t x_st, int64_t m, const void* w_packed,
+                             const void* bias, void* out, int64_t out_st, int64_t n, int64_t k,
+                             int64_t dtype) {
+  if (dtype != 1) return 1;
+  if (m < 0 || n <= 0 || k <= 0 || x_st < k || out_st < n) return 2;
+  if (m == 0) return 0;
+  Args a{static_cast<const uint16_t*>(x), x_st, m, static_cast<const uint16_t*>(w_packed),
+         static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_st, n, k};
+  run(a);
+  return 0;
+}
+
+// Outputs per panel of the packed layout.
+int64_t piecewise_small_m_linear_lanes() { return kLanes; }
+
+// Which instruction set the build uses (for logs and benchmarks).
+const char* piecewise_small_m_linear_isa() {
+#if defined(PW_AVX512BF16)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__ARM_NEON)
+  return "neon";
+#else
+  return "portable";
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,185 @@
+"""A hand-written CPU linear for the few rows of a decode step (bf16), near memory bandwidth.
+
+``small_m_linear(x2, w, bias)`` computes ``x2 @ w.T + bias`` for a 2-D bf16 ``x2`` of at most
+:data:`MAX_ROWS` rows with the C++ kernel ``csrc/small_m_linear.cpp`` (AVX512-BF16
+``vdpbf16ps`` where the build targets it; a portable loop elsewhere).  fp32 accumulation, the
+output rounded to nearest even once, after the bias (as ``F.linear`` does).
+
+Why: at batch 1 a linear is a GEMV that only has to stream its weight once; oneDNN's
+``_linear_pointwise`` on a packed weight reaches ~12-17 GB/s here, against ~31 GB/s of read
+bandwidth.  The kernel reads the weight re-laid out ONCE into panels of 64 output features
+(see the .cpp), so each thread streams contiguous memory and needs no horizontal reductions.
+The re-laid copy is cached per weight (:class:`passes.weight_cache.WeightCache`).
+
+``piecewise::prepacked_linear`` dispatches here (:func:`use_small_m`); everything else (more
+rows, fp32, no compiler) stays on oneDNN.  ``PIECEWISE_SMALL_M_LINEAR=0`` turns the kernel
+off; ``PIECEWISE_SMALL_M_LINEAR_PORTABLE=1`` forces the portable build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from framework.core.native_build import KernelBuildError, NativeLibrary, compiler
+from passes.weight_cache import WeightCache
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 16
+"""Rows (tokens) up to which the kernel beats oneDNN here (``python -m
+experiments.bench_small_m_linear``); batches of more rows go to oneDNN."""
+
+LANES = 64
+"""Output features per panel of the packed layout (``kLanes`` in the .cpp)."""
+
+DTYPES = {torch.bfloat16: 1}
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.piecewise_small_m_linear.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, i64]
+    lib.piecewise_small_m_linear.restype = ctypes.c_int
+    lib.piecewise_small_m_linear_lanes.restype = ctypes.c_int64
+    lib.piecewise_small_m_linear_isa.restype = ctypes.c_char_p
+
+
+LIBRARY = NativeLibrary(
+    "small_m_linear",
+    Path(__file__).resolve().parent / "csrc" / "small_m_linear.cpp",
+    portable_env="PIECEWISE_SMALL_M_LINEAR_PORTABLE",
+    declare=_declare,
+)
+
+
+@functools.lru_cache(maxsize=None)
+def load_library(portable: Optional[bool] = None) -> ctypes.CDLL:
+    """Load (building if needed) the library; cached per ``portable`` value."""
+    lib = LIBRARY.load(portable)
+    if lib.piecewise_small_m_linear_lanes() != LANES:
+        raise KernelBuildError(f"{LIBRARY.source.name}: panel width differs from LANES={LANES}")
+    return lib
+
+
+def isa(portable: Optional[bool] = None) -> str:
+    """The instruction set the loaded build uses."""
+    return load_library(portable).piecewise_small_m_linear_isa().decode()
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_available() -> bool:
+    """The kernel is enabled and builds on this machine (a failed build is logged once and
+    leaves every linear on oneDNN)."""
+    if os.environ.get("PIECEWISE_SMALL_M_LINEAR", "1") in ("0", ""):
+        return False
+    if compiler() is None:
+        return False
+    try:
+        load_library()
+    except KernelBuildError as e:
+        logger.warning("small-M linear kernel unavailable, linears stay on oneDNN: %s", e)
+        return False
+    return True
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` in the kernel's layout ``[ceil(N/64), ceil(K/2), 64, 2]``, zero-padded."""
+    n, k = w.shape
+    n_pad, k_pad = -(-n // LANES) * LANES, k + (k & 1)
+    padded = w.new_zeros(n_pad, k_pad)
+    padded[:n, :k] = w
+    return padded.view(n_pad // LANES, LANES, k_pad // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+_PACKED = WeightCache(pack)
+_KERNEL = None
+"""The default build's C function, once loaded (saves two cached look-ups per call)."""
+
+
+def _kernel(portable: Optional[bool] = None):
+    global _KERNEL
+    fn = load_library(portable).piecewise_small_m_linear
+    if portable is None:
+        _KERNEL = fn
+    return fn
+
+
+def clear_packed_weights() -> None:
+    _PACKED.clear()
+
+
+def use_small_m(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``small_m_linear`` serves this call (few rows, a supported dtype, CPU)."""
+    return (
+        x2.shape[0] <= MAX_ROWS
+        and w.dtype in DTYPES
+        and x2.dtype == w.dtype
+        and w.is_cpu
+        and kernel_available()
+    )
+
+
+def small_m_linear(
+    x2: torch.Tensor,
+    w: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    portable: Optional[bool] = None,
+) -> torch.Tensor:
+    """``x2 [M, K] @ w[N, K].T (+ bias [N])`` with the kernel; returns a new ``[M, N]``."""
+    if (
+        x2.dim() != 2
+        or w.dim() != 2
+        or w.shape[1] != x2.shape[1]
+        or w.dtype not in DTYPES
+        or x2.dtype != w.dtype
+        or not (x2.is_cpu and w.is_cpu)
+    ):
+        raise ValueError(
+            f"small_m_linear: x {tuple(x2.shape)} {x2.dtype} and w {tuple(w.shape)} "
+            f"{w.dtype} must be CPU [M, K] and [N, K] of one dtype in {list(DTYPES)}"
+        )
+    if bias is not None and (bias.shape != w.shape[:1] or bias.dtype != w.dtype):
+        raise ValueError(
+            f"small_m_linear: bias must be [{w.shape[0]}] {w.dtype}, got "
+            f"{tuple(bias.shape)} {bias.dtype}"
+        )
+    return run(x2, w, bias, portable)
+
+
+def run(
+    x2: torch.Tensor,
+    w: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    portable: Optional[bool] = None,
+) -> torch.Tensor:
+    """:func:`small_m_linear` without the argument checks, for callers that made them
+    (``piecewise::prepacked_linear``: one call per linear per decode step)."""
+    m, k = x2.shape
+    n = w.shape[0]
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    out = x2.new_empty(m, n)
+    fn = (_KERNEL or _kernel()) if portable is None else _kernel(portable)
+    rc = fn(
+        x2.data_ptr(),
+        x2.stride(0) if m > 1 else k,  # a size-1 dim's stride can be anything
+        m,
+        _PACKED.get(w).data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        n,
+        n,
+        k,
+        DTYPES[w.dtype],
+    )
+    if rc:
+        raise ValueError(f"small_m_linear: kernel error {rc} for x {tuple(x2.shape)}, w {(n, k)}")
+    return out
