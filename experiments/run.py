@@ -131,17 +131,11 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
     stats = llm.stats
     trace = llm.runner.trace or []
     llm.runner.trace = None  # the rounds add no steps to the trace
-    # Further builds of this configuration, timed in alternate rounds (experiments.sweep);
-    # the first of them is the warm start when the configuration caches its artifacts.
-    warm_s, more_builds = None, []
-    want_warm = cfg.measure_warm_start and llm.config.level > 0 and llm.config.use_cache
-    for i in range(1, max(n_builds, 2 if want_warm else 1)):
+    warm_s = None
+    if cfg.measure_warm_start and llm.config.level > 0 and llm.config.use_cache:
         t2 = time.perf_counter()
-        build = build_llm(cfg, model_path, cc)
-        if i == 1 and want_warm:
-            warm_s = time.perf_counter() - t2
-        if i < n_builds:
-            more_builds.append(build)
+        build_llm(cfg, model_path, cc)
+        warm_s = time.perf_counter() - t2
     agree = None
     if cfg.check_agreement:
         if llm.config.level == 0 and not cfg.quantization:
@@ -221,7 +215,8 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
         outputs=outputs,
         logits=logits,
         baseline=bool(cfg.baseline),
-        more_builds=more_builds,
+        rebuild=lambda: build_llm(cfg, model_path, cc),
+        builds=n_builds,
     )
 
 

@@ -49,11 +49,13 @@ class Entry:
     outputs: list[list[int]] = field(default_factory=list)
     logits: list[Any] = field(default_factory=list)
     baseline: bool = False
-    more_builds: list[Any] = field(default_factory=list)
-    """Further builds of the same configuration (loaded from its cache: the warm start);
-    round r runs build ``r % len(builds)``, so a difference between two builds of one
-    configuration (weights' memory placement, allocator state) shows as noise of the rounds
-    instead of reading as an effect of the configuration."""
+    rebuild: Optional[Callable[[], Any]] = None
+    """Builds the configuration again (from its artifact cache: a warm start).  With it, the
+    timed instances are ``builds`` such rebuilds, made at the start of the rounds, and the
+    cold build is not timed (see :func:`build_instances`)."""
+    builds: int = 1
+    instances: list[Any] = field(default_factory=list)
+    """What the rounds time: round r runs ``instances[r % len(instances)]``."""
     samples: dict[str, list[float]] = field(default_factory=dict)
     decode_steps: list[float] = field(default_factory=list)
     prefill_steps: list[float] = field(default_factory=list)
@@ -71,15 +73,35 @@ def parked() -> list[Entry]:
     return list(_PARKED)
 
 
-def builds(entry: Entry) -> list[Any]:
-    return [entry.llm, *entry.more_builds]
+def build_instances(entries: list[Entry]) -> None:
+    """The instances the rounds time: ``builds`` rebuilds of every entry, made in interleaved
+    order (build k of every entry, starting at entry k), then the cold builds are released.
+
+    Why not time the cold build: measured here (default tiny model, fp32, O2, one process,
+    round-robin), an LLM whose pieces were just compiled ran its decode step 10-20% slower
+    than one loaded from the same cache (the same lean code; cause not found), and the builds
+    made first in a process ran slower than later ones; an A/A sweep timed on the cold builds
+    then called the first job's configuration significantly slower in 2 of 3 quiet runs.
+    Rebuilding every timed instance the same way, in interleaved order, leaves neither effect
+    to one configuration.  An entry without ``rebuild`` is timed on its one build."""
+    n = len(entries)
+    for e in entries:
+        e.instances = [] if e.rebuild is not None else [e.llm]
+    for k in range(max((e.builds for e in entries), default=0)):
+        for i in range(n):
+            e = entries[(k + i) % n]
+            if e.rebuild is not None and k < e.builds:
+                e.instances.append(e.rebuild())
+    for e in entries:
+        if e.rebuild is not None:
+            e.llm = None  # the cold build: outputs and trace are taken, memory back
 
 
 def time_round(entry: Entry, r: int = 0) -> None:
     """Generate the workload once on build ``r % len(builds)`` and append this round's
     samples (ms, tokens/s, which build)."""
-    index = r % len(builds(entry))
-    llm = builds(entry)[index]
+    index = r % len(entry.instances)
+    llm = entry.instances[index]
     for times in llm.runner.step_times.values():
         times.clear()
     t0 = time.perf_counter()
@@ -104,13 +126,14 @@ def time_round(entry: Entry, r: int = 0) -> None:
 
 
 def run_rounds(entries: list[Entry], rounds: int) -> None:
-    """One untimed round of every build of every entry (the first configurations were built
-    long before the last: page faults, lazy allocations and allocator state are settled
-    alike), then ``rounds`` timed generations of every entry, round-robin with a rotating
-    start, round r on each entry's build ``r % builds`` (paired rounds compare like builds)."""
+    """The timed instances (:func:`build_instances`), one untimed round of each (page faults,
+    lazy allocations and allocator state settled alike), then ``rounds`` timed generations
+    of every entry, round-robin with a rotating start, round r on each entry's instance
+    ``r % builds`` (paired rounds compare like instances)."""
+    build_instances(entries)
     n = len(entries)
     for e in entries:
-        for llm in builds(e):
+        for llm in e.instances:
             llm.generate(e.prompts, max_new_tokens=e.max_new_tokens, ignore_eos=e.ignore_eos)
     for r in range(rounds):
         for i in range(n):
@@ -139,7 +162,7 @@ def complete(entry: Entry, interleaved: bool) -> dict[str, Any]:
     r["rounds"] = {
         "interleaved": interleaved,
         "n": len(s.get("wall_s", [])),
-        "builds": len(builds(entry)),
+        "builds": len(entry.instances),
         "samples": s,
     }
     r["latency_ms"] = {
