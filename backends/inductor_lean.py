@@ -131,7 +131,16 @@ def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
         return graph(list(args))
 
     run.lean = True  # type: ignore[attr-defined]
+    run.code_digest = code_digest(source)  # type: ignore[attr-defined]
     return run
+
+
+def code_digest(source: str) -> str:
+    """What a lean module runs, as a digest: its source (the C++ kernels' code included)
+    without Inductor's ``# AOT ID`` comment, which numbers compiles within a process.  Two
+    pieces with equal digests execute the same code."""
+    body = "\n".join(l for l in source.splitlines() if not l.startswith("# AOT ID"))
+    return hashlib.sha256(body.encode()).hexdigest()[:24]
 
 
 class LeanGraph:

@@ -14,6 +14,7 @@ Flow for the one Dynamo graph of a model:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -291,6 +292,20 @@ class PiecewiseBackend:
         self.stats.unique_graphs = len({r["graph_hash"] for r in program["pieces"].values()})
         return split, program
 
+    def code_digest(self) -> Optional[str]:
+        """One digest of the code every compiled piece runs (each piece's lean module digest,
+        by piece and range); None when a piece has no lean form (its code is not known as
+        text).  Two models with equal digests run the same compiled code: an ablation whose
+        toggle changed nothing compiles to the baseline's digest."""
+        parts = []
+        for name, runtime in sorted(self.runtimes.items()):
+            for rng, entry in sorted(runtime.entries.items(), key=lambda kv: str(kv[0])):
+                digest = getattr(entry.runnable, "code_digest", None)
+                if digest is None:
+                    return None
+                parts.append(f"{name}|{rng}|{digest}")
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24] if parts else None
+
     def _dump(self, name: str, text: str) -> None:
         if self.dump_path:
             import pathlib
@@ -305,6 +320,7 @@ def _first_output(fn: Callable) -> Callable:
         return fn(*args)[0]
 
     call.lean = getattr(fn, "lean", False)  # type: ignore[attr-defined]  # lean artifact
+    call.code_digest = getattr(fn, "code_digest", None)  # type: ignore[attr-defined]
     return call
 
 

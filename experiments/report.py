@@ -291,7 +291,8 @@ def build_report(
         f"else the first job; deltas are relative to it, outputs are compared with its outputs. "
         f"★ best: {'lowest' if best_metric.lower_is_better else 'highest'} "
         f"{best_metric.header} among configurations whose change is a significant "
-        f"improvement and whose outputs equal the baseline's.",
+        f"improvement, whose outputs equal the baseline's and whose compiled code differs "
+        f"from the baseline's (equal code: the delta can only be noise).",
         "",
     ]
     if num_changed:

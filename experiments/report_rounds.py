@@ -62,6 +62,13 @@ def is_significant(d: Optional[tuple[float, float, float]]) -> bool:
     return d is not None and verdict(d[1], d[2]) == SIGNIFICANT
 
 
+def same_code(results: dict, base: dict) -> bool:
+    """Whether a job compiled to exactly the baseline's code (equal ``code_digest``): its
+    delta can only be noise or a difference between builds, never an effect."""
+    digest = results.get("code_digest")
+    return digest is not None and digest == base.get("code_digest")
+
+
 def best(
     jobs: Sequence[Any],
     base: Any,
@@ -69,12 +76,13 @@ def best(
     lower_is_better: bool,
     changed: Any,
 ) -> Optional[Any]:
-    """★ best: among the jobs (not the baseline) whose outputs equal the baseline's and whose
-    ``metric`` improves *significantly* on the baseline, the one with the best median; None
-    when no job qualifies. ``changed(results)`` says whether outputs changed."""
+    """★ best: among the jobs (not the baseline) whose outputs equal the baseline's, whose
+    compiled code differs from the baseline's and whose ``metric`` improves *significantly*
+    on the baseline, the one with the best median; None when no job qualifies.
+    ``changed(results)`` says whether outputs changed."""
     pool = []
     for job in jobs:
-        if job is base or changed(job.results):
+        if job is base or changed(job.results) or same_code(job.results, base.results):
             continue
         d = delta(job.results, base.results, metric)
         if is_improvement(d, lower_is_better):
@@ -99,7 +107,12 @@ def verdict_lines(
                 continue
             parts.append(f"{m.header} {delta_text(delta(job.results, base.results, m.name))}")
         if parts:
-            lines.append(f"- `{labels[job.name]}` (job {job.name}): " + "; ".join(parts))
+            note = (
+                " — same compiled code as the baseline: these deltas measure noise"
+                if same_code(job.results, base.results)
+                else ""
+            )
+            lines.append(f"- `{labels[job.name]}` (job {job.name}): " + "; ".join(parts) + note)
     return lines
 
 

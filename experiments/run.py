@@ -10,6 +10,7 @@ step trace ``trace.jsonl`` into the Hydra run folder.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -203,6 +204,9 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
         "padding_waste": padding,
         "text_examples": text_examples(llm, model_path, prompts, outputs),
         "capture_sizes": llm.config.cudagraph_capture_sizes,
+        # equal digests: the same compiled code (a toggle that changed nothing); the report
+        # keeps such a job out of ★ and says its delta measures noise
+        "code_digest": _code_digest(llm),
         "stats": {k: v for k, v in stats.items() if k != "passes"},
     }
     return Entry(
@@ -293,6 +297,24 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
     finish_all([entry], int(cfg.rounds), interleaved=False)
     decode = entry.result["latency_ms"]["decode"]
     return decode["median"] if decode else None
+
+
+def _code_digest(llm: Any) -> Optional[str]:
+    """What the model runs, as one digest: the compiled pieces' code
+    (``PiecewiseBackend.code_digest``) and what runs outside them -- every module's linear
+    method (the LM head's prepacked path depends on ``prepack_linear`` without changing any
+    piece). None when a piece's code is not known as text."""
+    backend = getattr(getattr(llm, "compiled", None), "backend", None)
+    pieces = backend.code_digest() if callable(getattr(backend, "code_digest", None)) else None
+    if pieces is None:
+        return None
+    eager = sorted(
+        f"{name}:{type(m.linear_method).__qualname__}"
+        for name, m in llm.model.named_modules()
+        if getattr(m, "linear_method", None) is not None
+    )
+    text = "\n".join([pieces, *eager])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def register_resolvers() -> None:

@@ -99,3 +99,24 @@ def test_zero_match_warnings_are_listed(quantized_sweep):
         "- ⚠ fusion `fuse_qk_norm_rope` matched nothing in the whole model: "
         "`toggle_passes=[fuse_qk_norm_rope]` (job 4)" in text
     )
+
+
+def test_a_job_with_the_baselines_code_is_never_best(quantized_sweep):
+    """A toggle that compiled to exactly the baseline's code (equal ``code_digest``) can only
+    measure noise or a difference between builds: the report says so and keeps it out of ★,
+    however significant its delta."""
+    import json
+
+    digests = {0: "same", 3: "same"}  # fuse_add_rmsnorm (job 3) compiled nothing new
+    for num, digest in digests.items():
+        path = quantized_sweep / str(num) / "results.json"
+        results = json.loads(path.read_text())
+        results["code_digest"] = digest
+        path.write_text(json.dumps(results))
+    text = build_report(quantized_sweep, plots=False)
+    assert not _row(text, "[fuse_add_rmsnorm]").startswith("| ★")
+    line = next(l for l in text.splitlines() if l.startswith("- `toggle_passes=[fuse_add_rmsnorm]"))
+    assert "significant" in line and line.endswith(
+        "— same compiled code as the baseline: these deltas measure noise"
+    )
+    assert "Best: none" in text
