@@ -166,6 +166,7 @@ def test_one_tiny_job_runs(name, tmp_path):
         assert results["config"]["dtype"] == "bfloat16"
 
 
+@pytest.mark.slow  # ~20 s: 24 prompts through the scheduler; guards a committed data file
 def test_committed_sweep_sizes_trace_is_the_trace_of_its_workload(tmp_path):
     """The scheduler still produces the committed trace for sweep_sizes' workload (else the
     chosen_k* sets are tuned for a workload that no longer exists: regenerate them)."""
