@@ -63,9 +63,11 @@ def prepacked_linear_cpu(
         )
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if use_small_m(x2, w):  # decode-sized bf16: the hand-written kernel (passes/small_m_linear.py)
-        if bias is not None and bias.shape != w.shape[:1]:
+        if bias is not None and (bias.shape != w.shape[:1] or bias.dtype != w.dtype):
+            # the kernel reads the bias as w's dtype: a float32 bias would be read as garbage
             raise ValueError(
-                f"piecewise::prepacked_linear: bias {tuple(bias.shape)} for w {tuple(w.shape)}"
+                f"piecewise::prepacked_linear: bias {tuple(bias.shape)} {bias.dtype} for "
+                f"w {tuple(w.shape)} {w.dtype}"
             )
         out = small_m_run(x2, w, bias)
     else:

@@ -145,3 +145,13 @@ def test_opcheck(m):
     x, w, b = make(m, 96, 64, True)
     for bias in (None, b):
         torch.library.opcheck(torch.ops.piecewise.prepacked_linear.default, (x, w, bias))
+
+
+def test_prepacked_linear_refuses_a_bias_of_another_dtype():
+    """The kernel reads the bias as the weight's dtype: a float32 bias next to bf16 weights
+    must be an error naming both, not silently wrong outputs."""
+    if not small_m.kernel_available():
+        pytest.skip("no C++ compiler for the small-M kernel")
+    x, w, b = make(1, 96, 64, True)
+    with pytest.raises(ValueError, match="bias .* torch.float32 for w .* torch.bfloat16"):
+        torch.ops.piecewise.prepacked_linear(x, w, b.float())
