@@ -1,2 +1,3 @@
-"""Backends: the piecewise compile backend (split around attention, per-range compile, warm
-restore), the compiler adaptors (``compiler``: inductor, eager, plugins) and attention backends."""
+"""Backends: ``backends.attention`` (attention backends: the ops models call, a low layer) and
+``backends.piecewise`` (the piecewise torch.compile backend and its compiler adaptors, a layer
+above the artifact cache and the passes it drives)."""

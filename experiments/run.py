@@ -24,11 +24,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.compiler_env import compiler_caches_under, warm_up_compiler
+from experiments.config_store import register_compile_schema
 from experiments.job_inputs import job_prompts, resolve_model_path, text_examples
 from experiments.job_summary import summary
 from experiments.pass_cli import apply_short
 from experiments.sweep import Entry, agreement, finish_all, park
-from framework.core.config import CompilationConfig, register_hydra_configs
+from framework.core.config import CompilationConfig
 from passes.registry import canonical_order, level_passes
 
 logger = logging.getLogger("experiments.run")
@@ -339,13 +340,9 @@ def pass_toggle_sweep() -> str:
     return ",".join(["[]"] + [f"[{name}]" for name in canonical_order()])
 
 
-register_hydra_configs()
+register_compile_schema()
 register_resolvers()
-# framework.core.quantization.register_hydra_configs() is deliberately not called: it stores a
-# config *group* named "quantization", which makes Hydra treat the top-level `quantization`
-# value of config.yaml as a group and reject `quantization=int8_per_token` ("Could not
-# override 'quantization'. No match in the defaults list"). Values are checked by
-# QuantizationConfig.parse when the LLM is built.
+# The quantization schema is deliberately not registered (experiments/config_store.py says why).
 
 main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(main_entry)
 

@@ -85,9 +85,9 @@ class PassManager:
     """Ordered passes from a resolved :class:`PassConfig` (``.passes`` is a list of names).
 
     It implements Inductor's ``CustomGraphPass`` interface (``__call__`` + ``uuid``) and is
-    registered as one by the Inductor adaptor (``backends.compiler``) only when a compile is
-    about to run: importing ``torch._inductor`` imports Dynamo, which a warm start must not pay
-    for.
+    registered as one by the Inductor adaptor (``backends.piecewise.compiler``) only when a
+    compile is about to run: importing ``torch._inductor`` imports Dynamo, which a warm start
+    must not pay for.
 
     The backend calls :meth:`set_current_piece` before compiling each piece so records, dumps
     and ``is_applicable`` see the piece's name and token range.

@@ -1,2 +1,2 @@
 """The compile spine's front: trace the model once with Dynamo (``trace_once``) and build the
-step callable for a compilation mode (``build``: eager, stock torch.compile or piecewise)."""
+step callable for a compilation mode (``build``: eager or piecewise)."""

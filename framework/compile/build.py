@@ -1,7 +1,7 @@
 """Glue from a resolved :class:`CompilationConfig` to a compiled forward callable.
 
 ``build_forward`` returns the callable the runner invokes for each step, for every
-compilation mode: eager (O0), stock ``torch.compile`` (baseline), or piecewise (trace once,
+compilation mode: eager (O0) or piecewise (trace once,
 split, passes, per-range compile, artifact cache, warm start without Dynamo).
 """
 
@@ -21,7 +21,7 @@ from framework.core.class_sources import class_source_files
 from framework.core.config import CompilationConfig, CompilationMode
 
 if TYPE_CHECKING:  # annotations only: the modules are imported when a piecewise build needs them
-    from backends.piecewise_backend import PiecewiseBackend
+    from backends.piecewise.backend import PiecewiseBackend
     from framework.cache.store import ArtifactStore
     from framework.compile.trace_once import TraceOnce
     from passes.manager import PassManager
@@ -82,10 +82,6 @@ def build_forward(
 ) -> CompiledForward:
     if config.mode == CompilationMode.NONE:
         return CompiledForward(model, config.mode)
-    if config.mode == CompilationMode.STOCK_TORCH_COMPILE:
-        from framework.compile.trace_once import stock_compile
-
-        return CompiledForward(stock_compile(model), config.mode)
     return _build_piecewise(
         model,
         config,
@@ -100,8 +96,8 @@ def build_forward(
 def _build_piecewise(
     model, config: CompilationConfig, *, model_hash, dtype, quant_hash, model_tag, wrap_piece
 ) -> CompiledForward:
-    from backends.compiler import make_compiler
-    from backends.piecewise_backend import PiecewiseBackend
+    from backends.piecewise.backend import PiecewiseBackend
+    from backends.piecewise.compiler import make_compiler
     from framework.compile.trace_once import ArgBinding, TraceOnce
 
     passes = build_pass_manager(config, dtype, quant_hash)

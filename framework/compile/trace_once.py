@@ -266,8 +266,3 @@ def _decompiled_bytecode_dump(path: Optional[str]):
         logger.warning("depyf is not installed: no decompiled bytecode in %s", path)
         return contextlib.nullcontext()
     return depyf.prepare_debug(str(Path(path) / "depyf"))
-
-
-def stock_compile(module: torch.nn.Module) -> Callable:
-    """The baseline: plain ``torch.compile`` with Dynamo guards and dynamic shapes."""
-    return torch.compile(module, dynamic=True)

@@ -35,8 +35,6 @@ class CompilationMode(enum.Enum):
 
     NONE = 0
     """Eager PyTorch (O0)."""
-    STOCK_TORCH_COMPILE = 1
-    """Plain ``torch.compile`` with Dynamo guards: the baseline."""
     PIECEWISE = 2
     """Trace once, split around attention, compile each piece per token range."""
 
@@ -95,10 +93,11 @@ class CompilationConfig(StrictConfig):
     """Optimization level 0–3 whose defaults fill every unset field (``None``:
     :data:`DEFAULT_LEVEL`)."""
     mode: Optional[CompilationMode] = None
-    """NONE (eager), STOCK_TORCH_COMPILE (baseline) or PIECEWISE."""
+    """NONE (eager) or PIECEWISE.  (Stock ``torch.compile`` baselines of the transformers
+    model are contenders in ``experiments/contenders.py``, not a mode of this engine.)"""
     backend: Optional[str] = None
     """Compiler adaptor for pieces: ``inductor``, ``eager`` or a registered plugin
-    (``backends.compiler.COMPILERS``)."""
+    (``backends.piecewise.compiler.COMPILERS``)."""
     splitting_ops: Optional[list[str]] = None
     """Qualified op names the graph is split at; ``[]`` keeps one whole graph."""
     compile_ranges_endpoints: Optional[list[int]] = None
@@ -132,7 +131,7 @@ class CompilationConfig(StrictConfig):
                 f"CompilationConfig.level: must be one of 0, 1, 2, 3, got {self.level!r}"
             )
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
-            # The name itself is checked against backends.compiler.COMPILERS (plugins
+            # The name itself is checked against backends.piecewise.compiler.COMPILERS (plugins
             # included) when the compiler is built.
             raise ValueError(
                 f"CompilationConfig.backend: expected a compiler adaptor name such as "
@@ -260,12 +259,3 @@ for _d in LEVEL_DEFAULTS.values():
         "backend",
     ):
         _d.setdefault(_name, None)
-
-
-def register_hydra_configs() -> None:
-    """Register the schema with Hydra's ConfigStore (group ``compile``). (No ``passes`` group:
-    ``passes`` is the top-level short pass list of conf/config.yaml, experiments/pass_cli.py.)"""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(group="compile", name="compile_schema", node=CompilationConfig)

@@ -357,12 +357,3 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
         return [_to_plain(v) for v in value]
     return value
-
-
-def register_hydra_configs() -> None:
-    """Register the schema with Hydra's ConfigStore (group ``quantization``)."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(
-        group="quantization", name="quantization_schema", node=QuantizationConfig
-    )

@@ -176,7 +176,7 @@ def _opaque_hooks(rec: _Recorder) -> contextlib.ExitStack:
     # torch 2.13: every Inductor-compiled graph runs through CompiledFxGraph.__call__.
     from torch._inductor.output_code import CompiledFxGraph
 
-    from backends.inductor_lean import LeanGraph  # a warm start's Inductor graphs
+    from backends.piecewise.inductor_lean import LeanGraph  # a warm start's Inductor graphs
 
     stack.enter_context(_patched(CompiledFxGraph, "__call__", inductor))
     stack.enter_context(_patched(LeanGraph, "__call__", inductor))

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from framework.engine.kv_cache import NULL_BLOCK
+
 NO_PARENT = b""
 
 
@@ -53,7 +55,7 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockManager:
-    NULL_BLOCK = 0
+    NULL_BLOCK = NULL_BLOCK
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 2:

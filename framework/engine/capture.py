@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
 from framework.cudagraph.setup import GraphSetup
-from framework.engine.kv_cache import BlockAllocator
+from framework.engine.kv_cache import NULL_BLOCK
 from framework.engine.request import Request, ScheduledChunk
 
 
@@ -54,7 +54,7 @@ def dummy_batch(
                 req.block_ids = allocate(num_blocks)
                 taken.append(req.block_ids)
             else:
-                req.block_ids = [BlockAllocator.NULL_BLOCK] * num_blocks
+                req.block_ids = [NULL_BLOCK] * num_blocks
             chunks.append(ScheduledChunk(req, 0, n))
         yield chunks
     finally:

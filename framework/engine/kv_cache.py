@@ -51,33 +51,5 @@ def allocate_kv_caches(
     return {name: torch.zeros(shape, dtype=spec.dtype, device=device) for name in layer_names}
 
 
-class BlockAllocator:
-    """Free list of KV blocks; block 0 is never handed out (the null block)."""
-
-    NULL_BLOCK = 0
-
-    def __init__(self, num_blocks: int):
-        if num_blocks < 2:
-            raise ValueError(
-                f"num_blocks must be at least 2 (one is the null block), got {num_blocks}"
-            )
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, 0, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(
-                f"out of KV cache blocks: need {n}, {len(self._free)} free of "
-                f"{self.num_blocks}; raise max_num_seqs/max_model_len or the "
-                f"KV cache memory budget"
-            )
-        out = self._free[-n:][::-1] if n else []
-        del self._free[len(self._free) - n :]
-        return out
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+NULL_BLOCK = 0
+"""Block 0 of every KV cache is never handed out: padded block-table entries point at it."""

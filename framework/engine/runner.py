@@ -23,7 +23,7 @@ from framework.core.forward_context import (
     ForwardContext,
     set_forward_context,
 )
-from framework.engine.kv_cache import BlockAllocator
+from framework.engine.kv_cache import NULL_BLOCK
 from framework.engine.request import ScheduledChunk, single_token_batch, step_kind
 from framework.engine.sampler import Sampler
 
@@ -73,7 +73,7 @@ class ModelRunner:
             "padding_mask": np.zeros(max_num_tokens, np.bool_),
             "query_start_loc": np.zeros(max_num_seqs + 1, np.int32),
             "seq_lens": np.zeros(max_num_seqs, np.int32),
-            "block_table": np.full((max_num_seqs, max_blocks), BlockAllocator.NULL_BLOCK, np.int32),
+            "block_table": np.full((max_num_seqs, max_blocks), NULL_BLOCK, np.int32),
         }
         self._shared = self.device.type == "cpu"
         for name, arr in self._np.items():
@@ -143,11 +143,11 @@ class ModelRunner:
                 self._rows[i] = (blocks, k)
             return
         row[:k] = blocks
-        row[k:] = BlockAllocator.NULL_BLOCK
+        row[k:] = NULL_BLOCK
         self._rows[i] = (blocks, k)
 
     def _null_rows(self, lo: int, hi: int) -> None:
-        self._np["block_table"][lo:hi] = BlockAllocator.NULL_BLOCK
+        self._np["block_table"][lo:hi] = NULL_BLOCK
         self._rows[lo:hi] = [None] * (hi - lo)
 
     def _copy_in(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.piecewise_runtime import PiecewiseRuntime, RangeEntry
+from backends.piecewise.runtime import PiecewiseRuntime, RangeEntry
 from framework.compile.trace_once import ArgBinding, TraceOnce
 from framework.core.compile_range import CompileRange
 from framework.core.forward_context import ForwardContext, set_forward_context

@@ -77,7 +77,7 @@ FILES = {
     """,
     "compiler.py": """
         import pwdemo
-        from backends.compiler import Eager
+        from backends.piecewise.compiler import Eager
 
         class DemoCompiler(Eager):
             def compile(self, graph, example_inputs, compile_range):

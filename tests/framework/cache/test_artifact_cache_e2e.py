@@ -158,7 +158,7 @@ def test_eight_layers_compile_three_pieces_and_share_six(tmp_path):
 def test_artifact_that_verifies_but_fails_to_load_is_replaced(
     llama_checkpoint, reference, tmp_path, monkeypatch
 ):
-    from backends.compiler import InductorStandalone
+    from backends.piecewise.compiler import InductorStandalone
     from framework import LLM, CompilationConfig
 
     def build():

@@ -1,10 +1,10 @@
-"""Lean artifacts (backends/inductor_lean.py) through the Inductor adaptor: a plain piece
+"""Lean artifacts (backends/piecewise/inductor_lean.py) through the Inductor adaptor: a plain piece
 gets a lean form, runs it from the cold compile on, and it loads and matches; a piece
 without one keeps the standard artifact, which still loads through Inductor."""
 
 import torch
 
-from backends.compiler import CompileRange, make_compiler
+from backends.piecewise.compiler import CompileRange, make_compiler
 
 
 def _piece(fn, *inputs):
@@ -33,8 +33,8 @@ def test_plain_piece_round_trips_through_its_lean_form(tmp_path):
 
 
 def test_piece_without_lean_form_loads_through_inductor(tmp_path, monkeypatch):
-    import backends.compiler as compiler_module
-    from backends.inductor_lean import LeanUnsupported
+    import backends.piecewise.compiler as compiler_module
+    from backends.piecewise.inductor_lean import LeanUnsupported
 
     def refuse(artifact, metas):
         raise LeanUnsupported("refused by the test")

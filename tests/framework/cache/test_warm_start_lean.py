@@ -1,7 +1,7 @@
 """A warm start without the compiler: on a cache hit, in a fresh process, ``LLM(...)`` loads
-the pieces' lean artifacts (backends/inductor_lean.py) without importing Inductor's compile
-path, without a Dynamo trace and without Inductor's ISA probing, and generates the cold run's
-tokens.  Neither Dynamo nor Inductor is imported at all."""
+the pieces' lean artifacts (backends/piecewise/inductor_lean.py) without importing Inductor's
+compile path, without a Dynamo trace and without Inductor's ISA probing, and generates the
+cold run's tokens.  Neither Dynamo nor Inductor is imported at all."""
 
 import json
 import os

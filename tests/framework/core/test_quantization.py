@@ -7,7 +7,6 @@ from framework.core.quantization import (
     QuantizationConfig,
     QuantKey,
     QuantSpec,
-    register_hydra_configs,
 )
 
 QC = QuantizationConfig
@@ -233,9 +232,11 @@ def test_hydra_config_store_and_omegaconf_node():
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    from experiments.config_store import register_quantization_schema
+
     repo = ConfigStore.instance().repo
     had_group = "quantization" in repo
-    register_hydra_configs()
+    register_quantization_schema()
     try:
         stored = ConfigStore.instance().load("quantization/quantization_schema.yaml")
         node = OmegaConf.merge(

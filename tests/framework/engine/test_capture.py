@@ -8,7 +8,7 @@ import pytest
 from framework.core.forward_context import BatchDescriptor
 from framework.engine.block_manager import BlockManager
 from framework.engine.capture import dummy_batch, dummy_sizes
-from framework.engine.kv_cache import BlockAllocator
+from framework.engine.kv_cache import NULL_BLOCK
 
 
 def test_dummy_sizes_per_key():
@@ -22,7 +22,7 @@ def test_null_block_dummies():
         assert [c.num_tokens for c in chunks] == [1, 1, 5]
         assert [c.req.block_ids for c in chunks] == [[0], [0], [0, 0]]
         assert all(c.req.req_id < 0 and c.start == 0 and c.samples for c in chunks)
-        assert BlockAllocator.NULL_BLOCK == 0
+        assert NULL_BLOCK == 0
 
 
 def test_real_blocks_are_freed_even_when_the_body_raises():

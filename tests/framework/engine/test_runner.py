@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from framework.core.forward_context import BatchDescriptor, CUDAGraphMode, get_forward_context
-from framework.engine.kv_cache import BlockAllocator
+from framework.engine.kv_cache import NULL_BLOCK
 from framework.engine.request import Request, ScheduledChunk, single_token_batch, step_kind
 from framework.engine.runner import ModelRunner
 
 BS = 4
-NULL = BlockAllocator.NULL_BLOCK
+NULL = NULL_BLOCK
 
 
 class _Model(torch.nn.Module):

@@ -1,6 +1,6 @@
 """Splitting the one Dynamo graph into pieces: cut at the splitting ops, hash each piece's
 structure (identical layers hash equal), and learn each piece's example inputs, static inputs
-and token source. :class:`backends.piecewise_backend.PiecewiseBackend` compiles what this cuts."""
+and token source. :class:`backends.piecewise.backend.PiecewiseBackend` compiles what this cuts."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from backends.graph_serde import op_name
+from backends.piecewise.graph_serde import op_name
 
 _STACK_FILE = re.compile(r'File "([^"]+)", line')
 

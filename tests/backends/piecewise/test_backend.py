@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from backends.compiler import CompileRange, compile_ranges
-from backends.piecewise_runtime import PiecewiseRuntime, RangeEntry
+from backends.piecewise.compiler import CompileRange, compile_ranges
+from backends.piecewise.runtime import PiecewiseRuntime, RangeEntry
 from framework import LLM, CompilationConfig
 
 

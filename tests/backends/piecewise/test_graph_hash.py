@@ -1,4 +1,4 @@
-"""backends/split.py graph_hash: equal for the same graph in every process (the artifact
+"""backends/piecewise/split.py graph_hash: equal for the same graph in every process (the artifact
 store deduplicates artifacts by it across processes), different for different graphs."""
 
 import os
@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backends.split import graph_hash, stable_name
+from backends.piecewise.split import graph_hash, stable_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
 CODE = """
 import torch, torch.nn.functional as F
-from backends.split import graph_hash
+from backends.piecewise.split import graph_hash
 def f(x, w):
     return torch.rsqrt(F.embedding(x, w).pow(2).mean(-1) + 1e-6)
 gm = torch.fx.symbolic_trace(f)

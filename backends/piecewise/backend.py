@@ -2,8 +2,9 @@
 token range (or load it from the artifact cache), and hand back the split module.
 
 Flow for the one Dynamo graph of a model:
-1. :func:`backends.split.split_graph` cuts it with ``split_module(keep_original_order=True)``
-   so every splitting op (attention by default) sits in its own submodule, run eagerly.
+1. :func:`backends.piecewise.split.split_graph` cuts it with
+   ``split_module(keep_original_order=True)`` so every splitting op (attention by default)
+   sits in its own submodule, run eagerly.
 2. :class:`PiecewiseBackend` walks the split module on Dynamo's fake inputs to learn each
    piece's example inputs, compiles every (piece, range) once per *unique* piece graph, and
    swaps each piece for a :class:`PiecewiseRuntime`.
@@ -25,10 +26,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from backends.compiler import CompilerAdaptor, CompileRange, compile_ranges
-from backends.graph_serde import NotSerializable, graph_from_json, graph_to_json
-from backends.piecewise_runtime import PiecewiseRuntime, RangeEntry
-from backends.split import (
+from backends.piecewise.compiler import CompilerAdaptor, CompileRange, compile_ranges
+from backends.piecewise.graph_serde import NotSerializable, graph_from_json, graph_to_json
+from backends.piecewise.protocols import PieceGraphPass, PieceStore
+from backends.piecewise.runtime import PiecewiseRuntime, RangeEntry
+from backends.piecewise.split import (
     PieceInfo,
     graph_hash,
     module_code,
@@ -64,9 +66,10 @@ class PiecewiseBackend:
     """``backend(gm, example_inputs) -> callable`` for
     :class:`framework.compile.trace_once.TraceOnce`.
 
-    ``store`` is an :class:`framework.cache.store.ArtifactStore` or None (no disk cache).
-    ``graph_pass`` (the pass manager) gets ``set_current_piece(name, range)`` before each
-    compile.
+    ``store`` is a :class:`~backends.piecewise.protocols.PieceStore` (the artifact cache's
+    store) or None (no disk cache).  ``graph_pass`` is a
+    :class:`~backends.piecewise.protocols.PieceGraphPass` (the pass manager) or None: it gets
+    ``set_current_piece(name, range)`` before each compile and ``piece_done`` after it.
     """
 
     def __init__(
@@ -77,8 +80,8 @@ class PiecewiseBackend:
         compile_ranges_endpoints: list[int],
         compile_sizes: list[int],
         max_num_tokens: int,
-        store: Any = None,
-        graph_pass: Any = None,
+        store: Optional[PieceStore] = None,
+        graph_pass: Optional[PieceGraphPass] = None,
         progress: bool = False,
         dump_path: Optional[str] = None,
         wrap_piece: Optional[Callable[[Callable, PieceInfo], Callable]] = None,
@@ -187,7 +190,7 @@ class PiecewiseBackend:
         fn = self._load(key, single)
         source = "loaded"
         if fn is None:
-            if self.graph_pass is not None and hasattr(self.graph_pass, "set_current_piece"):
+            if self.graph_pass is not None:
                 self.graph_pass.set_current_piece(
                     info.name, rng, static_inputs=self._static_inputs.get(info.name, {})
                 )
@@ -207,12 +210,12 @@ class PiecewiseBackend:
         self, piece: str, rng: CompileRange, source: str, shared_with: Optional[str] = None
     ) -> None:
         """Tell the pass manager how this piece instance got its code (for its records)."""
-        if self.graph_pass is not None and hasattr(self.graph_pass, "piece_done"):
+        if self.graph_pass is not None:
             self.graph_pass.piece_done(piece, rng, source, shared_with)
 
     def _must_compile(self) -> bool:
         """The pass manager verifies or dumps: every piece is compiled, nothing loaded."""
-        return bool(getattr(self.graph_pass, "must_run", False))
+        return self.graph_pass is not None and self.graph_pass.must_run
 
     def _uses_store(self) -> bool:
         return self.store is not None and self.compiler.produces_artifacts

@@ -162,7 +162,7 @@ def rewrite_source(source: str) -> str:
         bad = [n for n in names if n not in _SHIM_NAMES]
         if bad:
             raise LeanUnsupported(f"imports {bad} from {m.group(1)}")
-        return f"from backends.inductor_lean import {m.group(2)}"
+        return f"from backends.piecewise.inductor_lean import {m.group(2)}"
 
     out = _IMPORT.sub(imp, source)
     out = out.replace(

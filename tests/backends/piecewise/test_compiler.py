@@ -5,7 +5,7 @@ ones."""
 import pytest
 import torch
 
-from backends.compiler import (
+from backends.piecewise.compiler import (
     COMPILERS,
     CompilerAdaptor,
     Eager,

@@ -22,13 +22,14 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from backends.inductor_lean import (
+from backends.piecewise.inductor_lean import (
     LEAN_FORMAT,
     LeanUnsupported,
     capture_aot_metadata,
     export_lean,
     load_lean,
 )
+from backends.piecewise.protocols import PieceGraphPass
 from framework.core.compile_range import CompileRange
 from framework.core.registry import Registry
 from framework.core.symbolic import concretize_inputs
@@ -58,7 +59,7 @@ class CompilerAdaptor:
 
     def __init__(
         self,
-        graph_pass: Optional[Callable] = None,
+        graph_pass: Optional[PieceGraphPass] = None,
         inductor_config: Optional[dict[str, Any]] = None,
     ):
         self.graph_pass = graph_pass
@@ -108,7 +109,7 @@ def make_compiler(name: str, **kwargs: Any) -> CompilerAdaptor:
 class InductorStandalone(CompilerAdaptor):
     """Inductor through ``torch._inductor.standalone_compile``.  One file per artifact (safe
     for several processes): a zip holding the binary-format ``CompiledArtifact`` and, where
-    the piece allows it, its lean form (:mod:`backends.inductor_lean`), which a warm start
+    the piece allows it, its lean form (:mod:`backends.piecewise.inductor_lean`), which a warm start
     loads without importing Inductor's compile path or probing the compiler."""
 
     def compute_hash(self) -> str:
@@ -181,7 +182,7 @@ class InductorStandalone(CompilerAdaptor):
             return CompiledArtifact.load(path=str(Path(tmp) / "artifact.bin"), format="binary")
 
 
-def _register_custom_graph_pass(graph_pass: Any) -> None:
+def _register_custom_graph_pass(graph_pass: PieceGraphPass) -> None:
     """Inductor keys its FX-graph cache by a custom pass's ``uuid()`` only if the pass is a
     ``CustomGraphPass`` (``isinstance``).  The pass manager implements that interface without
     inheriting from it (importing ``torch._inductor`` imports Dynamo, kept off warm starts),
@@ -189,8 +190,6 @@ def _register_custom_graph_pass(graph_pass: Any) -> None:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     if not isinstance(graph_pass, CustomGraphPass):
-        if not callable(getattr(graph_pass, "uuid", None)):
-            raise TypeError(f"graph pass {graph_pass!r} has no uuid(); Inductor cannot cache it")
         CustomGraphPass.register(type(graph_pass))
 
 
@@ -229,15 +228,10 @@ class Eager(CompilerAdaptor):
 
         if compile_range.is_single_size:
             example_inputs = concretize_inputs(example_inputs, compile_range.start)
-        run = getattr(self.graph_pass, "run_on_graph_module", None)
+        run = self.graph_pass.run_on_graph_module
 
         def fw_compiler(gm: torch.fx.GraphModule, _inputs):
-            if run is not None:
-                run(gm)
-            else:
-                self.graph_pass(gm.graph)
-                gm.recompile()
-            return gm
+            return run(gm)
 
         graph = copy.deepcopy(graph)
         output = graph.graph.output_node()
