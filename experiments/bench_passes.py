@@ -16,11 +16,11 @@ from typing import Any
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "O2 (bf16)": {},
-    "O2 - prepack_linear": {"pass_config": {"disable": ["prepack_linear"]}},
-    "O2 + fuse_add_rmsnorm": {"pass_config": {"enable": ["fuse_add_rmsnorm"]}},
+    "O2 - prepack_linear": {"pass_config": {"passes": ["-prepack_linear"]}},
+    "O2 + fuse_add_rmsnorm": {"pass_config": {"passes": ["+fuse_add_rmsnorm"]}},
     "O2 + int8_per_token (with quant fusions)": {
         "quant": "int8_per_token",
-        "pass_config": {"enable": ["fuse_rmsnorm_quant", "fuse_silu_mul_quant"]},
+        "pass_config": {"passes": ["+fuse_rmsnorm_quant", "+fuse_silu_mul_quant"]},
     },
     "O2 + int8_per_token": {"quant": "int8_per_token"},
     "O2 + int8_per_channel_weight_only": {"quant": "int8_per_channel_weight_only"},

@@ -34,7 +34,7 @@ def _prompts(batch: int, prompt_len: int) -> list[list[int]]:
 
 
 def run_one(args, tp: int, model: str, enable: tuple[str, ...] = ()) -> dict:
-    cc = {"level": args.level, "pass_config": {"enable": list(enable)}}
+    cc = {"level": args.level, "pass_config": {"passes": [f"+{n}" for n in enable] or None}}
     llm = LLM(
         model,
         dtype=args.dtype,

@@ -27,10 +27,10 @@ from experiments.compiler_env import compiler_caches_under, warm_up_compiler
 from experiments.config_store import register_compile_schema
 from experiments.job_inputs import job_prompts, resolve_model_path, text_examples
 from experiments.job_summary import summary
-from experiments.pass_cli import apply_short
+from experiments.pass_cli import apply_short, toggle_passes
 from experiments.sweep import Entry, agreement, finish_all, park
 from framework.core.config import CompilationConfig
-from passes.registry import canonical_order, level_passes
+from passes.registry import canonical_order
 
 logger = logging.getLogger("experiments.run")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -53,20 +53,6 @@ def compilation_config(cfg: DictConfig) -> CompilationConfig:
             device_type=str(cfg.get("device") or "cpu"),
         )
     return CompilationConfig.from_dict(data)
-
-
-def toggle_passes(pass_config: dict, names: list[str], level: int, device_type: str) -> dict:
-    """``pass_config`` with each of ``names`` flipped against the level's default pass list on
-    ``device_type`` (or the explicit ``passes`` list): a pass that would run goes to
-    ``disable``, one that would not goes to ``enable``. ``toggle_passes=[x]`` is how
-    conf/experiment/ablate_passes.yaml switches one pass on/off against O2 on any device,
-    though O2's list differs between CPU and CUDA (``levels`` of ``@register_pass``)."""
-    runs = pass_config.get("passes")
-    runs = set(level_passes(level, device_type) if runs is None else runs)
-    out = dict(pass_config)
-    out["disable"] = list(out.get("disable") or []) + [n for n in names if n in runs]
-    out["enable"] = list(out.get("enable") or []) + [n for n in names if n not in runs]
-    return out
 
 
 def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):

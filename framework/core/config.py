@@ -39,50 +39,98 @@ class CompilationMode(enum.Enum):
     """Trace once, split around attention, compile each piece per token range."""
 
 
+def parse_pass_list(items: Optional[list[str]], where: str = "PassConfig.passes") -> PassList:
+    """The one spelling of a pass list: exact names, or ``+name`` / ``-name`` edits of the
+    optimization level's list (never both).  ``None`` is the level's list unchanged."""
+    if items is None:
+        return PassList(None, (), ())
+    if isinstance(items, str) or not isinstance(items, (list, tuple)):
+        raise ValueError(
+            f"{where}={items!r}: expected a list, e.g. [+name], [-name] or [a,b] "
+            f"(quote it in the shell: 'passes=[+mypkg.mod:fn]')"
+        )
+    exact: list[str] = []
+    add: list[str] = []
+    remove: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not item.strip("+-"):
+            raise ValueError(f"{where}: {item!r} is not a pass name, +name or -name")
+        if item[0] == "+":
+            add.append(item[1:])
+        elif item[0] == "-":
+            remove.append(item[1:])
+        else:
+            exact.append(item)
+    if exact and (add or remove):
+        raise ValueError(
+            f"{where}={list(items)}: mixes exact names {exact} with +/- edits; either list the "
+            f"passes exactly ([a,b]) or edit the level's list ([+x,-y])"
+        )
+    for kind, names in (("", exact), ("+", add), ("-", remove)):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"{where}: duplicate pass name(s) {[kind + d for d in dup]}")
+    both = sorted(set(add) & set(remove))
+    if both:
+        raise ValueError(f"{where}={list(items)}: {both} both added (+) and removed (-)")
+    if exact or not (add or remove):  # [] runs no pass at all
+        return PassList(exact, (), ())
+    return PassList(None, tuple(add), tuple(remove))
+
+
+@dataclass(frozen=True)
+class PassList:
+    """A parsed :attr:`PassConfig.passes`: ``exact`` names, or edits of the level's list."""
+
+    exact: Optional[list[str]]
+    add: tuple[str, ...]
+    remove: tuple[str, ...]
+
+    def resolve(self, level_default: list[str]) -> list[str]:
+        if self.exact is not None:
+            return list(self.exact)
+        names = list(level_default) + [n for n in self.add if n not in level_default]
+        return [n for n in names if n not in self.remove]
+
+
 @dataclass
 class PassConfig(StrictConfig):
     """Which compiler passes run on every piece, and how they are checked."""
 
     passes: Optional[list[str]] = None
-    """Ordered pass names (registry names or ``module.sub:ClassName`` import paths).
-    ``None``: the optimization level's list."""
-    disable: list[str] = field(default_factory=list)
-    """Names removed from the resolved list (for on/off ablations against a level)."""
-    enable: list[str] = field(default_factory=list)
-    """Names added to the resolved list (kept in the canonical pass order)."""
+    """The pass list, in one of two forms (never mixed):
+
+    - exact names (registry names or ``module.sub:ClassName`` import paths): exactly these
+      passes run; ``[]`` runs none;
+    - edits of the optimization level's list: ``+name`` adds a pass (the pass manager places
+      it at its declared position), ``-name`` removes one: ``["+my_pass", "-prepack_linear"]``.
+
+    ``None``: the level's list.  The Hydra runs' top-level ``passes=[...]`` and their
+    ``toggle_passes=[...]`` sweeps are spellings of this one field."""
     verify_passes: bool = False
     """Run each piece before and after every pass on the same random inputs and fail on the
     first pass whose error exceeds the dtype's tolerance."""
     verify_tolerance: Optional[float] = None
     """Absolute tolerance of ``verify_passes``; ``None``: per dtype (fp32 1e-3, bf16 5e-2)."""
     warn_on_no_match: bool = True
+    """Warn (naming the pass) when an enabled fusion matched nothing in the whole model."""
     sequence_parallel_min_tokens: int = 256
     """``sequence_parallelism`` (tensor parallelism) rewrites only pieces compiled for one
     concrete size of at least this many tokens (and divisible by the world size)."""
-    """Warn (naming the pass) when an enabled fusion matched nothing in the whole model."""
 
     def validate(self) -> None:
-        for name in ("passes", "disable", "enable"):
-            values = getattr(self, name)
-            if values is None:
-                continue
-            bad = [v for v in values if not isinstance(v, str) or not v]
-            if bad:
-                raise ValueError(
-                    f"PassConfig.{name}: pass names must be non-empty strings, got {bad}"
-                )
-            dup = sorted({v for v in values if values.count(v) > 1})
-            if dup:
-                raise ValueError(f"PassConfig.{name}: duplicate pass name(s) {dup}")
+        parse_pass_list(self.passes)
         if self.verify_tolerance is not None and self.verify_tolerance <= 0:
             raise ValueError("PassConfig.verify_tolerance: must be positive")
 
+    @property
+    def edits_level_list(self) -> bool:
+        """Whether :attr:`passes` is the level's list (``None``) or edits of it."""
+        return parse_pass_list(self.passes).exact is None
+
     def resolved_passes(self, level_default: list[str]) -> list[str]:
-        names = list(self.passes if self.passes is not None else level_default)
-        for n in self.enable:
-            if n not in names:
-                names.append(n)
-        return [n for n in names if n not in set(self.disable)]
+        """The exact pass names this config runs, given the level's default list."""
+        return parse_pass_list(self.passes).resolve(level_default)
 
 
 @dataclass
@@ -216,11 +264,11 @@ class CompilationConfig(StrictConfig):
         values["cudagraph_mode"] = mode
         pass_defaults = (
             level_passes(level, "cuda" if has_cuda else "cpu")
-            if self.pass_config.passes is None
+            if self.pass_config.edits_level_list
             else []
         )
         values["pass_config"] = self.pass_config.replace(
-            passes=self.pass_config.resolved_passes(pass_defaults), enable=[], disable=[]
+            passes=self.pass_config.resolved_passes(pass_defaults)
         )
         return self.replace(**values)
 

@@ -70,8 +70,8 @@ def test_every_sweep_job_is_valid_and_exactly_one_is_the_baseline(name):
         cfg = compose_job([f"experiment={name}", NO_CACHE, *overrides])
         assert cfg.experiment_name == name
         cc = compilation_config(cfg)  # what the job builds, pass toggles applied
-        for pass_name in cc.pass_config.disable + cc.pass_config.enable:
-            resolve_pass(pass_name)  # raises on an unknown pass name
+        for pass_name in cc.pass_config.passes or []:
+            resolve_pass(pass_name.lstrip("+-"))  # raises on an unknown pass name
         QuantizationConfig.parse(OmegaConf.to_container(cfg, resolve=True)["quantization"])
         assert isinstance(cfg.baseline, bool)
         if cfg.baseline:

@@ -44,11 +44,11 @@ def test_plus_and_minus_edit_the_levels_list():
 
 
 def test_long_form_still_works_and_a_conflict_is_one_error():
-    assert _resolved("compile.pass_config.disable=[noop_elimination]") == [
+    assert _resolved("compile.pass_config.passes=[-noop_elimination]") == [
         p for p in O2 if p != "noop_elimination"
     ]
-    with pytest.raises(ValueError, match=r"compile.pass_config.disable are both set"):
-        _resolved("passes=[+fuse_rmsnorm_quant]", "compile.pass_config.disable=[noop_elimination]")
+    with pytest.raises(ValueError, match=r"compile.pass_config.passes are both set"):
+        _resolved("passes=[+fuse_rmsnorm_quant]", "compile.pass_config.passes=[-noop_elimination]")
 
 
 def test_bad_short_forms_are_named():
@@ -66,4 +66,4 @@ def test_a_sweep_over_short_forms_expands_to_one_job_each():
     assert jobs == [["passes=[+my.mod\\:p]"], ["passes=[-fuse_add_rmsnorm]"]]  # Hydra escapes :
     cfg = compose_job(["cache_dir=null", *jobs[0]])
     pc = compilation_config(cfg).pass_config
-    assert pc.enable == ["my.mod:p"] and pc.passes is None
+    assert pc.passes == ["+my.mod:p"]

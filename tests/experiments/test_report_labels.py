@@ -14,10 +14,10 @@ def test_labels_drop_hydra_escapes():
     job = Job(
         name="0",
         path=Path("."),
-        overrides=[r"compile.pass_config.enable=[mypasses.silu\:SigmoidMulToSilu]"],
+        overrides=[r"compile.pass_config.passes=[+mypasses.silu\:SigmoidMulToSilu]"],
         results={},
     )
     assert (
-        config_label(job, ["compile.pass_config.enable"])
-        == "compile.pass_config.enable=[mypasses.silu:SigmoidMulToSilu]"
+        config_label(job, ["compile.pass_config.passes"])
+        == "compile.pass_config.passes=[+mypasses.silu:SigmoidMulToSilu]"
     )

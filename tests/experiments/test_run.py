@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from experiments.compiler_env import compiler_caches_under, warm_up_compiler
 from experiments.job_inputs import job_prompts, make_prompts, synthetic_task_of
-from experiments.run import toggle_passes
+from experiments.pass_cli import toggle_passes
 from experiments.sweep import agreement
 from experiments.trace import read_trace
 from passes.registry import level_passes
@@ -51,11 +51,11 @@ def test_eq_resolver_compares_scalars_and_containers():
     cfg = OmegaConf.create(
         {
             "level": 0,
-            "disable": [],
+            "passes": [],
             "q": None,
             "name": "O2",
             "a": "${eq:${level},0}",
-            "b": "${eq:${disable},[]}",
+            "b": "${eq:${passes},[]}",
             "c": "${eq:${q},null}",
             "d": "${eq:'${name}/${level}','O2/1'}",
         }
@@ -75,18 +75,28 @@ def test_toggle_passes_flips_against_the_level_default_of_the_device():
     on_cpu_only = next(p for p in cpu_o2 if p not in cuda_o2)
     on_cuda_only = next(p for p in cuda_o2 if p not in cpu_o2)
     toggled = toggle_passes({}, [on_cpu_only, on_cuda_only], level=2, device_type="cpu")
-    assert toggled["disable"] == [on_cpu_only] and toggled["enable"] == [on_cuda_only]
+    assert toggled["passes"] == [f"-{on_cpu_only}", f"+{on_cuda_only}"]
     toggled = toggle_passes({}, [on_cpu_only, on_cuda_only], level=2, device_type="cuda")
-    assert toggled["disable"] == [on_cuda_only] and toggled["enable"] == [on_cpu_only]
-    # an explicit pass list wins over the level's, and existing entries are kept
+    assert toggled["passes"] == [f"+{on_cpu_only}", f"-{on_cuda_only}"]
+    # an explicit pass list wins over the level's and stays an exact list
     toggled = toggle_passes(
-        {"passes": ["noop_elimination"], "disable": ["fix_functionalization"]},
+        {"passes": ["noop_elimination", "fix_functionalization"]},
         ["noop_elimination", "fuse_add_rmsnorm"],
         level=2,
         device_type="cpu",
     )
-    assert toggled["disable"] == ["fix_functionalization", "noop_elimination"]
-    assert toggled["enable"] == ["fuse_add_rmsnorm"]
+    assert toggled["passes"] == ["fix_functionalization", "fuse_add_rmsnorm"]
+    # edits of the level's list are kept; toggling an edited pass undoes the edit
+    toggled = toggle_passes(
+        {"passes": ["-noop_elimination", "+fuse_add_rmsnorm"]},
+        ["fuse_add_rmsnorm", "fix_functionalization"],
+        level=2,
+        device_type="cpu",
+    )
+    assert toggled["passes"] == ["-noop_elimination", "-fix_functionalization"]
+    assert toggle_passes({"passes": ["-noop_elimination"]}, ["noop_elimination"], 2, "cpu") == {
+        "passes": None
+    }
 
 
 def test_compiler_caches_are_redirected_into_cache_dir_and_restored(tmp_path, monkeypatch):

@@ -61,7 +61,7 @@ def test_order_keeps_canonical_order_and_fix_functionalization_last():
         "my.mod:First",
         "noop_elimination",
     ]
-    # PassConfig.enable appends at the end; ordering puts it where it belongs.
+    # A +name edit of PassConfig.passes appends at the end; ordering puts it where it belongs.
     assert order_passes(["noop_elimination", "fix_functionalization", "fuse_rmsnorm_quant"]) == [
         "noop_elimination",
         "fuse_rmsnorm_quant",

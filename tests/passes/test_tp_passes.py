@@ -146,7 +146,7 @@ def test_tp2_o2_with_both_passes(mqa_checkpoint, tmp_path):
         "compile_sizes": [32],
         "debug_dump_path": str(dump),
         "pass_config": {
-            "enable": ["sequence_parallelism", "fuse_allreduce_rmsnorm"],
+            "passes": ["+sequence_parallelism", "+fuse_allreduce_rmsnorm"],
             "sequence_parallel_min_tokens": 16,
         },
     }
@@ -188,7 +188,7 @@ cc = {
     "level": 2,
     "compile_sizes": [32],
     "pass_config": {
-        "enable": ["sequence_parallelism", "fuse_allreduce_rmsnorm"],
+        "passes": ["+sequence_parallelism", "+fuse_allreduce_rmsnorm"],
         "sequence_parallel_min_tokens": 16,
         "verify_passes": True,
     },

@@ -54,7 +54,7 @@ def test_wrong_oot_pass_is_named_with_its_first_diverging_node(llama_checkpoint,
             llama_checkpoint,
             2,
             compile_cache_dir,
-            pass_config=PassConfig(enable=[BROKEN], verify_passes=True),
+            pass_config=PassConfig(passes=[f"+{BROKEN}"], verify_passes=True),
         )
     msg = str(info.value)
     assert f"pass {BROKEN!r} changed the piece beyond tolerance" in msg
@@ -93,7 +93,7 @@ experiment_name: verify_broken
 compile:
   pass_config:
     verify_passes: true
-    enable: ["broken_pass_example:SwapMulForAdd"]
+    passes: ["+broken_pass_example:SwapMulForAdd"]
 """
 
 

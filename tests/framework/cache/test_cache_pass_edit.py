@@ -40,7 +40,7 @@ import json, sys
 from framework import LLM, CompilationConfig, PassConfig
 llm = LLM(sys.argv[1], max_model_len=64, optimization_level=2,
           compilation_config=CompilationConfig(progress_bar=False, cache_dir=sys.argv[2],
-                                               pass_config=PassConfig(enable=[sys.argv[3]])))
+                                               pass_config=PassConfig(passes=["+" + sys.argv[3]])))
 s = llm.stats
 print(json.dumps({"dir": s["cache_dir"], "loads": s["compile_loads"],
                   "compiles": s["compile_compiles"], "out": llm.generate([[1, 2, 3]], 4)[0]}))
@@ -53,7 +53,7 @@ def _build(checkpoint, cache_dir):
         max_model_len=64,
         optimization_level=2,
         compilation_config=CompilationConfig(
-            progress_bar=False, cache_dir=cache_dir, pass_config=PassConfig(enable=[PASS])
+            progress_bar=False, cache_dir=cache_dir, pass_config=PassConfig(passes=[f"+{PASS}"])
         ),
     )
 

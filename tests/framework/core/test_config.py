@@ -79,12 +79,31 @@ def test_without_cuda_graph_modes_resolve_to_none():
     assert r.pass_config.passes == level_passes(2, "cpu")
 
 
-def test_enable_and_disable_adjust_the_level_list():
-    pc = PassConfig(disable=["pass_o1_cpu"], enable=["fuse_add_rmsnorm"])
+def test_plus_and_minus_edits_adjust_the_level_list():
+    pc = PassConfig(passes=["-pass_o1_cpu", "+fuse_add_rmsnorm"])
     r = CompilationConfig(level=1, pass_config=pc).resolve(
         max_num_tokens=64, level_passes=level_passes, has_cuda=False
     )
     assert r.pass_config.passes == ["fuse_add_rmsnorm"]
+    exact = CompilationConfig(level=1, pass_config=PassConfig(passes=["fuse_add_rmsnorm"]))
+    resolved = exact.resolve(max_num_tokens=64, level_passes=level_passes, has_cuda=False)
+    assert resolved.pass_config.passes == ["fuse_add_rmsnorm"]
+
+
+@pytest.mark.parametrize(
+    "passes, message",
+    [
+        (["a", "+b"], "mixes exact names"),
+        (["+a", "-a"], "both added"),
+        (["+a", "+a"], "duplicate"),
+        (["+"], "is not a pass name"),
+        ("a", "expected a list"),
+    ],
+)
+def test_a_bad_pass_list_is_one_error_naming_the_field(passes, message):
+    with pytest.raises(ValueError, match=message) as e:
+        PassConfig(passes=passes)
+    assert "PassConfig.passes" in str(e.value)
 
 
 def test_default_capture_sizes():
