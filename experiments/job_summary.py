@@ -42,6 +42,13 @@ def summary(r: dict[str, Any]) -> str:
             f"from the cache (cache hits {comp.get('cache_hits')}, misses "
             f"{comp.get('cache_misses')})"
         )
+    if comp.get("cache_dir"):
+        whose = (
+            "the per-user default, shared by every run without cache_dir"
+            if comp.get("cache_shared")
+            else "set by cache_dir"
+        )
+        lines.append(f"  artifact cache: {comp['cache_dir']} ({whose})")
     if r.get("passes"):
         counts = [
             f"{name} {'not reported' if p.get('matches_reported') is False else p.get('matches')}"

@@ -112,7 +112,9 @@ def write_plots(
         for j in jobs
     ]
     rows = [r for r in rows if r[1] is not None]
-    if rows:
+    # No plot that carries no information: without CUDA graphs (CPU) nothing is padded, every
+    # bar would be 0 %.
+    if any(r[1] for r in rows):
         fig, ax = plt.subplots(figsize=(width, 4.5))
         x = list(range(len(rows)))
         ax.bar(x, [100 * r[1] for r in rows], color="tab:green")

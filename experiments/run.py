@@ -179,6 +179,10 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
             "loads": stats.get("compile_loads"),
             "cache_hits": stats.get("cache_hits"),
             "cache_misses": stats.get("cache_misses"),
+            # where the artifacts live, and whether that is the per-user default root that
+            # every run and clone without cache_dir shares (so a "first" run may load)
+            "cache_dir": stats.get("cache_dir"),
+            "cache_shared": cfg.cache_dir is None and llm.config.use_cache,
         },
         "latency_ms": {"prefill": None, "decode": None},  # filled by the timing rounds
         "tokens_per_s": None,

@@ -10,8 +10,10 @@ module defines, its code objects (bytecode, constants, names, recursively into n
 default arguments and plain class/module constants.  Edited-but-not-reloaded source leaves the
 hash unchanged (old code, old key); a fresh process, or a reload, hashes the new code.  Nothing
 location- or run-dependent enters (file names, line numbers, ``id()``s, set iteration order),
-so two processes with the same code agree.  Comments and docstring-free whitespace edits do not
-change the code, hence not the key.
+so two processes with the same code agree.  Comments, docstrings and whitespace do not change
+the code, hence not the key: a docstring is the first constant of its function's code object
+(CPython 3.11–3.13 always reserve that slot: the docstring or ``None``; 3.14 marks it with
+``CO_HAS_DOCSTRING``), and it is left out, as are class docstrings (``__doc__``).
 """
 
 from __future__ import annotations
@@ -27,14 +29,33 @@ from typing import Any
 _SIMPLE = (str, int, float, bool, bytes, type(None), complex)
 
 
+_CO_OPTIMIZED = inspect.CO_OPTIMIZED
+_CO_HAS_DOCSTRING = getattr(inspect, "CO_HAS_DOCSTRING", 0)  # Python 3.14+
+
+
+def _docstring_slot(code: types.CodeType) -> bool:
+    """Whether ``co_consts[0]`` is the docstring slot: before 3.14 a ``def`` function's (not
+    a lambda's, a comprehension's or a class body's) first constant is its docstring or
+    ``None``, so adding, editing or removing a docstring leaves the other constants alone."""
+    if _CO_HAS_DOCSTRING:
+        return bool(code.co_flags & _CO_HAS_DOCSTRING)
+    return (
+        bool(code.co_flags & _CO_OPTIMIZED)
+        and not code.co_name.startswith("<")
+        and bool(code.co_consts)
+        and (code.co_consts[0] is None or isinstance(code.co_consts[0], str))
+    )
+
+
 def _code_parts(code: types.CodeType, out: list[str]) -> None:
     out.append(
         f"code:{code.co_name}:{code.co_argcount}:{code.co_posonlyargcount}:"
-        f"{code.co_kwonlyargcount}:{code.co_flags}"
+        f"{code.co_kwonlyargcount}:{code.co_flags & ~_CO_HAS_DOCSTRING}"
     )
     out.append(code.co_code.hex())
     out.append(repr((code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars)))
-    for const in code.co_consts:
+    consts = code.co_consts[1:] if _docstring_slot(code) else code.co_consts
+    for const in consts:
         if isinstance(const, types.CodeType):
             _code_parts(const, out)
         else:

@@ -9,6 +9,7 @@ with ``verify_passes`` it runs the differential check of :mod:`passes.verify` af
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -18,13 +19,15 @@ import re
 import time
 import uuid as uuid_module
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
+from framework.core.compile_range import range_name
 from framework.core.config import PassConfig
 from passes.base import CompileRange, GraphPass, PassContext
 from passes.registry import order_passes, resolve_pass
+from passes.verify_inputs import PassVerificationError
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ class PieceRecord:
 
 
 RAN = "ran"
+SKIPPED = "skipped"
+"""The passes ran on the piece, but this pass's ``is_applicable(range)`` refused the range."""
 NOT_RUN_LOADED = "not run: artifact loaded"
 NOT_RUN_INDUCTOR_HIT = "not run: Inductor cache hit"
 
@@ -75,6 +80,19 @@ class PassRecord:
         """Sum over the runs; None when the pass reported no count in any run."""
         reported = [p.matches for p in self.pieces if p.matches is not None]
         return sum(reported) if reported or not self.pieces else None
+
+
+def _status_text(by_range: dict[str, str]) -> str:
+    """One line: ``ran`` when every range agrees, else ``ran on range_4-4; skipped on
+    range_1-512`` (ranges with the same status grouped)."""
+    if not by_range:
+        return "not run: no piece"
+    groups: dict[str, list[str]] = {}
+    for rng, status in by_range.items():
+        groups.setdefault(status, []).append(rng)
+    if len(groups) == 1:
+        return next(iter(groups))
+    return "; ".join(f"{status} on {', '.join(rngs)}" for status, rngs in groups.items())
 
 
 def _range_tuple(compile_range: Optional[CompileRange]) -> Optional[tuple[int, int]]:
@@ -155,7 +173,8 @@ class PassManager:
         if dump_dir:
             _write_graph(dump_dir, "00_before_passes.txt", graph, "input graph")
         if self._verifier:
-            self._verifier.start_piece(graph, rng, self._static_inputs)
+            with self._naming_the_piece(piece, rng):
+                self._verifier.start_piece(graph, rng, self._static_inputs)
         for i, p in enumerate(self.passes, start=1):
             if not p.is_applicable(rng):
                 continue
@@ -185,8 +204,36 @@ class PassManager:
                     f"after pass {p.name} ({_matches_text(record.matches)})",
                 )
             if self._verifier:
-                err = self._verifier.check_pass(p.name, graph)
+                with self._naming_the_piece(piece, rng):
+                    err = self._verifier.check_pass(p.name, graph)
                 record.max_abs_error, record.max_rel_error = err.max_abs, err.max_rel
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _naming_the_piece(piece: str, rng: Optional[CompileRange]) -> Iterator[None]:
+        """A verification failure's message starts with the piece and the range."""
+        try:
+            yield
+        except PassVerificationError as e:
+            where = f"piece {piece}, {'any range' if rng is None else rng}"
+            detail = str(e).removeprefix("verify_passes: ")
+            raise PassVerificationError(f"verify_passes: {where}: {detail}") from None
+
+    def verify_summary(self) -> Optional[str]:
+        """One line after a verified compile: how much was checked and the largest error;
+        None when not verifying (or nothing was compiled)."""
+        if self._verifier is None:
+            return None
+        checked = [p for r in self.records.values() for p in r.pieces]
+        if not checked:
+            return None
+        pieces = {(p.piece, p.compile_range) for p in checked}
+        worst = max((p.max_abs_error or 0.0) for p in checked)
+        return (
+            f"verify_passes: OK: {len(self.records)} passes on {len(pieces)} piece compiles "
+            f"(unique piece x range), max abs error {worst:.3g} "
+            f"(tolerance {self._verifier.tol:g})"
+        )
 
     def run_on_graph_module(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         """Eager adaptor path: run the passes on an aten-level functional ``gm``, recompile."""
@@ -252,18 +299,34 @@ class PassManager:
         unreported = sum(m or 0 for k, m in runs.items() if k not in reported)
         total = unreported + sum(i["matches"] or 0 for i in instances)
         counted = r.total_matches is not None
-        statuses = {i.status for i in self.instances} | ({RAN} if r.pieces else set())
-        if RAN in statuses and not r.pieces:  # ran on pieces, but no range applied
-            statuses = (statuses - {RAN}) | {"not run: not applicable"}
-        status = ", ".join(sorted(statuses)) if statuses else "not run: no piece"
+        by_range = self._status_by_range(r)
         return {
-            "status": status,
+            "status": _status_text(by_range),
+            "status_by_range": by_range,
             "total_time_s": r.total_time_s,
             "total_matches": total if counted else None,
             "unique_graph_matches": r.total_matches,
             "matches_reported": counted,
             "pieces": [vars(p).copy() for p in r.pieces],
             "instances": instances,
+        }
+
+    def _status_by_range(self, r: PassRecord) -> dict[str, str]:
+        """Per compile range (its name): ``ran``, ``skipped`` (the passes ran on the range's
+        pieces but this pass's ``is_applicable`` refused the range), or why no pass ran
+        (``not run: artifact loaded`` / ``not run: Inductor cache hit``)."""
+        ran_on = {p.compile_range for p in r.pieces}
+        statuses: dict[Optional[tuple[int, int]], set[str]] = {}
+        for inst in self.instances:
+            st = inst.status
+            if st == RAN and inst.compile_range not in ran_on:
+                st = SKIPPED
+            statuses.setdefault(inst.compile_range, set()).add(st)
+        for rng in ran_on:  # runs the backend did not report (a manager used on its own)
+            statuses.setdefault(rng, set()).add(RAN)
+        return {
+            "any" if rng is None else range_name(*rng): ", ".join(sorted(sts))
+            for rng, sts in sorted(statuses.items(), key=lambda kv: kv[0] or (0, 0))
         }
 
     def warn_unmatched(self) -> list[str]:
@@ -323,7 +386,7 @@ class PassManager:
     def _dump_dir(self, piece: str, rng: Optional[CompileRange], call_index: int) -> Optional[str]:
         if not self.debug_dump_path:
             return None
-        rng_name = "any" if rng is None else f"range_{rng.start}-{rng.end}"
+        rng_name = "any" if rng is None else range_name(rng.start, rng.end)
         suffix = "" if call_index == 1 else f"_call{call_index}"
         path = os.path.join(self.debug_dump_path, "passes", _safe(piece), rng_name + suffix)
         os.makedirs(path, exist_ok=True)

@@ -1,9 +1,11 @@
 """Scaffold a new pass: ``python -m passes.new NAME [--out DIR]``.
 
-Writes ``DIR/NAME.py`` (a plain-function pass that already works: it removes multiplications
-by one, ``x * 1 -> x``, and returns its match count) and ``DIR/test_NAME.py`` (builds a small
-FX graph, runs the pass through the pass manager, checks the rewrite, the count and that the
-graph computes the same values). Edit the pattern, keep the test honest, then run it with
+Writes ``DIR/__init__.py`` when ``DIR`` is not the current folder and has none (so ``DIR`` is
+a package, as in the tutorial's ``mylab/``), ``DIR/NAME.py`` (a plain-function pass that
+already works: it removes multiplications by one, ``x * 1 -> x``, and returns its match
+count) and ``DIR/test_NAME.py`` (builds a small FX graph, runs the pass through the pass
+manager, checks the rewrite, the count and that the graph computes the same values). Edit the
+pattern, keep the test honest, then run it with
 ``python -m experiments.run 'passes=[+<module>:NAME]'`` (passes/README.md, tutorial).
 Existing files are never overwritten.
 """
@@ -97,11 +99,27 @@ def module_name_for(out: Path, name: str) -> str:
     return ".".join(parts)
 
 
+def _import_root(out: Path) -> Path:
+    """The folder that must be on ``sys.path`` for :func:`module_name_for`'s path to import."""
+    folder = out.resolve()
+    while (folder / "__init__.py").is_file():
+        folder = folder.parent
+    return folder
+
+
 def scaffold(name: str, out: Path) -> tuple[Path, Path]:
-    """Write the pass and its test; returns their paths."""
+    """Write the pass and its test (and ``out/__init__.py``, see the module docstring);
+    returns the pass's and the test's paths."""
     if not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(f"passes.new: {name!r} is not a valid Python identifier")
+    if out.resolve() != Path.cwd().resolve() and not out.name.isidentifier():
+        raise ValueError(
+            f"passes.new: --out {out} cannot be a package (its name {out.name!r} is not a "
+            f"Python identifier); choose a folder such as mylab"
+        )
     out.mkdir(parents=True, exist_ok=True)
+    if out.resolve() != Path.cwd().resolve() and not (out / "__init__.py").exists():
+        (out / "__init__.py").write_text("")
     module = module_name_for(out, name)
     pass_file, test_file = out / f"{name}.py", out / f"test_{name}.py"
     for path in (pass_file, test_file):
@@ -125,9 +143,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(e, file=sys.stderr)
         return 2
     module = module_name_for(Path(args.out), args.name)
+    root = _import_root(Path(args.out))
     print(f"wrote {pass_file} and {test_file}")
-    print(f"test it:  python -m pytest {test_file}")
-    print(f"run it:   python -m experiments.run 'passes=[+{module}:{args.name}]'")
+    print(f"import path: {module}:{args.name} (with {root} on PYTHONPATH)")
+    print(f"test it:  PYTHONPATH={root}:$PYTHONPATH python -m pytest {test_file}")
+    print(
+        f"run it:   PYTHONPATH={root}:$PYTHONPATH python -m experiments.run "
+        f"'passes=[+{module}:{args.name}]'"
+    )
     return 0
 
 

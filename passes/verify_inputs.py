@@ -16,6 +16,7 @@ import torch.fx
 
 from framework.core.attention_metadata import AttentionMetadata
 from framework.core.compile_range import CompileRange
+from framework.core.errors import CompileStepError
 from framework.core.forward_context import ForwardContext, set_forward_context
 from framework.core.symbolic import concrete_int, symbol_bindings
 
@@ -28,8 +29,9 @@ DEFAULT_TOKENS = 8
 """Token count used when the graph has a symbolic size and no compile range is known."""
 
 
-class PassVerificationError(AssertionError):
-    """A pass changed a piece's outputs beyond the tolerance (or a piece cannot be verified)."""
+class PassVerificationError(CompileStepError):
+    """A pass changed a piece's outputs beyond the tolerance (or a piece cannot be verified).
+    The pass manager prefixes the piece and range; the compile spine raises it unwrapped."""
 
 
 def concrete_size(compile_range: Optional[CompileRange]) -> int:

@@ -39,7 +39,7 @@ class CompiledForward:
     """The step callable plus what it took to build it."""
 
     forward: Callable[..., Any]
-    """The model's forward (eager), its ``torch.compile`` (baseline) or a :class:`TraceOnce`."""
+    """The model's forward (eager) or a :class:`TraceOnce`."""
     mode: CompilationMode
     stats: dict[str, Union[float, bool]] = field(default_factory=dict)
     """``warm_restore_s`` and ``dynamo_skipped`` when the program was restored from the cache."""
@@ -148,6 +148,9 @@ def _build_piecewise(
         if passes is not None:
             # Every piece is compiled now: name each fusion that matched nothing.
             out.stats["unmatched_fusions"] = passes.warn_unmatched()
+            verified = passes.verify_summary()
+            if verified is not None:
+                logger.warning(verified)  # one line, shown by default: the check passed
         if traced.binding is None or out.stats.get("dynamo_skipped"):
             return
         # The key covers the model's class files; the files Dynamo actually traced through

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from framework.compile.torch_compat import forget_dynamo_cache
+from framework.core.errors import find_compile_step_error
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,14 @@ class TraceOnce:
         )
         t0 = time.perf_counter()
         with _decompiled_bytecode_dump(self.dump_path):
-            out = fn(*args)
+            try:
+                out = fn(*args)
+            except Exception as e:
+                step_error = find_compile_step_error(e)
+                if step_error is None:
+                    raise
+                logger.debug("the compile failed inside Dynamo/Inductor:", exc_info=e)
+                raise step_error.with_traceback(None) from None
         self.dynamo_time_s = time.perf_counter() - t0 - self.backend_time_s
         if self._binding is not None:
             self._binder = self._binding.bind(self.module)

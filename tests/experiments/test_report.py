@@ -270,3 +270,19 @@ def test_missing_keys_show_dashes_and_bad_jobs_are_listed(tmp_path, capsys):
 def test_no_results_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no results.json under"):
         build_report(tmp_path)
+
+
+def test_a_plot_with_no_information_is_not_drawn(tmp_path):
+    """On CPU nothing is padded (no CUDA graphs): an all-0 % padding plot is skipped, while the
+    latency and compile plots are drawn."""
+    for num, level in enumerate(("O1", "O2")):
+        _write_job(
+            tmp_path,
+            num,
+            _results("cpu_sweep", [f"compile={level}"], baseline=num == 0, padding=0.0),
+            overrides=[f"compile={level}"],
+        )
+    build_report(tmp_path)
+    assert (tmp_path / "cpu_sweep_latency.png").exists()
+    assert (tmp_path / "cpu_sweep_compile.png").exists()
+    assert not (tmp_path / "cpu_sweep_padding.png").exists()

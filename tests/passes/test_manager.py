@@ -76,6 +76,51 @@ def test_uuid_follows_the_code_that_runs_not_the_file(tmp_path, monkeypatch):
         sys.modules.pop("my_tmp_pass_mod", None)
 
 
+DOC_SOURCE = '''
+"""Module docstring {v}."""
+import torch
+from passes.base import GraphPass
+
+
+def helper(graph):
+    """Helper docstring {v}."""
+    def inner(n):
+        """Nested docstring {v}."""
+        return n.op == "call_function" and n.target is None
+    return [n for n in graph.nodes if inner(n)]
+
+
+class MyPass(GraphPass):
+    """Class docstring {v}."""
+
+    FACTOR = {factor}
+
+    def __call__(self, graph):
+        """Method docstring {v}."""
+        self.match_count = len(helper(graph)) * self.FACTOR
+'''
+
+
+def test_docstring_edits_keep_the_uuid_code_edits_change_it(tmp_path, monkeypatch):
+    """Docstrings are not code: editing any of them (module, class, method, function, nested
+    function) keeps the cache key, so the artifacts still load; editing a constant changes it."""
+    src = tmp_path / "my_doc_pass_mod.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def uuid_of(v: str, factor: int) -> str:
+        src.write_text(DOC_SOURCE.format(v=v, factor=factor))
+        if "my_doc_pass_mod" in sys.modules:
+            importlib.reload(sys.modules["my_doc_pass_mod"])
+        return manager("my_doc_pass_mod:MyPass").uuid()
+
+    try:
+        first = uuid_of("one", 1)
+        assert uuid_of("two, now much longer and with 'quotes'", 1) == first
+        assert uuid_of("two", 2) != first
+    finally:
+        sys.modules.pop("my_doc_pass_mod", None)
+
+
 def test_oot_pass_by_import_path_is_applied_counted_and_keyed():
     pm = manager("noop_elimination", OOT, "fix_functionalization")
     assert manager("noop_elimination", "fix_functionalization").uuid() != pm.uuid()
@@ -139,6 +184,34 @@ def test_is_applicable_skips_a_pass_for_a_range():
             )
         )
     assert [p["compile_range"] for p in pm.stats()[f"{__name__}:OnlyLarge"]["pieces"]] == [(9, 64)]
+
+
+def test_status_is_shown_per_range():
+    """The backend reports each (piece, range); a pass its is_applicable refused on a range
+    says "skipped" there, and a loaded range says so."""
+    name = f"{__name__}:OnlyLarge"
+    pm = manager(name)
+    for rng in (_Range(1, 8), _Range(9, 64)):
+        pm.set_current_piece("p", rng)
+        pm.run_on_graph_module(
+            torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: a - b)(
+                torch.randn(2), torch.randn(2)
+            )
+        )
+        pm.piece_done("p", rng, "compiled")
+    pm.piece_done("p", _Range(4, 4), "loaded")
+    stats = pm.stats()[name]
+    assert stats["status_by_range"] == {
+        "range_1-8": "skipped",
+        "range_4-4": "not run: artifact loaded",
+        "range_9-64": "ran",
+    }
+    assert stats["status"] == (
+        "skipped on range_1-8; not run: artifact loaded on range_4-4; ran on range_9-64"
+    )
+    every = manager(name)
+    every.piece_done("p", _Range(1, 8), "loaded")
+    assert every.stats()[name]["status"] == "not run: artifact loaded"
 
 
 def test_warn_unmatched_names_the_fusion(caplog):

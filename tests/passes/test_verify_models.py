@@ -2,6 +2,7 @@
 families (no false positives, split or whole-graph), and a wrong out-of-tree pass is named
 with its first diverging node, through ``LLM`` and through Hydra."""
 
+import logging
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ from checkpoints import FAMILIES
 
 from framework import LLM, CompilationConfig, PassConfig
 from models.tiny import ensure_tiny_model
+from passes.verify import PassVerificationError
 
 BROKEN = "broken_pass_example:SwapMulForAdd"
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,17 +41,20 @@ def _check_all_verified(llm):
 
 
 @pytest.mark.parametrize("splitting_ops", [None, []], ids=["split", "whole_graph"])
-def test_builtin_passes_verify_at_O2(llama_checkpoint, compile_cache_dir, splitting_ops):
+def test_builtin_passes_verify_at_O2(llama_checkpoint, compile_cache_dir, splitting_ops, caplog):
+    caplog.set_level(logging.WARNING, logger="framework.compile.build")
     kw = {} if splitting_ops is None else {"splitting_ops": splitting_ops}
     llm = _llm(
         llama_checkpoint, 2, compile_cache_dir, pass_config=PassConfig(verify_passes=True), **kw
     )
     _check_all_verified(llm)
     assert llm.generate([[1, 2, 3]], max_new_tokens=2)[0]
+    ok = [r.getMessage() for r in caplog.records if "verify_passes: OK" in r.getMessage()]
+    assert len(ok) == 1 and "max abs error" in ok[0], ok  # one line says the check passed
 
 
 def test_wrong_oot_pass_is_named_with_its_first_diverging_node(llama_checkpoint, compile_cache_dir):
-    with pytest.raises(Exception) as info:
+    with pytest.raises(PassVerificationError) as info:
         _llm(
             llama_checkpoint,
             2,
@@ -57,6 +62,10 @@ def test_wrong_oot_pass_is_named_with_its_first_diverging_node(llama_checkpoint,
             pass_config=PassConfig(passes=[f"+{BROKEN}"], verify_passes=True),
         )
     msg = str(info.value)
+    # the verifier's own error, not Dynamo's wrapper: piece and range first, one short message
+    assert re.match(r"verify_passes: piece submod_\d+, range_\d+-\d+: pass ", msg), msg
+    assert "BackendCompilerFailed" not in msg and len(msg.splitlines()) <= 3
+    assert info.value.__cause__ is None and info.value.__suppress_context__
     assert f"pass {BROKEN!r} changed the piece beyond tolerance" in msg
     # the pass kept the node (name mul_N) and changed its target
     assert re.search(r"first diverging node: mul_\d+ \(.*target=torch.ops.aten.add.Tensor\]", msg)
