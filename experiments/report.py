@@ -9,15 +9,19 @@ the jobs that lack the value.
 
 Rules (also in experiments/README.md):
 
-* **Baseline** of a sweep: the first job (in job-number order) whose results say
-  ``"baseline": true``; if none does, the first job. Deltas are relative to it.
+* **Baselines, one per cell** (experiments/cells.py): a job whose results say
+  ``"baseline": true`` is the baseline of its cell, the jobs that share its values of the
+  keys in which the baselines differ (``compile=O1,O2,O3 'toggle_passes=[],[x]'``: one cell
+  per level). No baseline flag: the first job. Two baselines in one cell: an error. Each cell
+  gets its own section; deltas are relative to the cell's baseline.
 * **Intervals and verdicts** (experiments/report_rounds.py, experiments/stats.py): every timed
   measure is the median over the job's timing rounds with a 95% bootstrap interval; every
-  delta against the baseline has a paired 95% interval and the verdict **significant** or
-  **within noise**.
+  delta against its baseline has a paired 95% interval (builds a random effect) and the
+  verdict **significant** (Benjamini-Hochberg q < 5% over every row x measure of the report)
+  or **within noise**; a delta whose steps ran the baseline's code says it measures noise.
 * **Best** row (★): the best decode median (or the ``--metric`` chosen) among the jobs whose
-  change against the baseline is a *significant* improvement and whose outputs equal the
-  baseline's; no job qualifying, no ★.
+  change against their baseline is a *significant* improvement, whose code for that measure
+  differs from the baseline's and whose outputs equal the baseline's; none qualifying, no ★.
 * **Outputs changed**: against the sweep's baseline (``agreement_baseline``) when measured,
   else against O0 (``agreement``): ``token_agreement < 1.0`` (or ``outputs_equal`` false).
   Each such job gets a "⚠ outputs changed" line. Agreement with O0 stays a column.
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from experiments import report_rounds
+from experiments.cells import CellPlan, plan_cells
 from experiments.report_jobs import (  # noqa: F401  (names the report and its tests use)
     MISSING,
     Job,
@@ -135,13 +140,50 @@ def _with_delta(value: Optional[float], base: Optional[float], fmt: str) -> str:
     return f"{text} ({100 * (value - base) / abs(base):+.1f}%)"
 
 
-def best_job(jobs: Sequence[Job], metric: Metric, base: Optional[Job] = None) -> Optional[Job]:
+def best_job(
+    jobs: Sequence[Job],
+    metric: Metric,
+    base: Optional[Job] = None,
+    family: Optional[report_rounds.Family] = None,
+) -> Optional[Job]:
     """★ best: a significant improvement on ``metric`` with outputs unchanged against the
     baseline (report_rounds.best); None when no job qualifies."""
     if not jobs:
         return None
     base = base or baseline_job(jobs)
-    return report_rounds.best(jobs, base, metric.name, metric.lower_is_better, outputs_changed)
+    family = family if family is not None else report_rounds.Family.of((j, base) for j in jobs)
+    return report_rounds.best(
+        jobs,
+        {j.name: base for j in jobs},
+        metric.name,
+        metric.lower_is_better,
+        outputs_changed,
+        family,
+    )
+
+
+@dataclass
+class Cell:
+    """One baseline and the jobs compared with it."""
+
+    label: str
+    base: Job
+    jobs: list[Job]
+
+
+def sweep_cells(jobs: Sequence[Job]) -> tuple[list[Cell], list[Job]]:
+    """The cells of one sweep (experiments/cells.py) and the jobs whose cell has no baseline."""
+    plan: CellPlan = plan_cells(
+        [j.override_map for j in jobs],
+        [j.results.get("baseline") is True for j in jobs],
+        [j.name for j in jobs],
+    )
+    cells, orphans = [], []
+    for b in plan.baselines:
+        members = [j for i, j in enumerate(jobs) if plan.baseline_of[i] == b]
+        cells.append(Cell(plan.label(jobs[b].override_map), jobs[b], members))
+    orphans = [j for i, j in enumerate(jobs) if plan.baseline_of[i] is None]
+    return cells, orphans
 
 
 def _cell(text: Any) -> str:
@@ -156,7 +198,11 @@ def _cache_cell(results: dict) -> str:
 
 
 def sweep_table(
-    jobs: Sequence[Job], keys: Sequence[str], base: Job, best: Optional[Job]
+    jobs: Sequence[Job],
+    keys: Sequence[str],
+    base: Job,
+    best: Optional[Job],
+    family: Optional[report_rounds.Family] = None,
 ) -> list[str]:
     """The markdown lines of one sweep's main table."""
     extra = [m for m in (EXACT_MATCH, PADDING) if any(m.value(j.results) is not None for j in jobs)]
@@ -172,6 +218,8 @@ def sweep_table(
         "| " + " | ".join(_cell(h) for h in headers) + " |",
         "|" + "|".join(["---"] * len(headers)) + "|",
     ]
+    if family is None:
+        family = report_rounds.Family.of((j, base) for j in jobs if j is not base)
     for job in jobs:
         marks = (["★ best"] if job is best else []) + (["baseline"] if job is base else [])
         if outputs_changed(job.results):
@@ -184,8 +232,8 @@ def sweep_table(
             text = report_rounds.value_text(value, ci, metric.fmt)
             if metric.show_delta and job is not base and value is not None:
                 if metric.name in report_rounds.SAMPLE_KEYS:
-                    d = report_rounds.delta(job.results, base.results, metric.name)
-                    text += f" ({report_rounds.delta_text(d)})"
+                    v = family.get(job, metric.name)
+                    text += f" ({report_rounds.delta_text(v)})"
                 else:  # measured once: a plain delta, no verdict
                     text = _with_delta(value, metric.value(base.results), metric.fmt) + " n=1"
             row.append(text)
@@ -266,6 +314,75 @@ def _versions_line(jobs: Sequence[Job]) -> str:
     return "Versions: " + ", ".join(parts) if parts else "Versions: " + MISSING
 
 
+def _cell_section(
+    group: str,
+    cell: Cell,
+    several: bool,
+    best_metric: Metric,
+    family: report_rounds.Family,
+    plots: bool,
+    plot_dir: Path,
+) -> list[str]:
+    """The tables, verdicts, warnings and plots of one cell (its jobs and its baseline)."""
+    jobs, base = cell.jobs, cell.base
+    keys = varying_keys(jobs)
+    labels = {j.name: config_label(j, keys) for j in jobs}
+    best = report_rounds.best(
+        jobs,
+        {j.name: base for j in jobs},
+        best_metric.name,
+        best_metric.lower_is_better,
+        outputs_changed,
+        family,
+    )
+    lines = [f"### Cell: {cell.label}", ""] if several else []
+    lines += [
+        f"Baseline: `{labels[base.name]}` (job {base.name}). Best: "
+        + (
+            f"`{labels[best.name]}` (job {best.name})."
+            if best
+            else f"none (no configuration is a significant improvement in "
+            f"{best_metric.header} with unchanged outputs)."
+        ),
+        "",
+        report_rounds.rounds_note(jobs),
+        "",
+    ]
+    lines += sweep_table(jobs, keys, base, best, family)
+    lines.append("")
+    verdicts = report_rounds.verdict_lines(jobs, base, labels, list(METRICS.values()), family)
+    if verdicts:
+        lines += ["#### Deltas against the baseline", ""] + verdicts + [""]
+    changed = changed_lines(jobs, labels)
+    unmeasured = [
+        j.name
+        for j in jobs
+        if AGREEMENT.value(j.results) is None
+        and get(j.results, "agreement", "outputs_equal") is None
+    ]
+    if changed:
+        lines += changed
+    elif unmeasured:
+        lines.append(
+            f"No measured configuration changed outputs; agreement was not "
+            f"measured for job(s) {', '.join(unmeasured)}."
+        )
+    else:
+        lines.append("Outputs unchanged in every configuration of this sweep.")
+    lines.append("")
+    warnings = report_rounds.unmatched_lines(jobs, labels)
+    if warnings:
+        lines += ["#### Warnings", ""] + warnings + [""]
+    passes = pass_table(jobs, labels)
+    if passes:
+        lines += ["#### Pass matches (time)", ""] + passes + [""]
+    if plots:
+        name = group if not several else f"{group} {cell.label}"
+        for title, path in write_plots(name, jobs, labels, plot_dir):
+            lines += [f"#### {title}", "", f"![{title}]({path.name})", ""]
+    return lines
+
+
 def build_report(
     root: Path, metric: str = "decode_median", plots: bool = True, plot_dir: Optional[Path] = None
 ) -> str:
@@ -310,56 +427,36 @@ def build_report(
     if problems:
         lines.append("")
 
+    plans = {group: sweep_cells(group_jobs) for group, group_jobs in groups.items()}
+    family = report_rounds.Family.of(
+        (job, cell.base)
+        for cells, _ in plans.values()
+        for cell in cells
+        for job in cell.jobs
+        if job is not cell.base
+    )
+    lines += [report_rounds.correction_note(family), ""]
     for group, group_jobs in groups.items():
-        keys = varying_keys(group_jobs)
-        labels = {j.name: config_label(j, keys) for j in group_jobs}
-        base = baseline_job(group_jobs)
-        best = best_job(group_jobs, best_metric, base)
-        lines += [
-            f"## Sweep: {group}",
-            "",
-            f"Baseline: `{labels[base.name]}` (job {base.name}). Best: "
-            + (
-                f"`{labels[best.name]}` (job {best.name})."
-                if best
-                else f"none (no configuration is a significant improvement in "
-                f"{best_metric.header} with unchanged outputs)."
-            ),
-            "",
-            report_rounds.rounds_note(group_jobs),
-            "",
-        ]
-        lines += sweep_table(group_jobs, keys, base, best)
-        lines.append("")
-        verdicts = report_rounds.verdict_lines(group_jobs, base, labels, list(METRICS.values()))
-        if verdicts:
-            lines += ["### Deltas against the baseline", ""] + verdicts + [""]
-        changed = changed_lines(group_jobs, labels)
-        unmeasured = [
-            j.name
-            for j in group_jobs
-            if AGREEMENT.value(j.results) is None
-            and get(j.results, "agreement", "outputs_equal") is None
-        ]
-        if changed:
-            lines += changed
-        elif unmeasured:
+        cells, orphans = plans[group]
+        lines += [f"## Sweep: {group}", ""]
+        if len(cells) > 1:
+            lines += [
+                f"{len(cells)} cells, each with its own baseline: "
+                + "; ".join(f"`{c.label}` (baseline job {c.base.name})" for c in cells)
+                + ".",
+                "",
+            ]
+        for job in orphans:
             lines.append(
-                f"No measured configuration changed outputs; agreement was not "
-                f"measured for job(s) {', '.join(unmeasured)}."
+                f"- ⚠ job {job.name} has no baseline in its cell (no job with "
+                f'`"baseline": true` shares its values of the cell keys): not compared'
             )
-        else:
-            lines.append("Outputs unchanged in every configuration of this sweep.")
-        lines.append("")
-        warnings = report_rounds.unmatched_lines(group_jobs, labels)
-        if warnings:
-            lines += ["### Warnings", ""] + warnings + [""]
-        passes = pass_table(group_jobs, labels)
-        if passes:
-            lines += ["### Pass matches (time)", ""] + passes + [""]
-        if plots:
-            for title, path in write_plots(group, group_jobs, labels, plot_dir or root):
-                lines += [f"### {title}", "", f"![{title}]({path.name})", ""]
+        if orphans:
+            lines.append("")
+        for cell in cells:
+            lines += _cell_section(
+                group, cell, len(cells) > 1, best_metric, family, plots, plot_dir or root
+            )
     return "\n".join(lines).rstrip() + "\n"
 
 

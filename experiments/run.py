@@ -198,6 +198,10 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
         # equal digests: the same compiled code (a toggle that changed nothing); the report
         # keeps such a job out of ★ and says its delta measures noise
         "code_digest": _code_digest(llm),
+        # per range: the pieces' code, and which ranges the decode / prefill steps ran (a
+        # toggle that changed no decode-range code cannot be credited with a decode effect)
+        "code_digests": _range_digests(llm),
+        "ranges_used": _ranges_used(llm, trace),
         "stats": {k: v for k, v in stats.items() if k != "passes"},
     }
     return Entry(
@@ -299,13 +303,49 @@ def _code_digest(llm: Any) -> Optional[str]:
     pieces = backend.code_digest() if callable(getattr(backend, "code_digest", None)) else None
     if pieces is None:
         return None
-    eager = sorted(
-        f"{name}:{type(m.linear_method).__qualname__}"
-        for name, m in llm.model.named_modules()
-        if getattr(m, "linear_method", None) is not None
-    )
-    text = "\n".join([pieces, *eager])
+    text = "\n".join([pieces, _eager_digest(llm)])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _eager_digest(llm: Any) -> str:
+    """What runs outside the compiled pieces: every module's linear method (the LM head's
+    prepacked path depends on ``prepack_linear`` without changing any piece)."""
+    return "\n".join(
+        sorted(
+            f"{name}:{type(m.linear_method).__qualname__}"
+            for name, m in llm.model.named_modules()
+            if getattr(m, "linear_method", None) is not None
+        )
+    )
+
+
+def _range_digests(llm: Any) -> Optional[dict[str, str]]:
+    """Per compile range, the pieces' code digest with what runs outside the pieces (the
+    ``eager`` part of :func:`_code_digest`) folded in; None when unknown."""
+    backend = getattr(getattr(llm, "compiled", None), "backend", None)
+    per_range = backend.code_digests() if backend is not None else None
+    if not per_range:
+        return None
+    eager = _eager_digest(llm)
+    return {
+        rng: hashlib.sha256(f"{d}|{eager}".encode()).hexdigest()[:24]
+        for rng, d in per_range.items()
+    }
+
+
+def _ranges_used(llm: Any, trace: list[dict]) -> Optional[dict[str, list[str]]]:
+    """Which compile ranges the decode and the prefill (incl. mixed) steps of the traced
+    generation dispatched to."""
+    backend = getattr(getattr(llm, "compiled", None), "backend", None)
+    if backend is None or not trace:
+        return None
+    used: dict[str, set[str]] = {"decode": set(), "prefill": set()}
+    for step in trace:
+        kind = "decode" if not step.get("num_prefill_tokens") else "prefill"
+        rng = backend.range_for(int(step.get("num_padded_tokens") or step["num_tokens"]))
+        if rng is not None:
+            used[kind].add(rng)
+    return {kind: sorted(v) for kind, v in used.items()}
 
 
 def register_resolvers() -> None:

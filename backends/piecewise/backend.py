@@ -309,6 +309,30 @@ class PiecewiseBackend:
                 parts.append(f"{name}|{rng}|{digest}")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24] if parts else None
 
+    def code_digests(self) -> Optional[dict[str, str]]:
+        """Per compile range (its name), one digest of the code every piece runs on that
+        range; None when a piece has no lean form.  A toggle whose decode range digests equal
+        its baseline's changed nothing a decode step runs."""
+        per_range: dict[str, list[str]] = {}
+        for name, runtime in sorted(self.runtimes.items()):
+            for rng, entry in runtime.entries.items():
+                digest = getattr(entry.runnable, "code_digest", None)
+                if digest is None:
+                    return None
+                per_range.setdefault(str(rng), []).append(f"{name}|{digest}")
+        return {
+            rng: hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()[:24]
+            for rng, parts in sorted(per_range.items())
+        }
+
+    def range_for(self, num_tokens: int) -> Optional[str]:
+        """The name of the range a step of ``num_tokens`` (padded) tokens runs: an exact
+        single size first, else the range holding it; None outside every range."""
+        exact = [r for r in self.ranges if r.is_single_size and num_tokens in r]
+        holding = [r for r in self.ranges if not r.is_single_size and num_tokens in r]
+        chosen = (exact or holding or [None])[0]
+        return None if chosen is None else str(chosen)
+
     def _dump(self, name: str, text: str) -> None:
         if self.dump_path:
             import pathlib

@@ -179,8 +179,8 @@ def test_report_tables_marks_and_outputs_changed(levels_multirun):
     assert rows[1].startswith("| ★ best | 1 | O1 |")
     assert rows[2].startswith("| ⚠ | 2 | O2 |")
     # paired rounds with the same jitter: the ratio is the same in every round
-    assert "8.80 [8.71, 8.89] (-20.0% [-20.0, -20.0] significant)" in rows[1]
-    assert "100.0 [99.0, 101.0] (+25.0% [+25.0, +25.0] significant)" in rows[1]
+    assert "8.80 [8.71, 8.89] (-20.0% [-20.0, -20.0] q=0 significant)" in rows[1]
+    assert "100.0 [99.0, 101.0] (+25.0% [+25.0, +25.0] q=0 significant)" in rows[1]
     assert "Timed in 5 round(s) per configuration, interleaved round-robin" in text
     assert "| 0/9 |" in rows[1]
     assert "| — |" in rows[0]  # warm_s is null for O0

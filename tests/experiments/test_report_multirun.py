@@ -95,7 +95,8 @@ def test_report_table_marks_baseline_best_and_deltas(multirun):
     # every other row shows its delta against the baseline decode median, with a verdict
     for quant in QUANTS[1:]:
         assert re.search(
-            r"\([+-]\d+\.\d% \[[+-]\d+\.\d, [+-]\d+\.\d\] (significant|within noise)\)",
+            r"\([+-]\d+\.\d% \[[+-]\d+\.\d, [+-]\d+\.\d\] q=[0-9.e-]+ "
+            r"(significant|within noise)[^)]*\)",
             rows[quant]["decode median ms"],
         ), rows[quant]
     # ★ only for a significant improvement with outputs equal to the baseline's

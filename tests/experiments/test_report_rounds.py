@@ -70,9 +70,9 @@ def test_noise_is_within_noise_and_a_real_effect_is_significant(quantized_sweep)
     noise = _row(text, "[fix_functionalization]")
     assert "within noise" in noise and "significant" not in noise.split("|")[4]
     slow = _row(text, "[prepack_linear]")
-    assert "(+26.0% [+26.0, +26.0] significant)" in slow
+    assert "(+26.0% [+26.0, +26.0] q=0 significant)" in slow
     lines = [ln for ln in text.splitlines() if ln.startswith("- `toggle_passes=[prepack_linear]")]
-    assert lines and "decode median ms +26.0% [+26.0, +26.0] significant" in lines[0]
+    assert lines and "decode median ms +26.0% [+26.0, +26.0] q=0 significant" in lines[0]
 
 
 def test_best_is_a_significant_improvement_with_unchanged_outputs(quantized_sweep):
