@@ -22,6 +22,7 @@ configuration (memory placement of weights, code path); the A/A sweep
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -79,6 +80,7 @@ def t_cdf(x: float, df: float) -> float:
     return min(1.0, 0.5 + h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum()))
 
 
+@functools.lru_cache(maxsize=256)
 def t_quantile(q: float, df: float) -> float:
     """The ``q`` quantile (0.5 < q < 1) of Student's t with ``df`` degrees of freedom:
     bisection on :func:`t_cdf`."""

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from hydra.experimental.callback import Callback
 
+from experiments.cells import plan_cells
 from experiments.stats import median_ci
 
 logger = logging.getLogger("experiments.sweep")
@@ -73,35 +74,68 @@ def parked() -> list[Entry]:
     return list(_PARKED)
 
 
-def build_instances(entries: list[Entry]) -> None:
-    """The instances the rounds time: ``builds`` rebuilds of every entry, made in interleaved
-    order (build k of every entry, starting at entry k), then the cold builds are released.
+def build_instances(entries: list[Entry], rounds: int) -> None:
+    """The instances the rounds time: ``builds`` rebuilds of every entry.
 
     Why not time the cold build: measured here (default tiny model, fp32, O2, one process,
     round-robin), an LLM whose pieces were just compiled ran its decode step 10-20% slower
     than one loaded from the same cache (the same lean code; cause not found), and the builds
     made first in a process ran slower than later ones; an A/A sweep timed on the cold builds
     then called the first job's configuration significantly slower in 2 of 3 quiet runs.
-    Rebuilding every timed instance the same way, in interleaved order, leaves neither effect
-    to one configuration.  An entry without ``rebuild`` is timed on its one build."""
+
+    Two builds of one configuration can differ by more than rounds vary, so builds are a
+    random effect.  With ``builds >= rounds`` (the default, ``builds: ${rounds}``) every round
+    times its own build: the rounds are independent replicates of *build and run*, and the
+    paired t over rounds is exact.  Those builds are made lazily, right before their round
+    (:func:`instance_for`), and released after it, so only one extra instance per entry is
+    alive at a time.  With fewer builds than rounds they are made here, in interleaved order
+    (build k of every entry, starting at entry k), and round r runs build ``r % builds``.
+
+    Either way one throwaway build (of the last entry) is made and used first, so that no
+    timed instance is the first rebuild of the process.  An entry without ``rebuild`` is
+    timed on its one build."""
     n = len(entries)
     for e in entries:
         e.instances = [] if e.rebuild is not None else [e.llm]
-    for k in range(max((e.builds for e in entries), default=0)):
+    rebuildable = [e for e in entries if e.rebuild is not None]
+    if rebuildable:
+        warm = rebuildable[-1]
+        throwaway = warm.rebuild()
+        throwaway.generate(
+            warm.prompts, max_new_tokens=warm.max_new_tokens, ignore_eos=warm.ignore_eos
+        )
+        del throwaway
+    for k in range(max((e.builds for e in entries if e.builds < rounds), default=0)):
         for i in range(n):
             e = entries[(k + i) % n]
-            if e.rebuild is not None and k < e.builds:
+            if e.rebuild is not None and k < e.builds < rounds:
                 e.instances.append(e.rebuild())
     for e in entries:
         if e.rebuild is not None:
             e.llm = None  # the cold build: outputs and trace are taken, memory back
 
 
-def time_round(entry: Entry, r: int = 0) -> None:
-    """Generate the workload once on build ``r % len(builds)`` and append this round's
-    samples (ms, tokens/s, which build)."""
-    index = r % len(entry.instances)
-    llm = entry.instances[index]
+def per_round_builds(entry: Entry, rounds: int) -> bool:
+    """Whether every round of ``entry`` times a fresh build (see :func:`build_instances`)."""
+    return entry.rebuild is not None and entry.builds >= rounds
+
+
+def instance_for(entry: Entry, r: int, rounds: int) -> tuple[Any, int]:
+    """The instance round ``r`` times and its build index: a fresh build (warmed by one
+    untimed generation) when every round has its own, else the prebuilt ``r % builds``."""
+    if per_round_builds(entry, rounds):
+        llm = entry.rebuild()
+        llm.generate(
+            entry.prompts, max_new_tokens=entry.max_new_tokens, ignore_eos=entry.ignore_eos
+        )
+        return llm, r
+    return entry.instances[r % len(entry.instances)], r % len(entry.instances)
+
+
+def time_round(entry: Entry, r: int = 0, rounds: int = 0) -> None:
+    """Generate the workload once on round ``r``'s instance (:func:`instance_for`) and
+    append this round's samples (ms, tokens/s, which build)."""
+    llm, index = instance_for(entry, r, rounds)
     for times in llm.runner.step_times.values():
         times.clear()
     t0 = time.perf_counter()
@@ -126,18 +160,18 @@ def time_round(entry: Entry, r: int = 0) -> None:
 
 
 def run_rounds(entries: list[Entry], rounds: int) -> None:
-    """The timed instances (:func:`build_instances`), one untimed round of each (page faults,
-    lazy allocations and allocator state settled alike), then ``rounds`` timed generations
-    of every entry, round-robin with a rotating start, round r on each entry's instance
-    ``r % builds`` (paired rounds compare like instances)."""
-    build_instances(entries)
+    """The timed instances (:func:`build_instances`), one untimed round of each prebuilt one
+    (page faults, lazy allocations and allocator state settled alike; a per-round build gets
+    its own), then ``rounds`` timed generations of every entry, round-robin with a rotating
+    start."""
+    build_instances(entries, rounds)
     n = len(entries)
     for e in entries:
         for llm in e.instances:
             llm.generate(e.prompts, max_new_tokens=e.max_new_tokens, ignore_eos=e.ignore_eos)
     for r in range(rounds):
         for i in range(n):
-            time_round(entries[(r + i) % n], r)
+            time_round(entries[(r + i) % n], r, rounds)
         logger.info("timing round %d/%d done (%d configurations)", r + 1, rounds, n)
 
 
@@ -162,7 +196,7 @@ def complete(entry: Entry, interleaved: bool) -> dict[str, Any]:
     r["rounds"] = {
         "interleaved": interleaved,
         "n": len(s.get("wall_s", [])),
-        "builds": len(entry.instances),
+        "builds": len(set(s.get("build", []))) or len(entry.instances),
         "samples": s,
     }
     r["latency_ms"] = {
@@ -176,10 +210,15 @@ def complete(entry: Entry, interleaved: bool) -> dict[str, Any]:
 
 
 def agree_with_baseline(entries: list[Entry]) -> None:
-    """``agreement`` of every entry against the sweep's baseline configuration (same model,
-    dtype and quantization, the baseline's passes): the first parked job marked baseline."""
-    base = next((e for e in entries if e.baseline), None)
-    for e in entries:
+    """``agreement`` of every entry against its cell's baseline configuration
+    (experiments/cells.py: the baseline that shares its values of the other swept keys)."""
+    plan = plan_cells(
+        [_override_map(e.result.get("overrides") or []) for e in entries],
+        [e.baseline for e in entries],
+        [str(e.result.get("job_dir")) for e in entries],
+    )
+    for e, b in zip(entries, plan.baseline_of):
+        base = entries[b] if b is not None and any(x.baseline for x in entries) else None
         if base is None:
             e.result["agreement_baseline"] = None
             continue
@@ -225,8 +264,48 @@ def finish_all(entries: list[Entry], rounds: int, interleaved: bool) -> None:
         e.finish(complete(e, interleaved))
 
 
+def _override_map(overrides: list[str]) -> dict[str, str]:
+    out = {}
+    for o in overrides:
+        key, _, value = str(o).partition("=")
+        out[key.lstrip("+~")] = value
+    return out
+
+
+def sweep_overrides(config: Any) -> list[list[str]]:
+    """The override list of every job the multirun ``config`` launches (what Hydra's basic
+    sweeper expands: ``hydra.sweeper.params``, then the command line)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = config.hydra.sweeper.get("params") or {}
+    args = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    parsed = OverridesParser.create().parse_overrides(args)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def check_baselines(config: Any) -> None:
+    """Before a multirun builds anything: every cell has at most one baseline job
+    (:class:`experiments.cells.BaselineConflict` names the two jobs otherwise)."""
+    from hydra import compose
+
+    jobs = sweep_overrides(config)
+    if len(jobs) < 2:
+        return
+    flags = [bool(compose("config", overrides=list(job)).get("baseline")) for job in jobs]
+    plan_cells(
+        [_override_map(job) for job in jobs],
+        flags,
+        [f"#{i} ({' '.join(job)})" for i, job in enumerate(jobs)],
+    )
+
+
 class InterleavedRounds(Callback):
-    """Hydra callback: at the end of a multirun, time every parked configuration."""
+    """Hydra callback: before a multirun, check its baselines (one per cell); at its end,
+    time every parked configuration."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        check_baselines(config)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         entries = parked()

@@ -75,8 +75,8 @@ def test_jobs_were_timed_in_interleaved_rounds_and_compared_with_the_baseline(mu
         assert r["rounds"]["interleaved"] is True and r["rounds"]["n"] == 5
         samples = r["rounds"]["samples"]
         assert len(samples["decode_median_ms"]) == len(samples["wall_s"]) == 5
-        # two builds of each configuration, timed in alternate rounds
-        assert r["rounds"]["builds"] == 2 and samples["build"] == [0, 1, 0, 1, 0]
+        # builds default to rounds: every round timed a fresh build of its configuration
+        assert r["rounds"]["builds"] == 5 and samples["build"] == [0, 1, 2, 3, 4]
         assert r["latency_ms"]["decode"]["rounds"] == 5
         lo, hi = r["latency_ms"]["decode"]["ci95"]
         assert lo <= r["latency_ms"]["decode"]["median"] <= hi
