@@ -353,6 +353,9 @@ def _cell_section(
     verdicts = report_rounds.verdict_lines(jobs, base, labels, list(METRICS.values()), family)
     if verdicts:
         lines += ["#### Deltas against the baseline", ""] + verdicts + [""]
+    pays = break_even_lines(cell, labels)
+    if pays:
+        lines += ["#### Does compiling pay off?", ""] + pays + [""]
     changed = changed_lines(jobs, labels)
     unmeasured = [
         j.name
@@ -381,6 +384,65 @@ def _cell_section(
         for title, path in write_plots(name, jobs, labels, plot_dir):
             lines += [f"#### {title}", "", f"![{title}]({path.name})", ""]
     return lines
+
+
+def _level(results: dict) -> Optional[int]:
+    level = get(results, "resolved_compilation", "level")
+    if level is None:
+        level = get(results, "config", "compile", "level")
+    return level if isinstance(level, int) else None
+
+
+def _tokens_text(n: Optional[float]) -> str:
+    if n is None:
+        return "never (not faster than O0)"
+    if n <= 0:
+        return "immediately (starts no slower than O0)"
+    return f"{n:,.0f}"
+
+
+def break_even_lines(cell: Cell, labels: dict[str, str]) -> list[str]:
+    """When the cell's baseline is O0 (eager) and other jobs compile: per compiled level, its
+    cold and warm start, its tokens/s, and after how many generated tokens the extra start
+    time has paid for itself: (start - O0's start) / (O0's seconds per token - its seconds per
+    token).  Empty when the cell has no O0 baseline or no timing."""
+    base = cell.base
+    tps0, start0 = number(base.results, "tokens_per_s"), number(base.results, "compile", "cold_s")
+    if _level(base.results) != 0 or not tps0 or start0 is None:
+        return []
+    rows = []
+    for job in cell.jobs:
+        level, tps = _level(job.results), number(job.results, "tokens_per_s")
+        if job is base or not level or not tps:
+            continue
+        cold, warm = (
+            number(job.results, "compile", "cold_s"),
+            number(job.results, "compile", "warm_s"),
+        )
+        gain = 1.0 / tps0 - 1.0 / tps  # seconds saved per generated token
+
+        def tokens(start: Optional[float]) -> str:
+            if start is None:
+                return MISSING
+            extra = start - start0
+            return _tokens_text(None if gain <= 0 else extra / gain if extra > 0 else 0.0)
+
+        rows.append(
+            f"| `{labels[job.name]}` | {_fmt(cold, '.2f')} | {_fmt(warm, '.2f')} | {tps:.1f} "
+            f"| {1e3 * gain:+.3f} | {tokens(cold)} | {tokens(warm)} |"
+        )
+    if not rows:
+        return []
+    return [
+        f"Against `{labels[base.name]}` (eager: start {start0:.2f} s, {tps0:.1f} tokens/s). "
+        f"Break-even = extra start time / time saved per generated token (tokens/s over the "
+        f"workload, medians over rounds).",
+        "",
+        "| configuration | cold start s | warm start s | tokens/s | ms saved per token | "
+        "break-even after a cold start (tokens) | break-even after a warm start (tokens) |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def build_report(

@@ -26,6 +26,7 @@ EXPERIMENT_DIR = CONF_DIR / "experiment"
 SMOKE_JOBS = {
     "aa_noise": ["compile=O1", "compile.backend=eager", "seed=1"],
     "ablate_levels": ["compile=O1", "compile.backend=eager", "compile.pass_config.passes=[]"],
+    "ablate_compile": ["compile=O1", "compile.backend=eager", "compile.pass_config.passes=[]"],
     # O2 as the experiment sets it (eager adaptor: the passes run, nothing is compiled)
     "ablate_passes": ["compile.backend=eager", "toggle_passes=[fuse_add_rmsnorm]"],
     "ablate_quant": ["compile=O0", "quantization=int8_per_channel_weight_only"],

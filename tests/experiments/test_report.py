@@ -286,3 +286,27 @@ def test_a_plot_with_no_information_is_not_drawn(tmp_path):
     assert (tmp_path / "cpu_sweep_latency.png").exists()
     assert (tmp_path / "cpu_sweep_compile.png").exists()
     assert not (tmp_path / "cpu_sweep_padding.png").exists()
+
+
+def test_break_even_of_compiling_against_eager(tmp_path):
+    """ablate_compile: O0 starts in 1 s at 100 tokens/s; O2 starts cold in 21 s (warm 1.5 s)
+    at 200 tokens/s, i.e. saves 5 ms per token: the cold compile pays off after 20 s / 5 ms =
+    4,000 tokens, the warm start after 0.5 s / 5 ms = 100; O1 is not faster: never."""
+    specs = [(0, 1.0, None, 100.0), (1, 11.0, 1.2, 100.0), (2, 21.0, 1.5, 200.0)]
+    for num, (level, cold, warm, tps) in enumerate(specs):
+        r = _results(
+            "ablate_compile",
+            [f"compile=O{level}"],
+            baseline=level == 0,
+            cold=cold,
+            warm=warm,
+            tps=tps,
+        )
+        r["resolved_compilation"] = {"level": level}
+        _write_job(tmp_path, num, r, overrides=[f"compile=O{level}"])
+    text = build_report(tmp_path, plots=False)
+    assert "#### Does compiling pay off?" in text
+    o2 = next(ln for ln in text.splitlines() if ln.startswith("| `compile=O2` |"))
+    assert o2.endswith("| +5.000 | 4,000 | 100 |"), o2
+    o1 = next(ln for ln in text.splitlines() if ln.startswith("| `compile=O1` |"))
+    assert "never (not faster than O0)" in o1
