@@ -25,6 +25,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from framework.core import files
 from models.family import architecture_for
 
 RECIPE_VERSION = 1
@@ -65,8 +66,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
 
 
 def default_cache_root() -> Path:
+    """``$PIECEWISE_MODEL_CACHE``, else ``models/`` under the one cache root."""
     env = os.environ.get("PIECEWISE_MODEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "piecewise" / "models"
+    return Path(env) if env else files.default_cache_root() / "models"
 
 
 def resolve_preset(
