@@ -124,8 +124,8 @@ class _StoreLock:
             try:
                 self._file_lock().acquire(timeout=timeout)
                 self.acquired = True
-            except OSError as e:
-                self.store.refuse_writes(e)
+            except OSError as e:  # warned when a write is needed: a warm start needs none
+                self.store.refuse_writes(e, warn=False)
         return self
 
     def release(self) -> None:
@@ -204,6 +204,7 @@ class ArtifactStore:
         self.writable = True
         """False once the directory refused a write (:meth:`refuse_writes`)."""
         self.write_error: str | None = None
+        self._warned_unwritable = False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._write_factors()
@@ -213,6 +214,11 @@ class ArtifactStore:
             os.utime(self.key_dir)  # "last used" for `prune`
         except OSError:
             pass  # a read-only cache still loads; `prune` then sees an older time
+        if self.writable:  # what writers that died left (their pid is gone, or old)
+            for directory in (self.dir, self.dir / ARTIFACT_DIR, self.dir / BLOB_DIR):
+                sweep_stale_temps(directory)
+            for directory in (self.dir / KERNEL_DIR, self.key_dir):
+                sweep_stale_temps(directory)
 
     @classmethod
     def open(
@@ -233,16 +239,23 @@ class ArtifactStore:
         read-only and the lock is a no-op)."""
         return _StoreLock(self)
 
-    def refuse_writes(self, error: OSError) -> None:
+    def refuse_writes(self, error: OSError, *, warn: bool = True) -> None:
         """The disk refused a write: stop writing (one :class:`CacheWriteWarning` naming the
-        directory and the error); entries already stored stay and still load.  An error
-        that is not the disk's (a bug) is re-raised."""
+        directory and the error, now or, with ``warn=False``, when a write is next needed);
+        entries already stored stay and still load.  An error that is not the disk's (a
+        bug) is re-raised."""
         if not is_environment_error(error):
             raise error
-        if not self.writable:
+        if self.writable:
+            self.writable = False
+            self.write_error = f"{type(error).__name__}: {error}"
+        if warn:
+            self._warn_unwritable()
+
+    def _warn_unwritable(self) -> None:
+        if self._warned_unwritable:
             return
-        self.writable = False
-        self.write_error = f"{type(error).__name__}: {error}"
+        self._warned_unwritable = True
         warnings.warn(
             f"piecewise cache: cannot write to {self.dir} ({self.write_error}); compiling "
             f"in memory and caching nothing more in this process (stored entries are kept)",
@@ -317,6 +330,7 @@ class ArtifactStore:
             )
         rel = f"{ARTIFACT_DIR}/{graph_hash}.bin"
         if not self.writable:
+            self._warn_unwritable()
             return None
         with self.lock():
             try:
@@ -329,6 +343,7 @@ class ArtifactStore:
         self, entry_key: str, graph_hash: str, rel: str, write: Callable[[Path], None]
     ) -> Path | None:
         if not self.writable:
+            self._warn_unwritable()
             return None
         index = self._load_index()
         shared = self._find_by_artifact(index, rel)
@@ -408,6 +423,7 @@ class ArtifactStore:
         data = bytes(data)
         rel = f"{BLOB_DIR}/{name}"
         if not self.writable:
+            self._warn_unwritable()
             return None
         with self.lock():
             index = self._load_index()
@@ -505,6 +521,7 @@ class ArtifactStore:
 
     def _save_index(self, index: dict[str, Any]) -> None:
         if not self.writable:
+            self._warn_unwritable()
             return
         try:
             atomic_write_bytes(
