@@ -64,9 +64,11 @@ class Entry:
     go on) and its results.json records the error with ``"status": "failed"``."""
 
 
-class SweepJobsFailed(RuntimeError):
+class SweepJobsFailed(SystemExit):
     """Raised at the end of a multirun, after every job that built was timed and recorded,
-    when some jobs failed (each one's error is in its own run.log and results.json)."""
+    when some jobs failed (each one's error is in its own run.log and results.json).  A
+    ``SystemExit`` (exit code 1, the message on stderr): Hydra turns an ``Exception`` raised by
+    a callback into a warning, and a sweep that lost jobs must not exit 0."""
 
 
 _PARKED: list[Entry] = []
@@ -270,8 +272,8 @@ def finish_all(entries: list[Entry], rounds: int, interleaved: bool) -> None:
     for e in entries:
         e.finish(complete(e, interleaved))
     failed = [e for e in entries if e.error is not None]
-    if failed and not interleaved:
-        raise SweepJobsFailed(f"{failed[0].result.get('job_dir')}: {failed[0].error}")
+    if failed and not interleaved:  # one job timing itself: its failure is the job's
+        raise RuntimeError(f"{failed[0].result.get('job_dir')}: {failed[0].error}")
 
 
 class InterleavedRounds(Callback):
@@ -292,8 +294,10 @@ class InterleavedRounds(Callback):
             _FAILED.clear()
         failed += [f"{e.result.get('job_dir')}: {e.error}" for e in entries if e.error is not None]
         if failed:
-            raise SweepJobsFailed(
+            message = (
                 f"{len(failed)} job(s) of the sweep failed (every other job was timed and "
                 f"recorded; each failure is in its job's run.log and results.json):\n  "
                 + "\n  ".join(failed)
             )
+            logger.error("%s", message)
+            raise SweepJobsFailed(message)
