@@ -37,6 +37,7 @@ from experiments.sweep import (
     record_failed_job,
 )
 from framework.core.config import CompilationConfig, register_hydra_configs
+from framework.core.files import atomic_write_text
 from passes.registry import canonical_order, level_passes
 
 logger = logging.getLogger("experiments.run")
@@ -276,7 +277,7 @@ def _write_failure(cfg: DictConfig, out_dir: Path, exc: BaseException) -> None:
         "config": OmegaConf.to_container(cfg, resolve=False),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(record, indent=1, default=str))
+    atomic_write_text(out_dir / "results.json", json.dumps(record, indent=1, default=str))
 
 
 def _padding(trace: list[dict], sizes: list[int]) -> Optional[float]:
@@ -335,7 +336,7 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
     store_root = Path(hydra_cfg.sweep.dir) if multirun else out_dir
 
     def finish(result: dict[str, Any]) -> None:
-        (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
+        atomic_write_text(out_dir / "results.json", json.dumps(result, indent=1, default=str))
         print(summary(result))
         if cfg.tracking == "mlflow":
             # One store per sweep (its folder) so every job of a multirun shows in one MLflow UI.
@@ -357,7 +358,7 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
         # Timed with the sweep's other configurations when the last job is done
         # (experiments.sweep.InterleavedRounds); results.json says so until then.
         pending = dict(entry.result, rounds={"pending": True})
-        (out_dir / "results.json").write_text(json.dumps(pending, indent=1, default=str))
+        atomic_write_text(out_dir / "results.json", json.dumps(pending, indent=1, default=str))
         park(entry)
         return None
     finish_all([entry], int(cfg.rounds), interleaved=False)

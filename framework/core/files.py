@@ -188,3 +188,32 @@ def content_name_problem(path: str | Path) -> str | None:
     if hashlib.sha256(data).hexdigest()[:32] != m.group(1):
         return "sha256 does not match the name (corrupted)"
     return None
+
+
+def publish_dir(tmp: str | Path, final: str | Path, *, replace: bool = False) -> bool:
+    """Move the finished directory ``tmp`` (made in ``final``'s parent, e.g. by
+    ``tempfile.mkdtemp(dir=...)``) to ``final`` in one rename, so no reader sees a half-written
+    folder; made readable by all (mkdtemp makes it private).  When ``final`` exists:
+    ``replace=False`` leaves it (another writer published first), removes ``tmp`` and returns
+    False; ``replace=True`` moves the old folder aside, renames ``tmp`` in, then removes the
+    old one.  Returns True when ``tmp`` became ``final``."""
+    import shutil
+
+    tmp, final = Path(tmp), Path(final)
+    os.chmod(tmp, 0o755)
+    old = None
+    if replace and final.exists():
+        old = tmp_path(final.parent, final.name)
+        os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if replace or not final.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(final.parent)
+    return True
