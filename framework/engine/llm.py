@@ -372,9 +372,11 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it (and the streamed
-        ones that grew).  If the step raises, every running request is put back in the
-        waiting queue with its blocks freed (output so far kept), and the error propagates:
-        the engine stays usable."""
+        ones that grew).  A request that fails alone in the sampler (it raised for that row,
+        or the row's logits are not finite) finishes here with ``finish_reason`` "error" and
+        ``RequestOutput.error``; the others go on.  If the step itself raises, every running
+        request is put back in the waiting queue with its blocks freed (output so far kept),
+        and the error propagates: the engine stays usable."""
         if not self.scheduler.has_work():
             return []
         try:
