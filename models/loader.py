@@ -51,7 +51,7 @@ class NonFiniteWeightWarning(UserWarning):
 @dataclass
 class WeightCheck:
     """What loading found: the checkpoint tensors holding NaN or inf (as loaded, in the
-    model's dtype), and the time the check took (one ``isfinite`` pass per tensor)."""
+    model's dtype), and the time the check took (one min-max reduction per tensor)."""
 
     non_finite: list[str] = field(default_factory=list)
     check_s: float = 0.0
@@ -232,9 +232,19 @@ def _load_file(
                 target = target.narrow(shard.dim, shard.dst_start, shard.size)
             target.copy_(tensor)
             t0 = time.perf_counter()
-            if target.is_floating_point() and not bool(torch.isfinite(target).all()):
+            if not _finite(target):
                 check.non_finite.append(hf_name)
             check.check_s += time.perf_counter() - t0
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite, in one reduction: min and max propagate NaN and
+    show an infinity (exact, no overflow).  Measured on one CPU thread, 256 MiB fp32 /
+    128 MiB bf16: aminmax 0.04-0.12 s, ``isfinite(t).all()`` 3-4 s (loaded 2-core machine)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _read(f, sl, name: str, shard) -> torch.Tensor:
