@@ -236,3 +236,21 @@ def test_native_kernel_cache_that_cannot_be_written_builds_privately(tmp_path, m
         path = lib.library_path(portable=True)
     assert not str(path).startswith(str(root))
     assert ctypes.CDLL(str(path)).three() == 3
+
+
+def test_factor_memo_on_a_read_only_directory_computes_without_writing(tmp_path, monkeypatch):
+    import sys
+
+    from framework.cache import factor_memo
+
+    value = {"cpp_compiler": "g++ stub", "inductor": {"x": 1}}
+    monkeypatch.setattr(factor_memo, "_cpp_compiler_identity", lambda: value["cpp_compiler"])
+    monkeypatch.setattr(factor_memo, "inductor_factors", lambda: value["inductor"])
+    monkeypatch.delitem(sys.modules, "torch._inductor", raising=False)  # the memoized path
+    root = tmp_path / "cache"
+    root.mkdir()
+    refused = refuse_writes(monkeypatch, root, errno.EROFS)
+    assert factor_memo.inductor_side_factors(root) == value
+    assert refused  # it tried, was refused, and went on
+    monkeypatch.undo()
+    assert list(root.iterdir()) == []
