@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from framework.core.files import atomic_write_text
+
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = "tests/bench"
 DEFAULT_BASELINE = ROOT / "benchmarks" / "baseline.json"
@@ -114,10 +116,7 @@ def write_baseline(raw_json: Path, baseline: Path) -> None:
     data = json.loads(raw_json.read_text())
     for bench in data.get("benchmarks", []):
         bench.get("stats", {}).pop("data", None)
-    baseline.parent.mkdir(parents=True, exist_ok=True)
-    tmp = baseline.with_name(f".{baseline.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, baseline)
+    atomic_write_text(baseline, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

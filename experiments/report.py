@@ -445,6 +445,28 @@ def break_even_lines(cell: Cell, labels: dict[str, str]) -> list[str]:
     ]
 
 
+def failed_lines(failed: Sequence[Job]) -> list[str]:
+    """The "Failed jobs" section: each failed job, its overrides, when it failed, the error
+    and its log file (empty when no job failed)."""
+    if not failed:
+        return []
+    lines = [
+        "## Failed jobs",
+        "",
+        "| job | overrides | failed at | error | log |",
+        "|---|---|---|---|---|",
+    ]
+    for j in failed:
+        logs = sorted(p.name for p in j.path.glob("*.log"))
+        error = str(j.results.get("error") or MISSING).splitlines()[0][:300]
+        lines.append(
+            f"| {_cell(j.name)} | {_cell(' '.join(j.overrides) or MISSING)} | "
+            f"{_cell(j.results.get('failed_at') or MISSING)} | {_cell(error)} | "
+            f"{_cell(', '.join(f'{j.name}/{n}' for n in logs) or MISSING)} |"
+        )
+    return lines + [""]
+
+
 def build_report(
     root: Path, metric: str = "decode_median", plots: bool = True, plot_dir: Optional[Path] = None
 ) -> str:
@@ -459,12 +481,16 @@ def build_report(
             f"report: no results.json under {root}; pass the multirun "
             f"folder (e.g. multirun/2025-01-01/12-00-00)"
         )
+    failed = [j for j in jobs if j.results.get("status") == "failed"]
+    jobs = [j for j in jobs if j.results.get("status") != "failed"]
     groups = group_by_experiment(jobs)
     num_changed = sum(outputs_changed(j.results) for j in jobs)
     lines = [
         f"# Experiment report: `{root}`",
         "",
-        f"{len(jobs)} job(s) in {len(groups)} sweep(s). {_versions_line(jobs)}.",
+        f"{len(jobs)} job(s) in {len(groups)} sweep(s)"
+        + (f", **{len(failed)} failed** (see Failed jobs)" if failed else "")
+        + f". {_versions_line(jobs)}.",
         "",
         f'Baseline of a sweep: the first job with `"baseline": true` in results.json, '
         f"else the first job; deltas are relative to it, outputs are compared with its outputs. "
@@ -488,6 +514,7 @@ def build_report(
         lines.append(f"- skipped: {problem}")
     if problems:
         lines.append("")
+    lines += failed_lines(failed)
 
     plans = {group: sweep_cells(group_jobs) for group, group_jobs in groups.items()}
     family = report_rounds.Family.of(

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import platform
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -28,8 +29,16 @@ from experiments.config_store import register_compile_schema
 from experiments.job_inputs import job_prompts, resolve_model_path, text_examples
 from experiments.job_summary import summary
 from experiments.pass_cli import apply_short, toggle_passes
-from experiments.sweep import Entry, agreement, finish_all, park
+from experiments.sweep import (
+    Entry,
+    agreement,
+    failure_record,
+    finish_all,
+    park,
+    record_failed_job,
+)
 from framework.core.config import CompilationConfig
+from framework.core.files import atomic_write_text
 from passes.registry import canonical_order
 
 logger = logging.getLogger("experiments.run")
@@ -55,6 +64,38 @@ def compilation_config(cfg: DictConfig) -> CompilationConfig:
     return CompilationConfig.from_dict(data)
 
 
+def int_setting(cfg: DictConfig, key: str, default: Any = None) -> Any:
+    """The int at dotted ``key`` (``None`` stays ``None``), or a ``ValueError`` naming the key:
+    ``max_num_seqs=abc`` says ``max_num_seqs: must be an int, got 'abc'``."""
+    value = OmegaConf.select(cfg, key, default=default)
+    if value is None:
+        return None
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key}: must be an int, got {value!r}")
+    return value
+
+
+def check_job_settings(cfg: DictConfig) -> None:
+    """Refuse, before anything is built, the settings that would make a job measure nothing
+    or fail late: every int the job reads is an int (the error names the key) and
+    ``workload.num_prompts`` is at least 1."""
+    for key in ("max_num_seqs", "max_model_len", "seed", "rounds", "workload.num_prompts"):
+        if int_setting(cfg, key) is None:
+            raise ValueError(f"{key}: must be an int, got None")
+    for key in ("max_num_batched_tokens", "engine.block_size", "engine.kv_cache_memory_bytes"):
+        int_setting(cfg, key)
+    num_prompts = int_setting(cfg, "workload.num_prompts")
+    if num_prompts < 1:
+        raise ValueError(
+            f"workload.num_prompts: must be >= 1 (a job with no prompts measures nothing), "
+            f"got {num_prompts}"
+        )
+    if int_setting(cfg, "rounds") < 1:
+        raise ValueError(f"rounds: must be >= 1, got {cfg.rounds!r}")
+
+
 def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
     from framework.engine.llm import LLM
 
@@ -68,14 +109,14 @@ def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
         dtype=cfg.dtype,
         compilation_config=cc,
         quantization=quant,
-        max_num_seqs=int(cfg.max_num_seqs),
-        max_model_len=int(cfg.max_model_len),
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        seed=int(cfg.seed),
+        max_num_seqs=int_setting(cfg, "max_num_seqs"),
+        max_model_len=int_setting(cfg, "max_model_len"),
+        max_num_batched_tokens=int_setting(cfg, "max_num_batched_tokens"),
+        seed=int_setting(cfg, "seed"),
         enable_prefix_caching=bool(engine.get("enable_prefix_caching", False)),
-        block_size=int(engine.get("block_size", 16)),
+        block_size=int_setting(cfg, "engine.block_size", 16),
         kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes),
-        tensor_parallel_size=int((cfg.get("parallel") or {}).get("tensor_parallel_size", 1)),
+        tensor_parallel_size=int_setting(cfg, "parallel.tensor_parallel_size", 1),
     )
 
 
@@ -94,6 +135,7 @@ def prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any]
 
 
 def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any]], None]) -> Entry:
+    check_job_settings(cfg)
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
     n_builds = cfg.get("builds", 1)
@@ -157,6 +199,7 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
         for name, rec in (stats.get("passes") or {}).items()
     }
     result = {
+        "status": "ok",
         "experiment": cfg.experiment_name,
         "overrides": _overrides(),
         "baseline": bool(cfg.baseline),
@@ -219,6 +262,19 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
     )
 
 
+def _write_failure(cfg: DictConfig, out_dir: Path, exc: BaseException) -> None:
+    record = {
+        **failure_record(exc, "build"),
+        "experiment": cfg.get("experiment_name"),
+        "overrides": _overrides(),
+        "baseline": bool(cfg.get("baseline")),
+        "job_dir": str(out_dir),
+        "config": OmegaConf.to_container(cfg, resolve=False),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "results.json", json.dumps(record, indent=1, default=str))
+
+
 def _padding(trace: list[dict], sizes: list[int]) -> Optional[float]:
     if not trace or not sizes:
         return None
@@ -275,18 +331,29 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
     store_root = Path(hydra_cfg.sweep.dir) if multirun else out_dir
 
     def finish(result: dict[str, Any]) -> None:
-        (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
+        atomic_write_text(out_dir / "results.json", json.dumps(result, indent=1, default=str))
         print(summary(result))
         if cfg.tracking == "mlflow":
             # One store per sweep (its folder) so every job of a multirun shows in one MLflow UI.
             log_mlflow(result, out_dir, tracking_uri=cfg.get("tracking_uri"), store_root=store_root)
 
-    entry = prepare_job(cfg, out_dir, finish)
+    try:
+        entry = prepare_job(cfg, out_dir, finish)
+    except Exception as e:
+        # Recorded where the report looks (this job's run.log and results.json); in a
+        # multirun whose jobs share this process the sweep goes on, the jobs that built
+        # are still timed, and the sweep ends with an error listing the failed jobs.
+        logger.exception("job %s failed", out_dir)
+        _write_failure(cfg, out_dir, e)
+        if interleaves(cfg, hydra_cfg):
+            record_failed_job(f"{out_dir}: {type(e).__name__}: {e}")
+            return None
+        raise
     if interleaves(cfg, hydra_cfg):
         # Timed with the sweep's other configurations when the last job is done
         # (experiments.sweep.InterleavedRounds); results.json says so until then.
         pending = dict(entry.result, rounds={"pending": True})
-        (out_dir / "results.json").write_text(json.dumps(pending, indent=1, default=str))
+        atomic_write_text(out_dir / "results.json", json.dumps(pending, indent=1, default=str))
         park(entry)
         return None
     finish_all([entry], int(cfg.rounds), interleaved=False)

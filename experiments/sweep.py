@@ -60,9 +60,46 @@ class Entry:
     samples: dict[str, list[float]] = field(default_factory=dict)
     decode_steps: list[float] = field(default_factory=list)
     prefill_steps: list[float] = field(default_factory=list)
+    error: Optional[str] = None
+    """Set when a rebuild or a round of this entry raised: it leaves the rounds (the others
+    go on) and its results.json records the error with ``"status": "failed"``."""
+
+
+class SweepJobsFailed(SystemExit):
+    """Raised at the end of a multirun, after every job that built was timed and recorded,
+    when some jobs failed (each one's error is in its own run.log and results.json).  A
+    ``SystemExit`` (exit code 1, the message on stderr): Hydra turns an ``Exception`` raised by
+    a callback into a warning, and a sweep that lost jobs must not exit 0."""
 
 
 _PARKED: list[Entry] = []
+_FAILED: list[str] = []
+"""One line per job of this multirun that failed before it could be parked."""
+
+
+def record_failed_job(line: str) -> None:
+    """Remember a failed job of the running multirun (reported when the sweep ends)."""
+    _FAILED.append(line)
+
+
+def failure_record(exc: BaseException, when: str) -> dict[str, Any]:
+    """What results.json says about a failure: ``status``, ``error`` (one line), ``failed_at``
+    and the ``traceback``."""
+    import traceback
+
+    return {
+        "status": "failed",
+        "error": f"{type(exc).__name__}: {exc}",
+        "failed_at": when,
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+def _fail_entry(entry: Entry, when: str, exc: Exception) -> None:
+    logger.exception("job %s failed during %s", entry.result.get("job_dir"), when)
+    record = failure_record(exc, when)
+    entry.error = record["error"]
+    entry.result.update(record)
 
 
 def park(entry: Entry) -> None:
@@ -108,8 +145,11 @@ def build_instances(entries: list[Entry], rounds: int) -> None:
     for k in range(max((e.builds for e in entries if e.builds < rounds), default=0)):
         for i in range(n):
             e = entries[(k + i) % n]
-            if e.rebuild is not None and k < e.builds < rounds:
-                e.instances.append(e.rebuild())
+            if e.rebuild is not None and k < e.builds < rounds and e.error is None:
+                try:
+                    e.instances.append(e.rebuild())
+                except Exception as exc:  # this configuration leaves the rounds, alone
+                    _fail_entry(e, f"rebuild {k}", exc)
     for e in entries:
         if e.rebuild is not None:
             e.llm = None  # the cold build: outputs and trace are taken, memory back
@@ -167,11 +207,19 @@ def run_rounds(entries: list[Entry], rounds: int) -> None:
     build_instances(entries, rounds)
     n = len(entries)
     for e in entries:
-        for llm in e.instances:
-            llm.generate(e.prompts, max_new_tokens=e.max_new_tokens, ignore_eos=e.ignore_eos)
+        try:
+            for llm in e.instances:
+                llm.generate(e.prompts, max_new_tokens=e.max_new_tokens, ignore_eos=e.ignore_eos)
+        except Exception as exc:
+            _fail_entry(e, "the untimed round", exc)
     for r in range(rounds):
         for i in range(n):
-            time_round(entries[(r + i) % n], r, rounds)
+            e = entries[(r + i) % n]
+            if e.error is None:
+                try:
+                    time_round(e, r, rounds)
+                except Exception as exc:
+                    _fail_entry(e, f"timing round {r}", exc)
         logger.info("timing round %d/%d done (%d configurations)", r + 1, rounds, n)
 
 
@@ -218,7 +266,11 @@ def agree_with_baseline(entries: list[Entry]) -> None:
         [str(e.result.get("job_dir")) for e in entries],
     )
     for e, b in zip(entries, plan.baseline_of):
-        base = entries[b] if b is not None and any(x.baseline for x in entries) else None
+        base = (
+            entries[b]
+            if b is not None and any(x.baseline for x in entries) and entries[b].error is None
+            else None
+        )
         if base is None:
             e.result["agreement_baseline"] = None
             continue
@@ -262,6 +314,9 @@ def finish_all(entries: list[Entry], rounds: int, interleaved: bool) -> None:
     agree_with_baseline(entries)
     for e in entries:
         e.finish(complete(e, interleaved))
+    failed = [e for e in entries if e.error is not None]
+    if failed and not interleaved:  # one job timing itself: its failure is the job's
+        raise RuntimeError(f"{failed[0].result.get('job_dir')}: {failed[0].error}")
 
 
 def _override_map(overrides: list[str]) -> dict[str, str]:
@@ -309,11 +364,23 @@ class InterleavedRounds(Callback):
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         entries = parked()
-        if not entries:
-            return  # jobs ran in other processes (and timed themselves) or none was parked
-        rounds = int(entries[0].result["config"].get("rounds") or 1)
-        logger.info("interleaved timing: %d round(s) of %d configuration(s)", rounds, len(entries))
+        failed = list(_FAILED)
         try:
-            finish_all(entries, rounds, interleaved=True)
+            if entries:
+                rounds = int(entries[0].result["config"].get("rounds") or 1)
+                logger.info(
+                    "interleaved timing: %d round(s) of %d configuration(s)", rounds, len(entries)
+                )
+                finish_all(entries, rounds, interleaved=True)
         finally:
             _PARKED.clear()
+            _FAILED.clear()
+        failed += [f"{e.result.get('job_dir')}: {e.error}" for e in entries if e.error is not None]
+        if failed:
+            message = (
+                f"{len(failed)} job(s) of the sweep failed (every other job was timed and "
+                f"recorded; each failure is in its job's run.log and results.json):\n  "
+                + "\n  ".join(failed)
+            )
+            logger.error("%s", message)
+            raise SweepJobsFailed(message)

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
 
+from framework.core.files import atomic_write_text
+
 FORMAT_NAME = "piecewise-trace"
 FORMAT_VERSION = 1
 STEP_FIELDS = ("step", "num_tokens", "num_reqs", "num_decode", "num_prefill_tokens")
@@ -150,13 +152,8 @@ def write_trace(
         validated.append(checked)
         previous = checked.step
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "max_num_tokens": max_num_tokens}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(header) + "\n")
-        for step in validated:
-            f.write(json.dumps(asdict(step)) + "\n")
-    os.replace(tmp, path)
+    lines = [json.dumps(header)] + [json.dumps(asdict(step)) for step in validated]
+    atomic_write_text(path, "\n".join(lines) + "\n")
     return path
 
 

@@ -43,6 +43,7 @@ from experiments.synthetic_task import (
     get_task,
     task_names,
 )
+from framework.core.files import publish_dir
 
 EVAL_N = 200
 EVAL_SEED = 1234
@@ -256,12 +257,9 @@ def save(
             "eval": evaluate_checkpoint(tmp, task.name, n=eval_n, log=log),
         }
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        tmp.chmod(0o755)  # mkdtemp makes it private
         for f in tmp.iterdir():
             f.chmod(0o644)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        publish_dir(tmp, out, replace=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -14,6 +14,9 @@ the model expects (missing / unexpected), then per tensor check dtype and shape 
 from __future__ import annotations
 
 import json
+import time
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -38,6 +41,20 @@ _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded; the message names the file and tensor."""
+
+
+class NonFiniteWeightWarning(UserWarning):
+    """A checkpoint tensor holds NaN or inf (the model will produce garbage where it is
+    used); ``load_model(..., strict=True)`` raises :class:`CheckpointError` instead."""
+
+
+@dataclass
+class WeightCheck:
+    """What loading found: the checkpoint tensors holding NaN or inf (as loaded, in the
+    model's dtype), and the time the check took (one min-max reduction per tensor)."""
+
+    non_finite: list[str] = field(default_factory=list)
+    check_s: float = 0.0
 
 
 def checkpoint_tensor_files(model_dir: Union[str, Path]) -> dict[str, Path]:
@@ -117,8 +134,9 @@ def _tied_lm_head(model: nn.Module) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
-def load_weights(model: nn.Module, model_dir: Union[str, Path]) -> None:
-    """Copy every checkpoint tensor into the (materialized) model, cast to its dtype."""
+def load_weights(model: nn.Module, model_dir: Union[str, Path]) -> WeightCheck:
+    """Copy every checkpoint tensor into the (materialized) model, cast to its dtype;
+    returns which of them hold NaN or inf (see :class:`WeightCheck`)."""
     files = checkpoint_tensor_files(model_dir)
     expected = expected_checkpoint_tensors(model)
     optional = {"lm_head.weight"} if _tied_lm_head(model) else set()
@@ -144,8 +162,10 @@ def load_weights(model: nn.Module, model_dir: Union[str, Path]) -> None:
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
+    check = WeightCheck()
     for file, names in by_file.items():
-        _load_file(model, params, file, names, expected)
+        _load_file(model, params, file, names, expected, check)
+    return check
 
 
 def _load_file(
@@ -154,6 +174,7 @@ def _load_file(
     file: Path,
     names: list[str],
     expected: dict[str, tuple[str, Optional[int]]],
+    check: WeightCheck,
 ) -> None:
     try:
         handle = safe_open(str(file), framework="pt")
@@ -210,6 +231,20 @@ def _load_file(
                     target.zero_()  # vocabulary padding rows
                 target = target.narrow(shard.dim, shard.dst_start, shard.size)
             target.copy_(tensor)
+            t0 = time.perf_counter()
+            if not _finite(target):
+                check.non_finite.append(hf_name)
+            check.check_s += time.perf_counter() - t0
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite, in one reduction: min and max propagate NaN and
+    show an infinity (exact, no overflow).  Measured on one CPU thread, 256 MiB fp32 /
+    128 MiB bf16: aminmax 0.04-0.12 s, ``isfinite(t).all()`` 3-4 s (loaded 2-core machine)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _read(f, sl, name: str, shard) -> torch.Tensor:
@@ -235,11 +270,15 @@ def load_model(
     model_dir: Union[str, Path],
     dtype: Union[torch.dtype, str] = torch.float32,
     device: Union[str, torch.device] = "cpu",
+    *,
+    strict: bool = False,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model of a Hugging Face folder on the meta device, materialize it on
     ``device`` and load its safetensors weights cast to ``dtype``.
 
-    Returns ``(model, config)``; the model is in eval mode with gradients off.
+    Returns ``(model, config)``; the model is in eval mode with gradients off, and its
+    ``weight_check`` (:class:`WeightCheck`) tells which tensors hold NaN or inf: one
+    :class:`NonFiniteWeightWarning` names them, or with ``strict`` a :class:`CheckpointError`.
     """
     model_dir = Path(model_dir)
     raw = read_hf_config(model_dir)
@@ -252,7 +291,16 @@ def load_model(
     # sympy and torch's symbolic shapes (~1 s of every start); the checkpoint fills them.
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.init_non_persistent_state()
-    load_weights(model, model_dir)
+    check = load_weights(model, model_dir)
+    if check.non_finite:
+        message = (
+            f"{model_dir}: tensor(s) {_short(check.non_finite)} hold NaN or inf values "
+            f"(in {dtype_name(dtype)}); the model's outputs will not be finite"
+        )
+        if strict:
+            raise CheckpointError(message)
+        warnings.warn(message, NonFiniteWeightWarning, stacklevel=2)
+    model.weight_check = check
     model.requires_grad_(False)
     model.eval()
     return model, config

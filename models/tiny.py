@@ -25,6 +25,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from framework.core import files
 from models.family import architecture_for
 
 RECIPE_VERSION = 1
@@ -65,8 +66,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
 
 
 def default_cache_root() -> Path:
+    """``$PIECEWISE_MODEL_CACHE``, else ``models/`` under the one cache root."""
     env = os.environ.get("PIECEWISE_MODEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "piecewise" / "models"
+    return Path(env) if env else files.default_cache_root() / "models"
 
 
 def resolve_preset(
@@ -151,12 +153,9 @@ def ensure_tiny_model(
     try:
         build_hf_model(family, kwargs, seed, dtype).save_pretrained(tmp)
         (tmp / "piecewise_recipe.json").write_text(recipe)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
-        try:
-            os.rename(tmp, final)  # atomic; fails if another process got there first
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
+        # one rename; False when another process got there first (its folder is kept)
+        if not files.publish_dir(tmp, final) and not (final / "config.json").is_file():
+            raise FileExistsError(f"{final} exists without a config.json; remove it")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final

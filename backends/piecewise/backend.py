@@ -40,6 +40,7 @@ from backends.piecewise.split import (
     token_source,
     traced_files,
 )
+from framework.core.files import is_environment_error
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +229,13 @@ class PiecewiseBackend:
             return None
         try:
             fn = self.compiler.load(path)
-        except Exception as e:  # a verified file that no longer loads: drop it, recompile
+        except Exception as e:
+            if is_environment_error(e):
+                # The disk refused (e.g. no space to extract a kernel): the artifact verified
+                # and is kept; this process compiles the piece in memory and stops writing.
+                self.store.refuse_writes(e)
+                return None
+            # A verified file that no longer loads: drop it, recompile
             # (left in the index, the recompiled artifact would be deduplicated onto it)
             self.store.discard(key, f"failed to load ({type(e).__name__}: {e}); recompiling")
             return None

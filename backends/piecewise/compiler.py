@@ -14,7 +14,6 @@ import copy
 import hashlib
 import json
 import logging
-import os
 import tempfile
 import zipfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from backends.piecewise.inductor_lean import (
 )
 from backends.piecewise.protocols import PieceGraphPass
 from framework.core.compile_range import CompileRange
+from framework.core.files import atomic_write_bytes, content_file_name, sweep_stale_temps
 from framework.core.registry import Registry
 from framework.core.symbolic import concretize_inputs
 
@@ -200,15 +200,21 @@ LEAN_KERNEL_DIR = "lean/kernels"
 
 def _extract_kernel(data: bytes, artifact: Path) -> Path:
     """A kernel's shared object as a file (dlopen needs one), named by its content so every
-    process agrees: ``<cache dir>/kernels/<sha>.so`` beside the artifacts folder."""
+    process agrees: ``<model dir>/kernels/k<sha>.so`` beside the artifacts folder.
+
+    A file already there is reused only if it holds exactly ``data`` (a damaged one is
+    rewritten); a new one is written atomically and fsynced.  A disk that refuses the write
+    raises ``OSError`` (the artifact itself is fine: callers must not drop it)."""
     directory = artifact.parent.parent / "kernels"
-    target = directory / f"k{hashlib.sha256(data).hexdigest()[:32]}.so"
-    if target.exists() and target.stat().st_size == len(data):
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{target.name}.{os.getpid()}.tmp"
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
+    target = directory / content_file_name(data)
+    try:
+        if target.read_bytes() == data:
+            return target
+        logger.warning("kernel %s is damaged; extracting it again from %s", target, artifact)
+    except FileNotFoundError:
+        pass
+    sweep_stale_temps(directory)
+    atomic_write_bytes(target, data)
     return target
 
 

@@ -1,7 +1,8 @@
 """``python -m framework.cache ls|verify|prune|explain [DIR]`` — inspect and maintain the cache.
 
 * ``ls``       one row per (key, rank, model tag): entries, unique artifacts, blobs, size, age.
-* ``verify``   re-checksum every artifact and blob, check every index and ``factors.json``;
+* ``verify``   re-checksum every artifact, blob and extracted kernel (``kernels/k<sha>.so``,
+               named by its content), check every index and ``factors.json``;
                exit code 1 and one line per bad file when anything fails.
 * ``prune``    remove whole key directories, least recently used first, ``--older-than 7d``
                and/or ``--max-size 2G``; keys whose lock is held by a running process are
@@ -28,10 +29,12 @@ from typing import Any, Sequence
 
 from filelock import FileLock, Timeout
 
+from framework.cache.files import content_name_problem
 from framework.cache.key import compute_cache_key, flatten_factors
 from framework.cache.store import (
     FACTORS_FILE,
     INDEX_FILE,
+    KERNEL_DIR,
     LOCK_FILE,
     CacheIndexError,
     default_cache_dir,
@@ -269,6 +272,10 @@ def verify_key(key_path: Path) -> tuple[list[str], int]:
                 if seen[rel] is not None:
                     where = model_path / rel if isinstance(rel, str) else model_path / INDEX_FILE
                     problems.append(f"{where}: {kind} {name!r}: {seen[rel]}")
+        for kernel in sorted((model_path / KERNEL_DIR).glob("k*.so")):
+            checked += 1
+            if problem := content_name_problem(kernel):
+                problems.append(f"{kernel}: extracted kernel: {problem}")
     return problems, checked
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -22,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from framework.cache.key import _cpp_compiler_identity, inductor_factors
+from framework.core.files import atomic_write_text
+
+logger = logging.getLogger(__name__)
 
 MEMO_DIR = "factor_memo"
 _ENV_PREFIXES = (
@@ -69,8 +73,8 @@ def inductor_side_factors(memo_root: str | Path | None) -> dict[str, Any]:
     except (OSError, ValueError):
         pass
     value = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        atomic_write_text(path, json.dumps(value, sort_keys=True))
+    except OSError as e:  # a read-only or full cache: the memo is only an optimization
+        logger.debug("factor memo %s not written: %s", path, e)
     return value

@@ -1,19 +1,28 @@
-"""Crash-safe file primitives of the artifact cache: atomic writes (temp file, fsync, rename),
-checksums, removal, and one cross-process file lock per lock file per process."""
+"""File primitives of the artifact cache: checksums, removal, and one cross-process file lock
+per lock file per process.  Atomic writes live in :mod:`framework.core.files` (re-exported
+here for the cache's modules)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import secrets
 import shutil
 import threading
 from pathlib import Path
 
 from filelock import FileLock
 
-TMP_PREFIX = ".tmp-"
-"""Prefix of temp files; any left over belong to a writer that died (swept by the next)."""
+from framework.core.files import (  # noqa: F401  (re-exported)
+    TMP_PREFIX,
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_text,
+    content_name_problem,
+    fsync_dir,
+    is_environment_error,
+    sweep_stale_temps,
+    tmp_path,
+)
 
 
 def file_sha256(path: str | Path) -> str:
@@ -24,23 +33,6 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # platforms without directory fds (Windows): rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def tmp_path(directory: Path, stem: str) -> Path:
-    return directory / f"{TMP_PREFIX}{stem}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
 def remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -49,21 +41,9 @@ def remove(path: Path) -> None:
             path.unlink()
         except FileNotFoundError:
             pass
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via temp file + fsync + rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path(path.parent, path.name)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        remove(tmp)
-    fsync_dir(path.parent)
+        except OSError as e:  # a read-only or failing disk: the file stays, harmlessly
+            if not is_environment_error(e):
+                raise
 
 
 _PROCESS_LOCKS: dict[str, FileLock] = {}

@@ -50,13 +50,13 @@ from typing import Any, Callable, Mapping
 from filelock import FileLock
 
 from framework.cache.files import (
-    TMP_PREFIX,
+    atomic_write,
     atomic_write_bytes,
     file_sha256,
-    fsync_dir,
+    is_environment_error,
     remove,
     shared_file_lock,
-    tmp_path,
+    sweep_stale_temps,
 )
 from framework.cache.index import (
     ARTIFACT_DIR,
@@ -72,6 +72,7 @@ from framework.cache.index import (
     record_problem,
 )
 from framework.cache.key import canonical_json, compute_cache_key
+from framework.core.files import default_cache_root
 
 __all__ = [  # the index and file names are part of this module's interface (cli, tests)
     "ArtifactStore",
@@ -91,17 +92,60 @@ __all__ = [  # the index and file names are part of this module's interface (cli
 
 FACTORS_FILE = "factors.json"
 LOCK_FILE = ".lock"
-ENV_CACHE_DIR = "PIECEWISE_CACHE_DIR"
+KERNEL_DIR = "kernels"
+"""Kernels extracted from artifacts, ``k<sha256>.so`` (named by content), beside ``artifacts/``."""
 
 
 class CacheCorruptionWarning(UserWarning):
     """A cache file failed verification; it was dropped and will be recompiled."""
 
 
-def default_cache_dir() -> Path:
-    """``$PIECEWISE_CACHE_DIR`` or ``~/.cache/piecewise``."""
-    env = os.environ.get(ENV_CACHE_DIR)
-    return Path(env).expanduser() if env else Path("~/.cache/piecewise").expanduser()
+class CacheWriteWarning(UserWarning):
+    """The cache directory refused a write (full or read-only disk): the store stops writing,
+    what is compiled from then on stays in memory, and every entry already there is kept."""
+
+
+class _StoreLock:
+    """The store's cross-process, re-entrant lock (the one :class:`FileLock` per lock file per
+    process, so every handle releases what another acquired).  A directory where the lock
+    file cannot be created (read-only disk) makes the store read-only instead of failing:
+    nothing is written then, so there is nothing to serialize."""
+
+    def __init__(self, store: "ArtifactStore") -> None:
+        self.store = store
+        self.acquired = False
+
+    def _file_lock(self) -> FileLock:
+        self.store.dir.mkdir(parents=True, exist_ok=True)  # recreated if pruned
+        return shared_file_lock(self.store.dir / LOCK_FILE)
+
+    def acquire(self, timeout: float = -1) -> "_StoreLock":
+        if self.store.writable:
+            try:
+                self._file_lock().acquire(timeout=timeout)
+                self.acquired = True
+            except OSError as e:  # warned when a write is needed: a warm start needs none
+                self.store.refuse_writes(e, warn=False)
+        return self
+
+    def release(self) -> None:
+        if self.store.writable or self.acquired:
+            lock = shared_file_lock(self.store.dir / LOCK_FILE)
+            if lock.is_locked:
+                lock.release()
+        self.acquired = False
+
+    def __enter__(self) -> "_StoreLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.acquired:
+            self.release()
+
+
+default_cache_dir = default_cache_root
+"""``$PIECEWISE_CACHE_DIR`` or ``~/.cache/piecewise`` (defined once, in
+:mod:`framework.core.files`)."""
 
 
 @dataclasses.dataclass
@@ -157,9 +201,24 @@ class ArtifactStore:
         self.dir = self.key_dir / f"rank_{rank}" / model_tag
         self.stats = CacheStats()
         self._verified: set[tuple] = set()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._write_factors()
-        os.utime(self.key_dir)  # "last used" for `prune`
+        self.writable = True
+        """False once the directory refused a write (:meth:`refuse_writes`)."""
+        self.write_error: str | None = None
+        self._warned_unwritable = False
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._write_factors()
+        except OSError as e:
+            self.refuse_writes(e)
+        try:
+            os.utime(self.key_dir)  # "last used" for `prune`
+        except OSError:
+            pass  # a read-only cache still loads; `prune` then sees an older time
+        if self.writable:  # what writers that died left (their pid is gone, or old)
+            for directory in (self.dir, self.dir / ARTIFACT_DIR, self.dir / BLOB_DIR):
+                sweep_stale_temps(directory)
+            for directory in (self.dir / KERNEL_DIR, self.key_dir):
+                sweep_stale_temps(directory)
 
     @classmethod
     def open(
@@ -174,10 +233,35 @@ class ArtifactStore:
     def index_path(self) -> Path:
         return self.dir / INDEX_FILE
 
-    def lock(self) -> FileLock:
-        """Cross-process, re-entrant lock on this (key, rank, model_tag) directory."""
-        self.dir.mkdir(parents=True, exist_ok=True)  # recreated if pruned while we were open
-        return shared_file_lock(self.dir / LOCK_FILE)
+    def lock(self) -> _StoreLock:
+        """Cross-process, re-entrant lock on this (key, rank, model_tag) directory (a
+        context manager; on a directory that refuses the lock file the store turns
+        read-only and the lock is a no-op)."""
+        return _StoreLock(self)
+
+    def refuse_writes(self, error: OSError, *, warn: bool = True) -> None:
+        """The disk refused a write: stop writing (one :class:`CacheWriteWarning` naming the
+        directory and the error, now or, with ``warn=False``, when a write is next needed);
+        entries already stored stay and still load.  An error that is not the disk's (a
+        bug) is re-raised."""
+        if not is_environment_error(error):
+            raise error
+        if self.writable:
+            self.writable = False
+            self.write_error = f"{type(error).__name__}: {error}"
+        if warn:
+            self._warn_unwritable()
+
+    def _warn_unwritable(self) -> None:
+        if self._warned_unwritable:
+            return
+        self._warned_unwritable = True
+        warnings.warn(
+            f"piecewise cache: cannot write to {self.dir} ({self.write_error}); compiling "
+            f"in memory and caching nothing more in this process (stored entries are kept)",
+            CacheWriteWarning,
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------------------ artifacts
     def lookup(self, entry_key: str, graph_hash: str | None = None) -> Path | None:
@@ -224,13 +308,16 @@ class ArtifactStore:
             return False
         return graph_hash is None or record.get("graph_hash") == graph_hash
 
-    def store(self, entry_key: str, graph_hash: str, write: Callable[[Path], None]) -> Path:
+    def store(self, entry_key: str, graph_hash: str, write: Callable[[Path], None]) -> Path | None:
         """Record ``entry_key`` -> the artifact for ``graph_hash``, writing it if needed.
 
         ``graph_hash`` must identify everything the artifact depends on beyond the cache key
         (graph, input shapes/compile range, compiler): entries with equal hashes share a file.
         ``write(tmp_path)`` must create a *file* at ``tmp_path``; it runs only when no verified
         artifact for ``graph_hash`` exists.  If it raises, nothing is recorded or left behind.
+        A disk that refuses the write (full, read-only) makes the store read-only
+        (:meth:`refuse_writes`) and ``None`` comes back: the caller keeps its compiled code in
+        memory.
         """
         if not isinstance(entry_key, str) or not entry_key:
             raise ValueError(
@@ -242,30 +329,45 @@ class ArtifactStore:
                 f"file name (letters, digits, '_', '-', '.')"
             )
         rel = f"{ARTIFACT_DIR}/{graph_hash}.bin"
+        if not self.writable:
+            self._warn_unwritable()
+            return None
         with self.lock():
-            index = self._load_index()
-            shared = self._find_by_artifact(index, rel)
-            if shared is not None and self._problem(shared[1], "artifact") is None:
-                record = dict(shared[1])
-                self.stats.dedup_reuses += 1
-            else:
-                if shared is not None:
-                    self._drop_artifact(
-                        index, shared[0], shared[1], self._problem(shared[1], "artifact")
-                    )
-                self._sweep_stale_temps()
-                self._write_factors()  # (again, in case `prune` removed the key meanwhile)
-                sha, size = self._write_file(self.dir / rel, write)
-                record = {
-                    "artifact": rel,
-                    "sha256": sha,
-                    "size": size,
-                    "created": time.time(),
-                    "graph_hash": graph_hash,
-                }
-                self.stats.writes += 1
-            self._point_entry(index, entry_key, record, reused=False)
-        return self.dir / rel
+            try:
+                return self._store_locked(entry_key, graph_hash, rel, write)
+            except OSError as e:
+                self.refuse_writes(e)
+                return None
+
+    def _store_locked(
+        self, entry_key: str, graph_hash: str, rel: str, write: Callable[[Path], None]
+    ) -> Path | None:
+        if not self.writable:
+            self._warn_unwritable()
+            return None
+        index = self._load_index()
+        shared = self._find_by_artifact(index, rel)
+        if shared is not None and self._problem(shared[1], "artifact") is None:
+            record = dict(shared[1])
+            self.stats.dedup_reuses += 1
+        else:
+            if shared is not None:
+                self._drop_artifact(
+                    index, shared[0], shared[1], self._problem(shared[1], "artifact")
+                )
+            self._sweep_stale_temps()
+            self._write_factors()  # (again, in case `prune` removed the key meanwhile)
+            sha, size = self._write_file(self.dir / rel, write)
+            record = {
+                "artifact": rel,
+                "sha256": sha,
+                "size": size,
+                "created": time.time(),
+                "graph_hash": graph_hash,
+            }
+            self.stats.writes += 1
+        self._point_entry(index, entry_key, record, reused=False)
+        return self.dir / rel if self.writable else None
 
     def link(self, entry_key: str, graph_hash: str) -> Path | None:
         """Record ``entry_key`` -> the verified artifact already stored for ``graph_hash`` (an
@@ -310,7 +412,7 @@ class ArtifactStore:
         return json.loads(json.dumps(self._load_index()["entries"]))
 
     # ------------------------------------------------------------------ blobs
-    def store_blob(self, name: str, data: bytes) -> Path:
+    def store_blob(self, name: str, data: bytes) -> Path | None:
         """Atomically save auxiliary bytes (e.g. a serialized traced program) under ``name``."""
         if not SAFE_NAME.match(name):
             raise ValueError(f"ArtifactStore.store_blob: name {name!r} must be a plain file name")
@@ -320,10 +422,17 @@ class ArtifactStore:
             )
         data = bytes(data)
         rel = f"{BLOB_DIR}/{name}"
+        if not self.writable:
+            self._warn_unwritable()
+            return None
         with self.lock():
             index = self._load_index()
             self._sweep_stale_temps()
-            atomic_write_bytes(self.dir / rel, data)
+            try:
+                atomic_write_bytes(self.dir / rel, data)
+            except OSError as e:
+                self.refuse_writes(e)
+                return None
             index["blobs"][name] = {
                 "path": rel,
                 "sha256": hashlib.sha256(data).hexdigest(),
@@ -411,7 +520,15 @@ class ArtifactStore:
             return empty_index()
 
     def _save_index(self, index: dict[str, Any]) -> None:
-        atomic_write_bytes(self.index_path, json.dumps(index, sort_keys=True, indent=1).encode())
+        if not self.writable:
+            self._warn_unwritable()
+            return
+        try:
+            atomic_write_bytes(
+                self.index_path, json.dumps(index, sort_keys=True, indent=1).encode()
+            )
+        except OSError as e:
+            self.refuse_writes(e)
 
     def _problem(self, record: Any, kind: str) -> str | None:
         """record_problem, memoized per (file identity, checksum) within this process."""
@@ -461,17 +578,18 @@ class ArtifactStore:
 
     def _sweep_stale_temps(self) -> None:
         """Temp files only exist while their writer holds the lock, which we now hold: any
-        left over belong to a process that died mid-write."""
+        left over belong to a process that died mid-write.  Extracted kernels (written
+        without the lock) and ``factors.json`` temps go when their writer is gone."""
         for directory in (self.dir, self.dir / ARTIFACT_DIR, self.dir / BLOB_DIR):
-            if directory.is_dir():
-                for tmp in directory.glob(f"{TMP_PREFIX}*"):
-                    remove(tmp)
+            sweep_stale_temps(directory, lock_held=True)
+        for directory in (self.dir / KERNEL_DIR, self.key_dir):
+            sweep_stale_temps(directory)
 
     @staticmethod
     def _write_file(final: Path, write: Callable[[Path], None]) -> tuple[str, int]:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tmp_path(final.parent, final.name)
-        try:
+        digest: list = []
+
+        def write_and_hash(tmp: Path) -> None:
             write(tmp)
             if not tmp.is_file():
                 raise RuntimeError(
@@ -479,14 +597,7 @@ class ArtifactStore:
                     f"(directory-style artifacts are not supported; save in a single-file "
                     f"format such as standalone_compile's format='binary')"
                 )
-            h = hashlib.sha256()
-            with open(tmp, "rb+") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-                os.fsync(f.fileno())
-                size = f.tell()
-            os.replace(tmp, final)
-        finally:
-            remove(tmp)
-        fsync_dir(final.parent)
-        return h.hexdigest(), size
+            digest.extend((file_sha256(tmp), tmp.stat().st_size))
+
+        atomic_write(final, write_and_hash)
+        return digest[0], digest[1]

@@ -32,8 +32,16 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
+
+from framework.core.files import (
+    atomic_write,
+    default_cache_root,
+    is_environment_error,
+    sweep_stale_temps,
+)
 
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
@@ -61,10 +69,7 @@ def cpu_flags() -> str:
 
 
 def kernel_dir() -> Path:
-    root = os.environ.get("PIECEWISE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "piecewise"
-    )
-    return Path(root) / "kernels"
+    return default_cache_root() / "kernels"
 
 
 def _compiler_identity(cxx: str) -> str:
@@ -113,12 +118,9 @@ class NativeLibrary:
         return h.hexdigest()[:20]
 
     def _compile(self, cxx: str, flags: tuple[str, ...], target: Path) -> None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
+        def build(tmp: Path) -> None:
             proc = subprocess.run(
-                [cxx, *flags, str(self.source), "-o", tmp],
+                [cxx, *flags, str(self.source), "-o", str(tmp)],
                 capture_output=True,
                 text=True,
                 check=False,
@@ -128,10 +130,21 @@ class NativeLibrary:
                     f"{cxx} failed to build {self.source.name} with "
                     f"{' '.join(flags)}:\n{proc.stderr[-2000:]}"
                 )
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+
+        sweep_stale_temps(target.parent)
+        atomic_write(target, build)
+
+    def _build_unshared(self, cxx: str, flags: tuple[str, ...], target: Path, err: OSError):
+        """The kernel cache cannot be written (full or read-only disk): build into a private
+        temp directory for this process, with one warning naming the directory and error."""
+        warnings.warn(
+            f"piecewise: cannot write the native kernel cache {target.parent} ({err}); "
+            f"building lib{self.name}.so in a temp directory for this process only",
+            stacklevel=3,
+        )
+        private = Path(tempfile.mkdtemp(prefix=f"piecewise-{self.name}-")) / target.name
+        self._compile(cxx, flags, private)
+        return private
 
     def portable_forced(self) -> bool:
         return os.environ.get(self.portable_env, "") not in ("", "0")
@@ -154,7 +167,12 @@ class NativeLibrary:
             if target.exists():
                 return target
             try:
-                self._compile(cxx, flags, target)
+                try:
+                    self._compile(cxx, flags, target)
+                except OSError as e:
+                    if not is_environment_error(e):
+                        raise
+                    return self._build_unshared(cxx, flags, target, e)
                 return target
             except KernelBuildError as e:
                 errors.append(str(e))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -64,6 +65,7 @@ class LLM:
     quantization, tokenizer, KV cache, scheduler), :meth:`_compile` (graph set-up, the
     compiled forward, the runner, calibration, the warm-up forward) and :meth:`_capture`
     (CUDA graphs).  Their timings land in :attr:`startup` (typed) and :attr:`stats`.
+    ``strict_weights``: a checkpoint tensor holding NaN or inf is an error, not a warning.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         emulate_cuda_graphs: bool = False,
         tensor_parallel_size: int = 1,
+        strict_weights: bool = False,
     ):
         # What every tensor-parallel rank rebuilds (framework/engine/parallel.py).
         llm_args = {k: v for k, v in locals().items() if k not in ("self", "tensor_parallel_size")}
@@ -102,6 +105,7 @@ class LLM:
         for name, v in (
             ("enable_prefix_caching", enable_prefix_caching),
             ("emulate_cuda_graphs", emulate_cuda_graphs),
+            ("strict_weights", strict_weights),
         ):
             if not isinstance(v, bool):
                 raise ValueError(f"LLM.{name}: must be a bool, got {v!r}")
@@ -138,6 +142,7 @@ class LLM:
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 enable_prefix_caching=enable_prefix_caching,
                 has_graphs=self.device.type == "cuda" or emulate_cuda_graphs,
+                strict_weights=strict_weights,
             )
             self._compile(
                 quant_hash,
@@ -174,11 +179,15 @@ class LLM:
         kv_cache_memory_bytes: Optional[int],
         enable_prefix_caching: bool,
         has_graphs: bool,
+        strict_weights: bool = False,
     ) -> Optional[str]:
         """Step 1: weights (and quantization), the resolved config, the KV cache, the block
         manager, the tokenizer and the scheduler.  Returns the quantization hash."""
         self.dtype = parse_dtype(dtype)
-        self.model, self.model_config = load_model(model, self.dtype, self.device)
+        self.model, self.model_config = load_model(
+            model, self.dtype, self.device, strict=strict_weights
+        )
+        self.startup.weight_check_s = self.model.weight_check.check_s
         self.quant_config, quant_hash, self.quantized_layers = quantize(self.model, quantization)
         cc = compilation_config or CompilationConfig()
         if isinstance(cc, dict):
@@ -333,6 +342,7 @@ class LLM:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"{name}: params must be a SamplingParams, got {type(params).__name__}")
+        params.check_for_model(self.model_config.vocab_size, name)
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -362,9 +372,11 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it (and the streamed
-        ones that grew).  If the step raises, every running request is put back in the
-        waiting queue with its blocks freed (output so far kept), and the error propagates:
-        the engine stays usable."""
+        ones that grew).  A request that fails alone in the sampler (it raised for that row,
+        or the row's logits are not finite) finishes here with ``finish_reason`` "error" and
+        ``RequestOutput.error``; the others go on.  If the step itself raises, every running
+        request is put back in the waiting queue with its blocks freed (output so far kept),
+        and the error propagates: the engine stays usable."""
         if not self.scheduler.has_work():
             return []
         try:
@@ -379,7 +391,10 @@ class LLM:
         row = 0
         grown = []
         for c, tok in zip(chunks, sampled):
-            if tok is None:
+            if not c.samples:
+                continue
+            if tok is None:  # it failed alone in the sampler (finish_reason "error")
+                row += 1
                 continue
             req = c.req
             if not req.output and req.req_id in self._first_logits:
@@ -426,7 +441,12 @@ class LLM:
         Returns, per prompt: the new token ids (token-id prompts), the new text (text
         prompts), or the ``RequestOutput`` (``return_outputs=True``).  ``max_new_tokens`` and
         ``ignore_eos``, when given, override the sampling params' ``max_tokens`` /
-        ``ignore_eos``; without params decoding is greedy with 16 new tokens."""
+        ``ignore_eos``; without params decoding is greedy with 16 new tokens.  ``prompts`` may
+        be any iterable (a generator is read once).  A request that fails alone in a step
+        (``finish_reason`` "error") does not stop the others: its ``RequestOutput.error``
+        says why, and without ``return_outputs`` a warning names it."""
+        if not isinstance(prompts, (str, bytes, list, tuple)) and hasattr(prompts, "__iter__"):
+            prompts = list(prompts)
         if isinstance(prompts, (str, bytes)) or not all(
             isinstance(p, (list, tuple, str)) for p in prompts
         ):
@@ -465,6 +485,9 @@ class LLM:
             """Logits that chose each request's first new token (for agreement checks)."""
         if return_outputs:
             return [self._output(r) for r in reqs]
+        for i, r in enumerate(reqs):
+            if r.error is not None:
+                warnings.warn(f"prompt {i}: {r.error}", RuntimeWarning, stacklevel=2)
         if all(isinstance(p, str) for p in prompts) and prompts:
             return [self._output(r).text for r in reqs]
         return [list(r.output) for r in reqs]

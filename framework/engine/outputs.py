@@ -20,9 +20,12 @@ class RequestOutput:
     logprobs: Optional[list[dict[int, float]]] = None
     """Per new token: {token id: log-probability} for the top-N tokens and the chosen one."""
     finish_reason: Optional[str] = None
-    """None while running; "stop" (EOS or a stop token), "length" (max_tokens) or "abort"."""
+    """None while running; "stop" (EOS or a stop token), "length" (max_tokens), "abort", or
+    "error" (the request failed alone in a step: see ``error``)."""
     prompt: Optional[str] = None
     stats: dict = field(default_factory=dict)
+    error: Optional[str] = None
+    """With ``finish_reason`` "error": what failed, naming the request and the cause."""
 
     @property
     def finished(self) -> bool:
@@ -40,4 +43,5 @@ def output_of(req: Request, tokenizer: Any) -> RequestOutput:
         req.finish_reason,
         req.text_prompt,
         {"preemptions": req.num_preemptions},
+        req.error,
     )

@@ -33,6 +33,8 @@ class Request:
     text_prompt: Optional[str] = None
     num_emitted: int = 0
     """New tokens already returned by an incremental step output."""
+    error: Optional[str] = None
+    """Why the request failed alone inside a step (``finish_reason`` "error")."""
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +57,12 @@ class Request:
     def finish(self, reason: str) -> None:
         self.finished = True
         self.finish_reason = reason
+
+    def fail(self, message: str) -> None:
+        """End this request alone with ``finish_reason`` "error" and ``message`` (naming the
+        request); the other requests of the step go on."""
+        self.error = f"request {self.req_id}: {message}"
+        self.finish("error")
 
 
 @dataclass

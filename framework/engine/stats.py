@@ -24,6 +24,8 @@ class StartupStats:
     capture_time_s: float = 0.0
     startup_s: float = 0.0
     """The whole construction."""
+    weight_check_s: float = 0.0
+    """Part of ``load_s``: the one pass over each weight that looks for NaN/inf."""
 
     def as_dict(self) -> dict[str, float]:
         """The keys ``LLM.stats`` has always reported (``compile_s`` only when it ran)."""
@@ -33,6 +35,7 @@ class StartupStats:
         out["captures"] = self.captures
         out["capture_time_s"] = self.capture_time_s
         out["startup_s"] = self.startup_s
+        out["weight_check_s"] = self.weight_check_s
         return out
 
 

@@ -310,3 +310,27 @@ def test_break_even_of_compiling_against_eager(tmp_path):
     assert o2.endswith("| +5.000 | 4,000 | 100 |"), o2
     o1 = next(ln for ln in text.splitlines() if ln.startswith("| `compile=O1` |"))
     assert "never (not faster than O0)" in o1
+
+
+def test_a_failed_job_gets_its_own_section_and_stays_out_of_the_tables(levels_multirun):
+    root = levels_multirun
+    failed = {
+        "status": "failed",
+        "error": "ValueError: LLM.max_model_len: must be a positive int, got 0",
+        "failed_at": "build",
+        "traceback": "Traceback (most recent call last): ...",
+        "experiment": "ablate_levels",
+        "overrides": ["experiment=ablate_levels", "compile=O3"],
+        "baseline": False,
+        "job_dir": str(root / "3"),
+    }
+    _write_job(root, 3, failed)
+    (root / "3" / "run.log").write_text("[ERROR] job failed\nTraceback ...\n")
+    text = build_report(root, plots=False)
+    assert "3 job(s) in 1 sweep(s), **1 failed** (see Failed jobs)" in text
+    section = text.split("## Failed jobs", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in section.splitlines() if line.startswith("| 3 |"))
+    assert "compile=O3" in row and "| build |" in row and "3/run.log" in row
+    assert "must be a positive int, got 0" in row
+    sweep = text.split("## Sweep: ablate_levels", 1)[1]
+    assert "O3" not in sweep
