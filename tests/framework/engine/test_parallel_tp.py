@@ -17,6 +17,7 @@ import torch
 from process_group_harness import group_alive, run_script
 
 from framework.engine.llm import LLM
+from framework.engine.observers import FirstTokenLogits
 from framework.engine.parallel import FAIL_HOOK_ENV, TensorParallelError
 from models.tiny import write_tiny_checkpoint
 
@@ -35,8 +36,9 @@ def mqa_checkpoint(tmp_path_factory):
 def _generate(path, tp: int, **kw):
     llm = LLM(str(path), tensor_parallel_size=tp, max_model_len=128, **kw)
     try:
-        toks = llm.generate(PROMPTS, max_new_tokens=6)
-        return toks, [t.clone() for t in llm.first_token_logits], llm
+        with FirstTokenLogits.attached(llm) as first:
+            toks = llm.generate(PROMPTS, max_new_tokens=6)
+        return toks, first.take(), llm
     finally:
         llm.close()
 
