@@ -448,10 +448,11 @@ class TPGroup:
 
     def _failure(self, cause: BaseException) -> TensorParallelError:
         if isinstance(cause, _WorkerExited):  # before the rendezvous: no report, its stderr
-            failed = self._first_error(wait_s=0.5)
-            if failed is not None and failed[0] == cause.rank:
-                rank, tb = failed
+            try:  # a report from its entry point (it got that far), else its stderr
+                rank, tb = self.errors.get(timeout=0.5)
                 return TensorParallelError(f"tensor parallel rank {rank} failed:\n{tb}")
+            except queue.Empty:
+                pass
             tail = self.stderr_tail(cause.rank).rstrip()
             msg = (
                 f"tensor parallel rank {cause.rank} failed: its process exited with code "
