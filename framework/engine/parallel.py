@@ -164,19 +164,26 @@ def _spawn(n: int, backend: str, llm_args: dict[str, Any]) -> "TPGroup":
     workers, tails = [], []
     # The resource tracker (started by the first spawn) must not inherit a worker's pipe.
     mp_resource_tracker.ensure_running()
-    for rank in range(1, n):
-        p = ctx.Process(
-            target=_worker_main,
-            args=(rank, n, backend, init, llm_args, errors, ready, threads),
-            name=f"piecewise-tp-rank{rank}",
-            daemon=True,  # never outlive rank 0
-        )
-        tail = _StderrTail(rank)
-        with tail.as_stderr():
-            p.start()
-        tail.start()
-        workers.append(p)
-        tails.append(tail)
+    try:
+        for rank in range(1, n):
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, n, backend, init, llm_args, errors, ready, threads),
+                name=f"piecewise-tp-rank{rank}",
+                daemon=True,  # never outlive rank 0
+            )
+            tail = _StderrTail(rank)
+            with tail.as_stderr():
+                p.start()
+            tail.start()
+            workers.append(p)
+            tails.append(tail)
+    except BaseException:  # no worker, no file left behind
+        for p in workers:
+            p.kill()
+            p.join()
+        _remove_store_file(path)
+        raise
     group = TPGroup(
         0,
         n,
@@ -251,6 +258,7 @@ def _worker_main(rank, n, backend, init, llm_args, errors, ready, threads) -> No
     worker loop until rank 0 says stop, leave."""
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pools in a daemon
     torch.set_num_threads(threads)
+    torch.manual_seed(llm_args.get("seed", 0))  # as LLM(...) seeds rank 0
     _SPAWNED_RANK.append(rank)
     try:
         ready.put(rank)  # imported and running: rank 0 stops watching for an early exit
