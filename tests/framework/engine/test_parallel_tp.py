@@ -150,11 +150,17 @@ def test_tensor_parallel_size_is_validated(llama_checkpoint):
 
 # ---------------------------------------------------------------- engines own their group
 @pytest.mark.slow  # reason: a TP=2 start-up (spawn, ~10 s) plus three TP=1 LLMs
-def test_tp1_and_tp2_llms_alternate(tiny_checkpoint, mqa_checkpoint):
-    """A TP=1 and a TP=2 LLM of different models, alive together, generate alternately:
-    each one's tokens equal what it produced alone; the TP=1 one joins no group."""
+def test_tp1_and_tp2_llms_alternate(tiny_checkpoint, mqa_checkpoint, compile_cache_dir):
+    """A TP=1 (O1) and a TP=2 (O0) LLM of different models, alive together, generate
+    alternately: each one's tokens equal what it produced alone; the TP=1 one joins no
+    group."""
     torch.set_num_threads(1)
-    one = LLM(str(tiny_checkpoint("qwen3")), optimization_level=0, max_model_len=128)
+    one = LLM(
+        str(tiny_checkpoint("qwen3")),
+        compilation_config={"level": 1, "backend": "eager"},
+        cache_dir=compile_cache_dir,
+        max_model_len=128,
+    )
     one_ref = one.generate(PROMPTS, max_new_tokens=6)
     two_ref = LLM(str(mqa_checkpoint), optimization_level=0, max_model_len=128).generate(
         PROMPTS, max_new_tokens=6
@@ -208,6 +214,8 @@ def _store_files(tmp_path) -> list:
     return sorted(p.name for p in tmp_path.glob("piecewise-tp-*"))
 
 
+@pytest.mark.slow  # reason: two interpreter start-ups importing torch (~15 s); the fast
+# test_worker_exiting_at_startup_ends_it_with_its_stderr covers the same start-up watch.
 def test_unguarded_script_fails_fast_and_says_to_guard_it(llama_checkpoint, tmp_path):
     """A script without ``if __name__ == "__main__":``: the spawned rank dies of Python's
     bootstrapping error at once; start-up ends within seconds saying to guard the script,
