@@ -20,9 +20,11 @@ import pytest
 import torch
 from process_group_harness import group_alive, run_script
 
+from framework.engine.executor import TensorParallelExecutor
 from framework.engine.llm import LLM
 from framework.engine.observers import FirstTokenLogits
 from framework.engine.parallel import FAIL_HOOK_ENV, TensorParallelError
+from framework.engine.sampler import Sampler
 from models.tiny import write_tiny_checkpoint
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -71,6 +73,9 @@ def test_tp2_mqa_odd_vocab_o0(mqa_checkpoint):
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
     assert llm.model.lm_head.weight.shape[0] == 126
     assert next(iter(llm.kv_caches.values())).shape[-2:] == (1, 16)
+    # Tensor parallelism is an executor over rank 0's worker, not a patch on its runner.
+    assert isinstance(llm.executor, TensorParallelExecutor) and llm.executor.worker is llm.worker
+    assert "execute" not in vars(llm.runner) and isinstance(llm.runner.sampler, Sampler)
 
 
 @pytest.mark.slow  # reason: two cold O2 compiles (~2 min); tests/passes/test_tp_passes.py is
