@@ -39,6 +39,7 @@ from experiments.sweep import (
 )
 from framework.core.config import CompilationConfig
 from framework.core.files import atomic_write_text
+from framework.engine.observers import FirstTokenLogits
 from passes.registry import canonical_order
 
 logger = logging.getLogger("experiments.run")
@@ -156,8 +157,9 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
     )
     # The first generation (untimed: the rounds time the workload) gives the outputs, the
     # first-token logits and the step trace.
-    outputs = llm.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-    logits = list(llm.first_token_logits)
+    with FirstTokenLogits.attached(llm) as first:
+        outputs = llm.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    logits = first.take()
     stats = llm.stats
     trace = llm.runner.trace or []
     llm.runner.trace = None  # the rounds add no steps to the trace
@@ -174,10 +176,11 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
             ref_llm = build_llm(
                 OmegaConf.merge(cfg, {"quantization": None}), model_path, CompilationConfig(level=0)
             )
-            ref_out = ref_llm.generate(
-                prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos
-            )
-            agree = agreement(outputs, ref_out, logits, ref_llm.first_token_logits)
+            with FirstTokenLogits.attached(ref_llm) as ref_first:
+                ref_out = ref_llm.generate(
+                    prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos
+                )
+            agree = agreement(outputs, ref_out, logits, ref_first.take())
             del ref_llm
     accuracy = None
     if answers is not None:

@@ -270,10 +270,13 @@ def generate(
         quantization=quantization,
         **llm_kwargs,
     )
-    outputs = llm.generate(prompts, max_new_tokens=max_new_tokens)
+    from framework.engine.observers import FirstTokenLogits
+
+    with FirstTokenLogits.attached(llm) as first:
+        outputs = llm.generate(prompts, max_new_tokens=max_new_tokens)
     return GenerationRun(
         outputs,
-        torch.stack(llm.first_token_logits),
+        torch.stack(first.take()),
         len(getattr(llm, "quantized_layers", None) or {}),
     )
 

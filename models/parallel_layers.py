@@ -98,6 +98,7 @@ class RowParallelLinear(Linear):
         super().__init__(divide(in_features, st.world_size, what), out_features, bias, dtype)
         self.full_in_features = in_features
         self.tp_rank, self.tp_size = st.rank, st.world_size
+        self.tp = st  # the state this layer was built with: its collectives' group
 
     def load_slice(self, attr: str, block: Optional[int]) -> Optional[LoadSlice]:
         if self.tp_size == 1 or attr != "weight":
@@ -117,7 +118,7 @@ class RowParallelLinear(Linear):
             y = self.linear_method.apply(self, x)
         else:
             y = F.linear(x, self.weight, bias)
-        return all_reduce(y)
+        return all_reduce(y, self.tp)
 
 
 def _vocab_shard(vocab_size: int) -> tuple[int, int, int]:
@@ -133,7 +134,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.vocab_size = vocab_size
-        self.tp_size = get_tp_state().world_size
+        self.tp = get_tp_state()  # the state this layer was built with: its collectives' group
+        self.tp_size = self.tp.world_size
         self.rows, self.vocab_start, self.real_rows = _vocab_shard(vocab_size)
         self.weight = nn.Parameter(
             torch.empty(self.rows, hidden_size, dtype=dtype), requires_grad=False
@@ -151,7 +153,7 @@ class VocabParallelEmbedding(nn.Module):
         inside = (local >= 0) & (local < self.rows)  # [T]
         out = F.embedding(local * inside, self.weight)  # [T, H] (row 0 where outside)
         out = out * inside.unsqueeze(-1).to(out.dtype)
-        return all_reduce(out)
+        return all_reduce(out, self.tp)
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, rows={self.rows} from {self.vocab_start}"
@@ -162,7 +164,8 @@ class ParallelLMHead(Linear):
         rows, start, real = _vocab_shard(vocab_size)
         super().__init__(hidden_size, rows, dtype=dtype)
         self.vocab_size, self.vocab_start, self.real_rows = vocab_size, start, real
-        self.tp_size = get_tp_state().world_size
+        self.tp = get_tp_state()  # the state this layer was built with: its collectives' group
+        self.tp_size = self.tp.world_size
 
     def load_slice(self, attr: str, block: Optional[int]) -> Optional[LoadSlice]:
         if self.tp_size == 1:
@@ -173,4 +176,4 @@ class ParallelLMHead(Linear):
         logits = super().forward(x)  # [N, Vp / world]
         if self.tp_size == 1:
             return logits
-        return all_gather_last_dim(logits)[:, : self.vocab_size]  # [N, V]
+        return all_gather_last_dim(logits, self.tp)[:, : self.vocab_size]  # [N, V]

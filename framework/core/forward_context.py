@@ -1,9 +1,11 @@
 """The per-forward context: what a forward pass needs besides its tensor arguments.
 
 Set by :func:`set_forward_context` around each model call and read by the attention op and
-the CUDA-graph wrappers through :func:`get_forward_context`.  Keeping this state out of the
-model's arguments is what lets Dynamo trace the model once with only ``input_ids`` and
-``positions`` as graph inputs.
+the CUDA-graph wrappers through :func:`get_forward_context`.  The current context is a
+:class:`contextvars.ContextVar`: it belongs to the thread (and asyncio task) that set it, so
+two engines, or two threads, in one process never see each other's forward.  Keeping this
+state out of the model's arguments is what lets Dynamo trace the model once with only
+``input_ids`` and ``positions`` as graph inputs.
 
 This module is a leaf: it imports nothing from the project, so ``backends`` (attention ops,
 CUDA-graph wrappers) and ``models`` can read it without importing the rest of ``framework``.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
@@ -84,30 +87,34 @@ class ForwardContext:
     """Bool [num_padded_tokens]: True for real tokens, False for padding."""
 
 
-_current: Optional[ForwardContext] = None
+_current: ContextVar[Optional[ForwardContext]] = ContextVar(
+    "piecewise_forward_context", default=None
+)
+"""The forward in progress in this thread / task (None outside a forward)."""
 
 
 def get_forward_context() -> ForwardContext:
     """The context of the forward in progress; raises outside a forward."""
-    if _current is None:
+    ctx = _current.get()
+    if ctx is None:
         raise RuntimeError(
             "no forward context is set: the attention op and CUDA-graph wrappers read their "
             "metadata from it. Wrap the model call in "
-            "`with framework.core.forward_context.set_forward_context(...)` (the runner does this)."
+            "`with framework.core.forward_context.set_forward_context(...)` (the runner does "
+            "this; the context belongs to the thread that set it)."
         )
-    return _current
+    return ctx
 
 
 def is_forward_context_available() -> bool:
-    return _current is not None
+    return _current.get() is not None
 
 
 @contextmanager
 def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    """Make ``ctx`` the current forward context for the duration of the block."""
-    global _current
-    previous, _current = _current, ctx
+    """Make ``ctx`` the current forward context of this thread for the duration of the block."""
+    token = _current.set(ctx)
     try:
         yield ctx
     finally:
-        _current = previous
+        _current.reset(token)

@@ -1,15 +1,20 @@
-"""Tensor-parallel state of this process: rank, world size and the process group's name.
+"""Tensor-parallel state of one engine: rank, world size and the process group's name.
 
-Models read it when they are built (how to shard their layers); the parallel layers read the
-group name to emit functional collectives (``torch.ops._c10d_functional``) that Dynamo traces
-into the FX graph, so passes can see, count and rewrite them.  The engine
-(``framework.engine.parallel``) sets it with :func:`set_tp_state` after creating the process
-group; without that every process is rank 0 of 1 and the layers emit no collective.
+Models read it when they are built (how to shard their layers) and keep it: the parallel
+layers pass their own :class:`TPState` to :func:`all_reduce` / :func:`all_gather_last_dim`,
+which emit functional collectives (``torch.ops._c10d_functional``) on its group that Dynamo
+traces into the FX graph, so passes can see, count and rewrite them.
+
+The state is scoped, not process-global: an engine worker (``framework.engine.worker``) builds,
+compiles and runs its model inside ``with tp_state(its_state):``, and the current state is a
+:class:`contextvars.ContextVar`, so a second engine in the process (or another thread) never
+sees it.  Outside such a block every build is rank 0 of 1 and emits no collective.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -23,30 +28,31 @@ class TPState:
     group_name: str = ""
     """c10d group name passed to the functional collectives ("" when world_size == 1)."""
 
+    def __post_init__(self) -> None:
+        if not (0 <= self.rank < self.world_size):
+            raise ValueError(f"TPState: rank {self.rank} outside 0..{self.world_size - 1}")
 
-_STATE = TPState()
+
+_STATE: ContextVar[TPState] = ContextVar("piecewise_tp_state", default=TPState())
+"""The state of the engine building / running in this thread (rank 0 of 1 outside one)."""
 
 
 def get_tp_state() -> TPState:
-    return _STATE
-
-
-def set_tp_state(state: TPState) -> None:
-    global _STATE
-    if not (0 <= state.rank < state.world_size):
-        raise ValueError(f"TPState: rank {state.rank} outside 0..{state.world_size - 1}")
-    _STATE = state
+    """The tensor-parallel state of the engine building (or running) in this thread."""
+    return _STATE.get()
 
 
 @contextmanager
 def tp_state(state: TPState) -> Iterator[TPState]:
-    """Temporarily set the state (tests build one rank's shard without a process group)."""
-    old = _STATE
-    set_tp_state(state)
+    """Make ``state`` current for the block (this thread / task only): an engine builds,
+    compiles and runs its model inside one; tests build one rank's shard without a group."""
+    if not isinstance(state, TPState):
+        raise TypeError(f"tp_state: expected a TPState, got {type(state).__name__}")
+    token = _STATE.set(state)
     try:
         yield state
     finally:
-        set_tp_state(old)
+        _STATE.reset(token)
 
 
 def divide(total: int, parts: int, what: str) -> int:
@@ -69,18 +75,17 @@ def kv_head_layout(num_kv_heads: int, world_size: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- collectives (traceable)
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the TP group as a functional collective (appears in traced graphs)."""
-    st = _STATE
+def all_reduce(x: torch.Tensor, st: TPState) -> torch.Tensor:
+    """Sum over ``st``'s group as a functional collective (appears in traced graphs).  The
+    layer passes the state it was built with (no lookup at run time)."""
     if st.world_size == 1:
         return x
     out = torch.ops._c10d_functional.all_reduce(x, "sum", st.group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+def all_gather_last_dim(x: torch.Tensor, st: TPState) -> torch.Tensor:
     """Concatenate every rank's ``x [N, C]`` along the last dim -> ``[N, world * C]``."""
-    st = _STATE
     if st.world_size == 1:
         return x
     n = st.world_size

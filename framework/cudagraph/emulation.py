@@ -260,16 +260,17 @@ class EmulatedGraphOps:
     :class:`~framework.cudagraph.wrapper.CUDAGraphWrapper`; ``LLM(emulate_cuda_graphs=True)``
     uses it for a whole engine."""
 
-    _default_pool: Optional[_EmulatedPool] = None
-
     def __init__(self) -> None:
         self.gc_requests: list[bool] = []
         """``collect_garbage`` of every capture, in order (lets tests check the GC policy)."""
+        self.first_capture_done = False
+        self._pool: Optional[_EmulatedPool] = None
 
     def shared_pool(self) -> _EmulatedPool:
-        if EmulatedGraphOps._default_pool is None:
-            EmulatedGraphOps._default_pool = _EmulatedPool()
-        return EmulatedGraphOps._default_pool
+        """This object's pool (an engine makes one ops object for all of its wrappers)."""
+        if self._pool is None:
+            self._pool = _EmulatedPool()
+        return self._pool
 
     def capture(
         self, fn: Callable[[], Any], pool: _EmulatedPool, *, collect_garbage: bool

@@ -13,7 +13,7 @@ from backends.attention.selector import select_cudagraph_mode
 from framework.core.config import CompilationConfig, CompilationMode
 from framework.core.forward_context import CUDAGraphMode
 from framework.cudagraph.dispatcher import CudagraphDispatcher
-from framework.cudagraph.wrapper import CUDAGraphStats, CUDAGraphWrapper, sum_stats
+from framework.cudagraph.wrapper import CUDAGraphOps, CUDAGraphStats, CUDAGraphWrapper, sum_stats
 
 logger = logging.getLogger(__name__)
 
@@ -62,4 +62,6 @@ def setup_graphs(
     dispatcher = CudagraphDispatcher(
         mode, config.cudagraph_capture_sizes, config.max_num_tokens, max_num_reqs=max_num_seqs
     )
+    if graph_ops is None and mode != CUDAGraphMode.NONE:
+        graph_ops = CUDAGraphOps()  # this engine's own: its own memory pool
     return GraphSetup(mode, dispatcher, graph_ops, config.cudagraph_debug)

@@ -8,7 +8,7 @@ descriptor from the forward context and *trusts* them (the dispatcher chose them
   This is what lets a FULL wrapper around the model and PIECEWISE wrappers around its pieces
   nest: only the wrapper whose mode matches the step captures or replays, the others are
   transparent (inside a FULL capture the pieces run plainly and land in the one big graph).
-* first sight of a descriptor -> capture into the process-wide memory pool and return the
+* first sight of a descriptor -> capture into its graph ops' memory pool and return the
   strong output; the entry keeps only a *weak* (non-owning) alias of the output, so once the
   caller drops it the pool can reuse that memory for the next capture, exactly as the eager
   allocator would have.
@@ -27,7 +27,6 @@ values, an output overwritten by another graph's replay) reproduce on a laptop.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import time
@@ -50,11 +49,6 @@ logger = logging.getLogger(__name__)
 
 _RUNTIME_MODES = frozenset((CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL))
 
-_first_capture_done = False
-"""Process-wide: garbage collection runs only before the first capture (it is slow, and after
-the first graph the pool already holds what later captures need)."""
-
-
 # ------------------------------------------------------------------------------------------
 # Graph operations (the only place that touches torch.cuda graph APIs)
 # ------------------------------------------------------------------------------------------
@@ -64,7 +58,12 @@ class GraphOps(Protocol):
     """What the wrapper needs from a graph implementation."""
 
     def shared_pool(self) -> Any:
-        """The memory pool every wrapper using these ops captures into (one per process)."""
+        """The memory pool every wrapper using these ops captures into (one per ops object:
+        an engine makes one for all of its wrappers, so two engines never share a pool)."""
+
+    first_capture_done: bool
+    """Garbage collection runs only before the first capture into these ops' pool (it is
+    slow, and after the first graph the pool already holds what later captures need)."""
 
     def capture(
         self, fn: Callable[[], Any], pool: Any, *, collect_garbage: bool
@@ -78,43 +77,42 @@ class GraphOps(Protocol):
         """Wait for the device (used in debug mode so errors surface at the right call)."""
 
 
-@contextlib.contextmanager
-def _skip_empty_cache():
-    """``torch.cuda.empty_cache`` as a no-op for the duration (no public switch for
-    ``torch.cuda.graph``'s empty-cache-on-entry exists in torch 2.13)."""
-    original = torch.cuda.empty_cache
-    torch.cuda.empty_cache = lambda: None
-    try:
-        yield
-    finally:
-        torch.cuda.empty_cache = original
-
-
 class CUDAGraphOps:
-    """The real thing: ``torch.cuda.CUDAGraph`` captured with ``torch.cuda.graph``."""
+    """The real thing: ``torch.cuda.CUDAGraph`` captures into this object's own pool.
 
-    _pool: Any = None
+    Capture is ``capture_begin``/``capture_end`` on a side stream, as ``torch.cuda.graph``
+    does, but without its ``torch.cuda.empty_cache()`` on entry except before the first
+    capture: between captures into one pool emptying the allocator cache only costs time
+    (hundreds of captures at start-up).  Nothing process-wide is swapped or shared."""
+
+    def __init__(self) -> None:
+        self._pool: Any = None
+        self._stream: Any = None
+        self.first_capture_done = False
 
     def shared_pool(self) -> Any:
         self._require_cuda()
-        if CUDAGraphOps._pool is None:
-            CUDAGraphOps._pool = torch.cuda.graph_pool_handle()
-        return CUDAGraphOps._pool
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def capture(
         self, fn: Callable[[], Any], pool: Any, *, collect_garbage: bool
     ) -> tuple[Any, Any]:
         self._require_cuda()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()  # one capture stream per pool (memory reuse)
         graph = torch.cuda.CUDAGraph()
-        with contextlib.ExitStack() as stack:
-            if collect_garbage:
-                gc.collect()
-            else:
-                # torch.cuda.graph empties the allocator cache on entry; between captures into
-                # one shared pool that only costs time (hundreds of captures at start-up).
-                stack.enter_context(_skip_empty_cache())
-            with torch.cuda.graph(graph, pool=pool):
+        torch.cuda.synchronize()
+        if collect_garbage:
+            gc.collect()
+            torch.cuda.empty_cache()
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool, capture_error_mode="global")
+            try:
                 output = fn()
+            finally:
+                graph.capture_end()
         return graph, output
 
     def replay(self, graph: Any) -> None:
@@ -131,6 +129,18 @@ class CUDAGraphOps:
                 "(CompilationConfig.resolve does this); tests can pass "
                 "graph_ops=EmulatedGraphOps() to CUDAGraphWrapper."
             )
+
+
+_DEFAULT_OPS: list[CUDAGraphOps] = []
+
+
+def default_graph_ops() -> CUDAGraphOps:
+    """The ops of wrappers built without ``graph_ops`` (stand-alone use: they share one pool).
+    An engine never uses these: :func:`framework.cudagraph.setup.setup_graphs` makes one
+    ops object, with its own pool, per engine."""
+    if not _DEFAULT_OPS:
+        _DEFAULT_OPS.append(CUDAGraphOps())
+    return _DEFAULT_OPS[0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -221,7 +231,7 @@ class CUDAGraphWrapper:
         self.runnable = runnable
         self.runtime_mode = runtime_mode
         self.debug = debug
-        self.graph_ops: GraphOps = graph_ops if graph_ops is not None else CUDAGraphOps()
+        self.graph_ops: GraphOps = graph_ops if graph_ops is not None else default_graph_ops()
         self.name = name or getattr(runnable, "__name__", type(runnable).__name__)
         self.stats = CUDAGraphStats()
         self._entries: dict[BatchDescriptor, _Entry] = {}
@@ -283,14 +293,13 @@ class CUDAGraphWrapper:
         return entry.output
 
     def _capture(self, descriptor: BatchDescriptor, args: tuple, kwargs: dict) -> Any:
-        global _first_capture_done
         start = time.perf_counter()
-        collect = not _first_capture_done
-        pool = self.graph_ops.shared_pool()
-        graph, output = self.graph_ops.capture(
-            lambda: self.runnable(*args, **kwargs), pool, collect_garbage=collect
+        ops = self.graph_ops
+        pool = ops.shared_pool()
+        graph, output = ops.capture(
+            lambda: self.runnable(*args, **kwargs), pool, collect_garbage=not ops.first_capture_done
         )
-        _first_capture_done = True
+        ops.first_capture_done = True
         self._entries[descriptor] = _Entry(
             descriptor,
             graph,

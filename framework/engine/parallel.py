@@ -5,16 +5,31 @@ the ranks that already exist (a process group is initialized, or ``torchrun`` se
 ``RANK``/``WORLD_SIZE``) or spawns ranks 1..N-1 with ``torch.multiprocessing`` (spawn) while
 the calling process becomes rank 0.  One process group: gloo on CPU, NCCL on CUDA.
 
-Every rank then builds the same ``LLM`` -- its shard of the model (``framework.core.
-parallel_state`` tells the layers how to split), its shard of the KV cache (by heads), its own
-compiled forward and artifact cache (``rank_<r>``) -- and runs start-up (warm-up compiles) in
-lockstep, since start-up is deterministic.  After start-up rank 0 schedules; every step it
-broadcasts what the step needs (per chunk: tokens, positions, block ids) and the workers run
-the same forward (their sampler is a no-op: rank 0 samples from the all-gathered logits).
+Every rank then builds the same :class:`framework.engine.worker.Worker` -- its shard of the
+model (the group's :class:`TPState`, scoped to the build, tells the layers how to split), its
+shard of the KV cache (by heads), its own compiled forward and artifact cache (``rank_<r>``)
+-- and runs start-up (warm-up compiles) in lockstep, since start-up is deterministic.  After
+start-up rank 0's engine core schedules and calls its executor
+(:class:`framework.engine.executor.TensorParallelExecutor`), which broadcasts what each step
+needs (per chunk: tokens, positions, block ids) and runs rank 0's worker; the other ranks
+run :func:`framework.engine.executor.worker_loop` (their runner samples nothing: rank 0
+samples from the all-gathered logits).
 
-Under ``torchrun`` every rank runs the user's script: ranks other than 0 serve rank 0's
-steps inside ``LLM(...)`` and, when rank 0 closes its LLM, leave the group and exit the
-process (status 0), so the code after ``LLM(...)`` runs on rank 0 only.
+The group belongs to the engine that asked for it: its state is never process-global, so an
+``LLM`` built without tensor parallelism next to it is rank 0 of 1 and joins nothing.  A
+process holds one default process group, so one tensor-parallel ``LLM`` leads ranks at a
+time: building another closes the previous one's group (with a warning; using the old one
+afterwards says so).
+
+Start-up watches the workers: while rank 0 waits for them at the rendezvous, a worker that
+exits ends start-up within a second with its stderr tail (and, for Python's bootstrapping
+error of a script without ``if __name__ == "__main__":``, says to guard the script).  The
+rendezvous file (``piecewise-tp-*`` in the temp directory) is removed on every exit path,
+SIGTERM included.
+
+Under ``torchrun`` every rank runs the user's script: ranks other than 0 run the worker loop
+from ``LLM(...)`` and, when rank 0 closes its LLM, leave the group and exit the process
+(status 0), so the code after ``LLM(...)`` runs on rank 0 only.
 
 Shutdown: ``LLM.close()`` (also at interpreter exit) broadcasts a stop message, joins the
 workers and destroys the group.  Failures, at start-up (any level) or in a step, end with one
@@ -38,11 +53,14 @@ import contextlib
 import logging
 import os
 import queue
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import resource_tracker as mp_resource_tracker
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -50,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from framework.core.parallel_state import TPState, divide, kv_head_layout, set_tp_state
+from framework.core.parallel_state import TPState, divide, kv_head_layout
 from framework.engine.tp_messages import chunk_from_msg, chunk_msg
 from models.config import ModelConfig, read_hf_config
 
@@ -58,9 +76,16 @@ logger = logging.getLogger(__name__)
 
 FAIL_HOOK_ENV = "PIECEWISE_TP_FAIL"
 _ACTIVE: list["TPGroup"] = []
-"""The group this process leads as rank 0 and still holds (at most one)."""
+"""The group this process leads as rank 0 and still holds (at most one: a process has one
+default process group, a process-wide resource; this list mirrors it)."""
 _SPAWNED_RANK: list[int] = []
 """Set in a worker process this module spawned: its rank."""
+_STDERR_TAIL_BYTES = 8192
+BOOTSTRAP_HINT = (
+    'guard the script\'s entry point with `if __name__ == "__main__":` -- tensor parallelism '
+    "spawns worker processes that import the main module, and an unguarded script starts "
+    "the LLM again in each of them"
+)
 _TIMEOUT = timedelta(seconds=int(os.environ.get("PIECEWISE_TP_TIMEOUT_S", "300")))
 
 
@@ -83,7 +108,7 @@ def check_shardable(model_dir, n: int) -> None:
     kv_head_layout(mc.num_kv_heads, n)
 
 
-def start_tensor_parallel(n: int, llm_args: dict[str, Any], llm_cls: type) -> Optional["TPGroup"]:
+def start_tensor_parallel(n: int, llm_args: dict[str, Any]) -> Optional["TPGroup"]:
     """None for ``n == 1``; else this process's handle in an ``n``-rank group."""
     if check_tp_size(n) == 1:
         return None
@@ -92,10 +117,13 @@ def start_tensor_parallel(n: int, llm_args: dict[str, Any], llm_cls: type) -> Op
     backend = "nccl" if device.startswith("cuda") else "gloo"
     for old in list(_ACTIVE):  # one group per process: a new TP LLM retires the previous one
         logger.warning("tensor parallel: closing the previous LLM's group for a new one")
-        old.close()
+        old.close(
+            reason="another tensor-parallel LLM was built in this process, and a process "
+            "holds one process group: build it again to use it"
+        )
     if dist.is_initialized() or "WORLD_SIZE" in os.environ:
         return _join_existing(n, backend)
-    return _spawn(n, backend, llm_cls, llm_args)
+    return _spawn(n, backend, llm_args)
 
 
 def _join_existing(n: int, backend: str) -> "TPGroup":
@@ -123,48 +151,132 @@ def _join_existing(n: int, backend: str) -> "TPGroup":
     )
 
 
-def _spawn(n: int, backend: str, llm_cls: type, llm_args: dict[str, Any]) -> "TPGroup":
+def _spawn(n: int, backend: str, llm_args: dict[str, Any]) -> "TPGroup":
     ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
+    errors, ready = ctx.Queue(), ctx.Queue()
     fd, path = tempfile.mkstemp(prefix="piecewise-tp-")
     os.close(fd)
     os.unlink(path)  # FileStore creates it; a stale file would hold old keys
+    _STORE_FILES.add(path)
+    _install_sigterm_cleanup()
     init = f"file://{path}"
     threads = max(1, torch.get_num_threads() // n)
-    workers = []
-    for rank in range(1, n):
-        p = ctx.Process(
-            target=_worker_main,
-            args=(rank, n, backend, init, llm_cls, llm_args, errors, threads),
-            name=f"piecewise-tp-rank{rank}",
-            daemon=True,  # never outlive rank 0
-        )
-        p.start()
-        workers.append(p)
+    workers, tails = [], []
+    # The resource tracker (started by the first spawn) must not inherit a worker's pipe.
+    mp_resource_tracker.ensure_running()
+    try:
+        for rank in range(1, n):
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, n, backend, init, llm_args, errors, ready, threads),
+                name=f"piecewise-tp-rank{rank}",
+                daemon=True,  # never outlive rank 0
+            )
+            tail = _StderrTail(rank)
+            with tail.as_stderr():
+                p.start()
+            tail.start()
+            workers.append(p)
+            tails.append(tail)
+    except BaseException:  # no worker, no file left behind
+        for p in workers:
+            p.kill()
+            p.join()
+        _remove_store_file(path)
+        raise
     group = TPGroup(
-        0, n, workers=workers, errors=errors, owns_group=True, store_path=path, spawned=True
+        0,
+        n,
+        workers=workers,
+        errors=errors,
+        owns_group=True,
+        store_path=path,
+        spawned=True,
+        stderr_tails=tails,
     )
     try:
+        group.wait_for_workers(ready)
         dist.init_process_group(backend, init_method=init, rank=0, world_size=n, timeout=_TIMEOUT)
     except BaseException as e:
         group.fail(e)
     return group
 
 
-def _worker_main(rank, n, backend, init, llm_cls, llm_args, errors, threads) -> None:
-    """Entry point of a spawned rank: join the group, build the same LLM (which serves steps
-    from rank 0 until told to stop), leave."""
+class _StderrTail:
+    """A spawned worker's stderr: forwarded to this process's stderr as it comes, and its
+    last bytes kept for the error message when the worker dies."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._read, self._write = os.pipe()
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._pump, name=f"piecewise-tp-stderr{rank}", daemon=True
+        )
+
+    @contextlib.contextmanager
+    def as_stderr(self) -> Iterator[None]:
+        """Make the pipe fd 2 while the worker starts (the child inherits it)."""
+        saved = os.dup(2)
+        try:
+            os.dup2(self._write, 2)
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(self._write)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            while True:
+                data = os.read(self._read, 65536)
+                if not data:
+                    break
+                with self._lock:
+                    self._buf += data
+                    del self._buf[:-_STDERR_TAIL_BYTES]
+                try:
+                    os.write(2, data)
+                except OSError:
+                    pass
+        finally:
+            os.close(self._read)
+
+    def text(self, wait_s: float = 1.0) -> str:
+        """The tail so far (waiting up to ``wait_s`` for the pipe's end)."""
+        self._thread.join(timeout=wait_s)
+        with self._lock:
+            return self._buf.decode(errors="replace")
+
+
+def _worker_main(rank, n, backend, init, llm_args, errors, ready, threads) -> None:
+    """Entry point of a spawned rank: join the group, build this rank's worker, run the
+    worker loop until rank 0 says stop, leave."""
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pools in a daemon
     torch.set_num_threads(threads)
+    torch.manual_seed(llm_args.get("seed", 0))  # as LLM(...) seeds rank 0
     _SPAWNED_RANK.append(rank)
     try:
+        ready.put(rank)  # imported and running: rank 0 stops watching for an early exit
         dist.init_process_group(
             backend, init_method=init, rank=rank, world_size=n, timeout=_TIMEOUT
         )
+        device = None
         if backend == "nccl":
             torch.cuda.set_device(rank)
-            llm_args = {**llm_args, "device": f"cuda:{rank}"}
-        llm_cls(**llm_args, tensor_parallel_size=n)  # the class rank 0 was built as
+            device = f"cuda:{rank}"
+        group = TPGroup(
+            rank, n, workers=[], errors=None, owns_group=False, spawned=True, device=device
+        )
+        from framework.engine.executor import worker_loop
+        from framework.engine.worker import Worker
+
+        worker = Worker(**llm_args, group=group)
+        worker_loop(group, worker)
     except BaseException:
         tb = traceback.format_exc()
         print(f"[tensor parallel rank {rank}] {tb}", file=sys.stderr, flush=True)
@@ -193,6 +305,17 @@ class _Stopped(SystemExit):
     """A torchrun rank > 0 served until rank 0 closed: its process ends here (status 0)."""
 
 
+def run_torchrun_worker(group: "TPGroup", worker: Any) -> None:
+    """A torchrun rank other than 0 (every rank runs the user's script): run the worker
+    loop until rank 0 closes, leave the group and end the process (status 0), so the code
+    after ``LLM(...)`` runs on rank 0 only."""
+    from framework.engine.executor import worker_loop
+
+    worker_loop(group, worker)
+    group._teardown(graceful=True)
+    raise _Stopped(0)
+
+
 class TPGroup:
     """One rank's view of the tensor-parallel group (see the module docstring).
 
@@ -211,6 +334,7 @@ class TPGroup:
         store_path=None,
         spawned=False,
         device=None,
+        stderr_tails=(),
     ):
         self.rank, self.world_size = rank, world_size
         self.workers: list = workers
@@ -220,7 +344,10 @@ class TPGroup:
         self.spawned = spawned
         self.device: Optional[str] = device
         """The device this rank must use (torchrun on CUDA: ``cuda:<LOCAL_RANK>``)."""
+        self.stderr_tails: list[_StderrTail] = list(stderr_tails)
         self.closed = False
+        self.closed_reason = "LLM.close() ran"
+        """Why the group closed: what using it afterwards says (a failure, or close)."""
         self.steps = 0
         self._fail_step = _fail_hook(rank)
         if rank == 0:
@@ -228,13 +355,40 @@ class TPGroup:
             _ACTIVE.append(self)
 
     # -------------------------------------------------------------- set-up
-    def activate(self) -> None:
-        """Publish rank / world size / group name for the model layers."""
-        set_tp_state(TPState(self.rank, self.world_size, dist.group.WORLD.group_name))
+    @property
+    def state(self) -> TPState:
+        """Rank / world size / group name: what this group's worker builds and runs under."""
+        return TPState(self.rank, self.world_size, dist.group.WORLD.group_name)
+
+    def wait_for_workers(self, ready) -> None:
+        """Rank 0, before the rendezvous: wait until every worker process runs, ending at
+        once (with its stderr tail) when one exits instead."""
+        pending = set(range(1, self.world_size))
+        deadline = time.monotonic() + _TIMEOUT.total_seconds()
+        while pending:
+            try:
+                pending.discard(ready.get(timeout=0.1))
+                continue
+            except queue.Empty:
+                pass
+            for rank in sorted(pending):
+                code = self.workers[rank - 1].exitcode
+                if code is not None:
+                    raise _WorkerExited(rank, code)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tensor parallel: ranks {sorted(pending)} did not start within "
+                    f"{_TIMEOUT.total_seconds():.0f} s (PIECEWISE_TP_TIMEOUT_S)"
+                )
+
+    def stderr_tail(self, rank: int) -> str:
+        if not (1 <= rank <= len(self.stderr_tails)):
+            return ""
+        return self.stderr_tails[rank - 1].text()
 
     def handshake(self) -> None:
         """Every rank has built its model: fails here (naming the rank) if one could not."""
-        self._collective(lambda: dist.barrier())
+        self.collective(lambda: dist.barrier())
 
     def rank_path(self, path: str) -> str:
         """This rank's subfolder of ``path`` (``rank_<r>``, as in the artifact cache)."""
@@ -244,50 +398,32 @@ class TPGroup:
         if self._fail_step == "startup":
             raise RuntimeError(f"{FAIL_HOOK_ENV} test hook: rank {self.rank} raises at start-up")
 
-    def attach(self, llm) -> None:
-        """End of start-up: rank 0 starts broadcasting steps; other ranks serve them."""
-        if self.rank == 0:
-            execute = llm.runner.execute
-
-            def driver_execute(chunks, force=None, **kwargs):
-                self._broadcast(("step", [chunk_msg(c) for c in chunks], force))
-
-                def step():
-                    self._step_fail_hook()
-                    return execute(chunks, force, **kwargs)
-
-                return self._collective(step)
-
-            llm.runner.execute = driver_execute
-            return
-        llm.runner.sampler = _no_sample
-        self.serve(llm.runner)
-        if not self.spawned:  # torchrun: rank 0 is done with this rank; so is its script
-            self._teardown(graceful=True)
-            raise _Stopped(0)
-
     # -------------------------------------------------------------- steps
-    def serve(self, runner) -> None:
-        while True:
-            msg = [None]
-            dist.broadcast_object_list(msg, src=0)
-            kind, chunks, force = msg[0]
-            if kind == "stop":
-                return
-            self._step_fail_hook()
-            runner.execute([chunk_from_msg(m) for m in chunks], force)
+    def broadcast_step(self, chunks, force=None) -> None:
+        """Rank 0: what the workers need to run the same step."""
+        dist.broadcast_object_list([("step", [chunk_msg(c) for c in chunks], force)], src=0)
+
+    def receive_step(self):
+        """A worker rank: the next step's chunks and forced graph mode; None for stop."""
+        msg = [None]
+        dist.broadcast_object_list(msg, src=0)
+        kind, chunks, force = msg[0]
+        if kind == "stop":
+            return None
+        return [chunk_from_msg(m) for m in chunks], force
+
+    def step_fail_hook(self) -> None:
+        self._step_fail_hook()
 
     def _step_fail_hook(self) -> None:
         self.steps += 1
         if isinstance(self._fail_step, int) and self.steps >= self._fail_step:
             raise RuntimeError(f"{FAIL_HOOK_ENV} test hook: rank {self.rank} raises")
 
-    def _broadcast(self, msg) -> None:
-        self._collective(lambda: dist.broadcast_object_list([msg], src=0))
-
-    def _collective(self, fn: Callable):
+    def collective(self, fn: Callable):
+        """Run ``fn`` (collectives); on rank 0 any failure becomes :meth:`fail`'s error."""
         if self.closed:
-            raise TensorParallelError("the tensor-parallel group is closed (LLM.close() ran)")
+            raise TensorParallelError(f"the tensor-parallel group is closed: {self.closed_reason}")
         try:
             return fn()
         except TensorParallelError:
@@ -301,33 +437,57 @@ class TPGroup:
     def fail(self, cause: BaseException):
         """Raise one error naming the failed rank with its traceback.  Rank 0 (and a torchrun
         rank) first finds which rank failed -- a worker's report, or itself -- and stops every
-        worker; a spawned worker re-raises its own error (reported by its entry point)."""
+        worker; a spawned worker re-raises its own error (reported by its entry point).
+        Using the group afterwards repeats this cause, not "closed"."""
         if isinstance(cause, TensorParallelError):  # named already (by a collective)
             if not self.closed:
-                self._teardown(graceful=False)
+                self._teardown(graceful=False, reason=f"it stopped after a failure: {cause}")
             raise cause
         if self.spawned and self.rank != 0:
             raise cause
         if not isinstance(cause, Exception):  # KeyboardInterrupt, SystemExit: stop, pass on
-            self._teardown(graceful=False)
+            self._teardown(graceful=False, reason=f"it stopped on {type(cause).__name__}")
             raise cause
+        error = self._failure(cause)
+        self._teardown(graceful=False, reason=f"it stopped after a failure: {error}")
+        if error.__cause__ is None:
+            raise error from None
+        raise error
+
+    def _failure(self, cause: BaseException) -> TensorParallelError:
+        if isinstance(cause, _WorkerExited):  # before the rendezvous: no report, its stderr
+            try:  # a report from its entry point (it got that far), else its stderr
+                rank, tb = self.errors.get(timeout=0.5)
+                return TensorParallelError(f"tensor parallel rank {rank} failed:\n{tb}")
+            except queue.Empty:
+                pass
+            tail = self.stderr_tail(cause.rank).rstrip()
+            msg = (
+                f"tensor parallel rank {cause.rank} failed: its process exited with code "
+                f"{cause.code} during start-up, before joining the group"
+            )
+            if "bootstrapping phase" in tail or "freeze_support" in tail:
+                msg += f".\nFix: {BOOTSTRAP_HINT}"
+            msg += f".\nIts stderr ends with:\n{tail}" if tail else " (it wrote no stderr)"
+            return TensorParallelError(msg)
         # A collective that failed because a peer left: wait for that peer's report.  Any
         # other exception is this rank's own: take only a report that is already there.
         collective = _is_collective_error(cause)
         failed = self._first_error(wait_s=10.0 if collective else 0.5)
-        self._teardown(graceful=False)
         if failed is not None:
             rank, tb = failed
-            raise TensorParallelError(
-                f"tensor parallel rank {rank} failed:\n{tb.rstrip()}"
-            ) from None
+            return TensorParallelError(f"tensor parallel rank {rank} failed:\n{tb.rstrip()}")
         if collective:
-            raise TensorParallelError(
+            err = TensorParallelError(
                 f"tensor parallel: a collective failed on rank {self.rank} "
                 f"({type(cause).__name__}: {cause}); no other rank reported an error"
-            ) from cause
+            )
+            err.__cause__ = cause
+            return err
         tb = "".join(traceback.format_exception(cause)).rstrip()
-        raise TensorParallelError(f"tensor parallel rank {self.rank} failed:\n{tb}") from cause
+        err = TensorParallelError(f"tensor parallel rank {self.rank} failed:\n{tb}")
+        err.__cause__ = cause
+        return err
 
     def _first_error(self, wait_s: float):
         if self.errors is None:  # torchrun: the launcher reports the other ranks
@@ -343,17 +503,23 @@ class TPGroup:
                 try:
                     return self.errors.get(timeout=1.0)
                 except queue.Empty:
-                    return dead[0], f"exited with code {self.workers[dead[0] - 1].exitcode}"
+                    rank = dead[0]
+                    tail = self.stderr_tail(rank).rstrip()
+                    code = self.workers[rank - 1].exitcode
+                    return rank, f"exited with code {code}" + (
+                        f"; its stderr ends with:\n{tail}" if tail else ""
+                    )
         return None
 
-    def close(self) -> None:
+    def close(self, reason: str = "LLM.close() ran") -> None:
         """Rank 0: tell the workers to stop, join them, destroy the group (idempotent)."""
         if self.closed or self.rank != 0:
             return
-        self._teardown(graceful=True)
+        self._teardown(graceful=True, reason=reason)
 
-    def _teardown(self, graceful: bool) -> None:
+    def _teardown(self, graceful: bool, reason: str = "LLM.close() ran") -> None:
         self.closed = True
+        self.closed_reason = reason
         if graceful and self.rank == 0 and dist.is_initialized():
             try:
                 dist.broadcast_object_list([("stop", [], None)], src=0)
@@ -370,9 +536,8 @@ class TPGroup:
                 p.join()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
-        set_tp_state(TPState())
-        if self.store_path and os.path.exists(self.store_path):
-            os.unlink(self.store_path)
+        if self.store_path:
+            _remove_store_file(self.store_path)
         atexit.unregister(self.close)
         if self in _ACTIVE:
             _ACTIVE.remove(self)
@@ -396,5 +561,52 @@ def _fail_hook(rank: int) -> Union[int, str, None]:
     return "startup" if step == "startup" else int(step or 1)
 
 
-def _no_sample(logits, reqs):
-    return [0] * len(reqs), None
+class _WorkerExited(RuntimeError):
+    """A spawned worker process ended before it joined the group."""
+
+    def __init__(self, rank: int, code: int):
+        super().__init__(f"tensor parallel rank {rank} exited with code {code} at start-up")
+        self.rank, self.code = rank, code
+
+
+# ---------------------------------------------------------------- the rendezvous files
+_STORE_FILES: set[str] = set()
+"""Rendezvous files of this process's groups (removed at teardown, exit and SIGTERM)."""
+_PREVIOUS_SIGTERM: list[Any] = []
+
+
+def _remove_store_file(path: str) -> None:
+    _STORE_FILES.discard(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _on_sigterm(signum, frame) -> None:
+    """Remove the rendezvous files and stop the workers, then do what SIGTERM did before."""
+    for group in list(_ACTIVE):
+        for p in group.workers:
+            with contextlib.suppress(Exception):
+                p.terminate()
+    for path in list(_STORE_FILES):
+        _remove_store_file(path)
+    previous = _PREVIOUS_SIGTERM[0] if _PREVIOUS_SIGTERM else signal.SIG_DFL
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, previous)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_cleanup() -> None:
+    """Chain :func:`_on_sigterm` before the current SIGTERM handler (once; main thread only:
+    elsewhere the files are still removed on every other exit path)."""
+    if _PREVIOUS_SIGTERM or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is None:  # a handler set outside Python: leave it alone
+        return
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _PREVIOUS_SIGTERM.append(previous)
+
+
+atexit.register(lambda: [_remove_store_file(p) for p in list(_STORE_FILES)])

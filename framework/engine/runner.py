@@ -51,6 +51,7 @@ class ModelRunner:
         attn_backend: str = "torch",
         dispatch: DispatchFn = no_graph_dispatch,
         record_trace: bool = True,
+        sampler: Optional[Callable] = None,
     ):
         self.model = model
         self.forward = forward
@@ -84,7 +85,9 @@ class ModelRunner:
         request's block list only grows (or is replaced by a new list), so a row whose list
         is the same object needs only its new entries written."""
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        self.sampler = Sampler()
+        self.sampler = sampler if sampler is not None else Sampler()
+        """``(logits, reqs) -> (tokens, logprobs)``; a tensor-parallel rank other than 0 gets
+        one that samples nothing (rank 0 samples)."""
         self.last_logprobs: Optional[list] = None
         """Per sampling chunk of the last step: {token: logprob} when its request asked."""
         self.trace: Optional[list[dict]] = [] if record_trace else None

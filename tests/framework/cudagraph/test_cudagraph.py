@@ -12,7 +12,6 @@ from framework.core.forward_context import (
     ForwardContext,
     set_forward_context,
 )
-from framework.cudagraph import wrapper as cudagraph
 from framework.cudagraph.wrapper import (
     CUDAGraphOps,
     CUDAGraphWrapper,
@@ -189,8 +188,9 @@ def test_debug_catches_a_non_static_intermediate():
             model(x)
 
 
-def test_gc_only_before_first_capture_and_one_shared_pool(monkeypatch):
-    monkeypatch.setattr(cudagraph, "_first_capture_done", False)
+def test_gc_only_before_first_capture_and_one_pool_per_ops():
+    """GC before the first capture into an ops object's pool only; every wrapper on one ops
+    object shares its pool, and another ops object (another engine) has its own."""
     ops = RecordingOps()
     w1 = CUDAGraphWrapper(Counting(), PIECEWISE, graph_ops=ops)
     w2 = CUDAGraphWrapper(Counting(), FULL, graph_ops=ops)
@@ -202,7 +202,12 @@ def test_gc_only_before_first_capture_and_one_shared_pool(monkeypatch):
         w2(torch.zeros(8))
     assert ops.gc_requests == [True, False, False]
     assert len(ops.pools) == 3 and all(p is ops.pools[0] for p in ops.pools)
-    assert RecordingOps().shared_pool() is ops.pools[0]
+    other = RecordingOps()
+    assert other.shared_pool() is not ops.pools[0]
+    w3 = CUDAGraphWrapper(Counting(), PIECEWISE, graph_ops=other)
+    with ctx(PIECEWISE, D8):
+        w3(torch.zeros(8))
+    assert other.gc_requests == [True]  # its own first capture
 
 
 def test_debug_mode_names_the_moved_argument():
@@ -317,4 +322,5 @@ def test_cuda_nested_piecewise_and_full_share_the_pool():
                 assert torch.equal(out, expected(x)), (mode, start)
     assert (piece_a.stats.captures, piece_b.stats.captures, full.stats.captures) == (1, 1, 1)
     assert (piece_a.stats.replays, full.stats.replays) == (2, 2)
-    assert CUDAGraphOps().shared_pool() == CUDAGraphOps._pool
+    assert piece_a.graph_ops is full.graph_ops  # wrappers built without ops share one pool
+    assert CUDAGraphOps().shared_pool() != full.graph_ops.shared_pool()  # a new ops: its own
