@@ -26,70 +26,24 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.compiler_env import compiler_caches_under, warm_up_compiler
 from experiments.job_inputs import job_prompts, resolve_model_path, text_examples
 from experiments.job_summary import summary
-from experiments.pass_cli import apply_short
 from experiments.sweep import Entry, agreement, finish_all, park
 from framework.core.config import CompilationConfig, register_hydra_configs
-from passes.registry import canonical_order, level_passes
+from framework.engine.run_config import CONF_DIR as _CONF_DIR
+from framework.engine.run_config import (  # noqa: F401  (re-exported: the jobs' mapping)
+    compilation_config,
+    llm_kwargs,
+    toggle_passes,
+)
+from passes.registry import canonical_order
 
 logger = logging.getLogger("experiments.run")
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-
-def compilation_config(cfg: DictConfig) -> CompilationConfig:
-    data = OmegaConf.to_container(cfg.compile, resolve=True, enum_to_str=True)
-    if cfg.cache_dir is not None:
-        data["cache_dir"] = str(cfg.cache_dir)
-    short = cfg.get("passes")
-    if short is not None:
-        short = OmegaConf.to_container(short) if OmegaConf.is_config(short) else short
-        data["pass_config"] = apply_short(short, dict(data.get("pass_config") or {}))
-    toggles = cfg.get("toggle_passes")
-    if toggles:
-        data["pass_config"] = toggle_passes(
-            data.get("pass_config") or {},
-            list(toggles),
-            level=2 if data.get("level") is None else int(data["level"]),
-            device_type=str(cfg.get("device") or "cpu"),
-        )
-    return CompilationConfig.from_dict(data)
-
-
-def toggle_passes(pass_config: dict, names: list[str], level: int, device_type: str) -> dict:
-    """``pass_config`` with each of ``names`` flipped against the level's default pass list on
-    ``device_type`` (or the explicit ``passes`` list): a pass that would run goes to
-    ``disable``, one that would not goes to ``enable``. ``toggle_passes=[x]`` is how
-    conf/experiment/ablate_passes.yaml switches one pass on/off against O2 on any device,
-    though O2's list differs between CPU and CUDA (``levels`` of ``@register_pass``)."""
-    runs = pass_config.get("passes")
-    runs = set(level_passes(level, device_type) if runs is None else runs)
-    out = dict(pass_config)
-    out["disable"] = list(out.get("disable") or []) + [n for n in names if n in runs]
-    out["enable"] = list(out.get("enable") or []) + [n for n in names if n not in runs]
-    return out
+CONF_DIR = str(_CONF_DIR)
 
 
 def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
     from framework.engine.llm import LLM
 
-    quant = cfg.quantization
-    if isinstance(quant, DictConfig):
-        quant = OmegaConf.to_container(quant, resolve=True)
-    engine = cfg.get("engine") or {}
-    kv_bytes = engine.get("kv_cache_memory_bytes")
-    return LLM(
-        model_path,
-        dtype=cfg.dtype,
-        compilation_config=cc,
-        quantization=quant,
-        max_num_seqs=int(cfg.max_num_seqs),
-        max_model_len=int(cfg.max_model_len),
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        seed=int(cfg.seed),
-        enable_prefix_caching=bool(engine.get("enable_prefix_caching", False)),
-        block_size=int(engine.get("block_size", 16)),
-        kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes),
-        tensor_parallel_size=int((cfg.get("parallel") or {}).get("tensor_parallel_size", 1)),
-    )
+    return LLM(model_path, **llm_kwargs(cfg, cc))
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
