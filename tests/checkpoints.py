@@ -57,7 +57,9 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
-def write_byte_tokenizer(model_dir: Path, chat_template: Optional[str] = BYTE_CHAT_TEMPLATE) -> Path:
+def write_byte_tokenizer(
+    model_dir: Path, chat_template: Optional[str] = BYTE_CHAT_TEMPLATE
+) -> Path:
     """A byte-level tokenizer for a vocab-256 test checkpoint: token id i is byte i (no merges),
     so any text encodes, multi-byte characters span several tokens, and every id decodes.
     EOS is the model config's ``eos_token_id``; ``chat_template`` None: none."""

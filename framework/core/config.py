@@ -264,7 +264,8 @@ for _d in LEVEL_DEFAULTS.values():
 
 def register_hydra_configs() -> None:
     """Register the schema with Hydra's ConfigStore (group ``compile``). (No ``passes`` group:
-    ``passes`` is the top-level short pass list of conf/config.yaml, framework/engine/pass_cli.py.)"""
+    ``passes`` is the top-level short pass list of conf/config.yaml,
+    framework/engine/pass_cli.py.)"""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()

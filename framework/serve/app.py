@@ -287,6 +287,15 @@ class OpenAIServer:
         return t
 
 
+def _by_text(top: list[tuple[int, float]], text) -> dict[str, float]:
+    """Completions' top_logprobs are keyed by token text: two ids with the same text keep
+    the higher log-probability."""
+    out: dict[str, float] = {}
+    for tok, v in top:
+        out.setdefault(text(tok), v)
+    return out
+
+
 class _GoneMarker:
     pass
 
@@ -410,7 +419,7 @@ class _Job:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.get(t, float("-inf")) for t, lp in zip(ids, lps)],
-            "top_logprobs": [{text(a): v for a, v in self._top(lp)} for lp in lps],
+            "top_logprobs": [_by_text(self._top(lp), text) for lp in lps],
             "text_offset": offsets,
         }
 
