@@ -130,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
     ap.add_argument("--max-prompt-tokens", type=int, default=None)
     ap.add_argument("--log-level", default="info")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         ap.error(f"overrides must be key=value, got {bad}")

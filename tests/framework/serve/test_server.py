@@ -530,6 +530,24 @@ def test_size_limits_and_bad_parameters_are_4xx_and_the_server_keeps_serving(ser
     assert blocks_used(server.url) == 0
 
 
+def test_chat_without_a_chat_template_is_a_400(spare_llm, llama_checkpoint, tmp_path):
+    import shutil
+
+    from checkpoints import write_byte_tokenizer
+
+    d = tmp_path / "plain"
+    shutil.copytree(llama_checkpoint, d)
+    write_byte_tokenizer(d, chat_template=None)
+    srv = start(spare_llm, d)
+    try:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "chat template" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
 def test_metrics_are_prometheus_text(server, client):
     client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3)
     r = httpx.get(f"{server.url}/metrics")
