@@ -312,6 +312,15 @@ def test_client_dropping_mid_stream_is_aborted_and_freed(server, client, offline
     assert m["piecewise_requests_running"] == 0 and m["piecewise_requests_waiting"] == 0
 
 
+def test_a_non_streaming_client_that_leaves_is_aborted_too(server):
+    before = metrics(server.url)["piecewise_client_aborts_total"]
+    body = {"model": MODEL_NAME, "prompt": "wait", "max_tokens": 250, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.05)
+    wait_for(lambda: metrics(server.url)["piecewise_client_aborts_total"] == before + 1)
+    wait_for(lambda: blocks_used(server.url) == 0)
+
+
 # ---------------------------------------------------------------------- overload, failures
 class GatedLLM:
     """The real LLM behind a gate: ``step`` waits until the gate opens, so requests pile up
@@ -568,3 +577,17 @@ def test_metrics_are_prometheus_text(server, client):
         m['piecewise_time_to_first_token_seconds_bucket{le="+Inf"}']
         == m["piecewise_time_to_first_token_seconds_count"]
     )
+
+
+def test_load_generator_is_bounded_and_loopback_only(server, offline):
+    from experiments.bench_serve import offline_run, run_load
+
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
+    res = asyncio.run(run_load(server.url, MODEL_NAME, prompts, 6, 2, deadline_s=60))
+    assert res.completed == 4 and not res.deadline_hit
+    s = res.summary()
+    assert s["errors"] == 0 and s["output_tok_s"] > 0 and s["ttft_ms_p50"] > 0
+    _, want = offline_run(offline, prompts, 6, 2)
+    assert [t.tokens for t in res.timings] == want
+    with pytest.raises(ValueError, match="loopback"):
+        asyncio.run(run_load("http://10.1.2.3:80", MODEL_NAME, prompts, 6, 2, deadline_s=1))
