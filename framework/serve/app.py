@@ -159,6 +159,8 @@ class OpenAIServer:
 
         @app.get("/health")
         async def health():
+            if not self.loop.alive:
+                raise APIError(503, "the engine loop is not running")
             return {"status": "ok"}
 
         @app.get("/v1/models")
@@ -262,6 +264,7 @@ class OpenAIServer:
         s = self.loop.submit(ids, params)
         job = _Job(self, req, s, ids, chat)
         watcher = asyncio.ensure_future(_watch_disconnect(request, self.loop, s))
+        streaming = False
         try:
             first = await _next(s, chat)
             if not req.stream:
@@ -272,10 +275,13 @@ class OpenAIServer:
                         break
                     item = await _next(s, chat)
                 return JSONResponse(job.response())
+            streaming = True
         except _Gone:
             return Response(status_code=499)
         finally:
             watcher.cancel()
+            if not streaming:  # whatever ended the handler, the request must not linger
+                self.loop.abort(s, "client")
         return _SSEResponse(job.events(first), media_type="text/event-stream")
 
     def token_text(self, tok: int) -> str:

@@ -6,6 +6,9 @@ loop), and :meth:`EngineLoop.abort` it when the client goes away or a stop strin
 Commands (add, abort, stats snapshot) run on the engine thread between steps, in order, so
 an abort frees the request's KV blocks before the next step.
 
+An engine has exactly one loop: a second loop stepping the same ``LLM`` would take the
+first one's outputs.
+
 Failures: ``ValueError``/``TypeError`` from ``add_request`` (a request that can never fit, a
 bad token id) fail that request alone as a 400. An output whose ``finish_reason`` is
 ``"error"`` fails its request alone as a 500. A step that raises fails the requests in
@@ -129,15 +132,22 @@ class EngineLoop:
         self._wake.set()
 
     # ------------------------------------------------------------------ engine thread
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while not self._stop:
             self._wake.clear()
             deliveries: dict[asyncio.AbstractEventLoop, list] = {}
-            self._drain(deliveries)
-            if self.llm.has_unfinished():
-                self._step(deliveries)
+            try:
+                self._drain(deliveries)
+                if self.llm.has_unfinished():
+                    self._step(deliveries)
+            except Exception:  # noqa: BLE001 - a bug here must not silence every handler
+                logger.exception("engine loop iteration failed")
             self._deliver(deliveries)
-            if not self.llm.has_unfinished() and not self._cmds:
+            if not self._cmds and not self.llm.has_unfinished():
                 self._wake.wait(timeout=1.0)
 
     def _drain(self, deliveries: dict) -> None:
@@ -163,9 +173,14 @@ class EngineLoop:
             return
         try:
             s.req_id = self.llm.add_request(s.prompt, s.params, stream=True)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError) as e:  # the request's own fault: it can never run
             self._retire(s, waiting=True)
             self._put(deliveries, s, Failure(400, str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - fails this request, not the loop
+            logger.exception("add_request failed")
+            self._retire(s, waiting=True)
+            self._put(deliveries, s, Failure(500, f"the engine could not add the request: {e}"))
             return
         self._live[s.req_id] = s
 
