@@ -17,7 +17,9 @@ thread does (``--offline-main-thread`` to change that: under CPU contention Open
 differently on the main thread). Rounds alternate which side runs first; the report gives
 medians over rounds of output tokens/s (server / offline ratio), request throughput, time
 to first token (p50/p99) and inter-token latency (p50/p99) as the clients see them, and
-checks that both sides produced the same tokens.
+checks that both sides produced the same tokens. CPU time per output token (the server
+process, the load generator's, and the offline run's) is reported too: on a busy machine it
+says more about the serving layer's own cost than wall-clock rates do.
 """
 
 from __future__ import annotations
@@ -189,6 +191,28 @@ def offline_run(
     return result[0]
 
 
+def step_medians(url: str, llm) -> tuple[Optional[float], Optional[float]]:
+    """Median decode step (ms) of the server's engine and of the offline LLM, over their
+    lives so far: equal medians say a gap in tokens/s is the serving layer's, not the
+    forward's."""
+    import httpx
+
+    server = None
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith('piecewise_engine_step_ms{kind="decode",quantile="median"}'):
+            server = float(line.rsplit(" ", 1)[1])
+    return server, llm.stats.get("decode_ms_median")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -273,18 +297,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 order = ("server", "offline") if r % 2 == 0 else ("offline", "server")
                 row: dict[str, Any] = {}
                 for side in order:
+                    cpu0 = cpu_seconds(proc.pid), cpu_seconds(os.getpid())
                     if side == "server":
                         load = asyncio.run(
                             run_load(url, "bench", prompts, args.max_tokens, c, args.deadline)
                         )
                         row["server"] = load.summary()
                         row["server_tokens"] = [t.tokens for t in load.timings]
+                        n = load.output_tokens
+                        # the server process, and this one (the load generator's clients)
+                        cpu = cpu_seconds(proc.pid) - cpu0[0], cpu_seconds(os.getpid()) - cpu0[1]
+                        row["server"]["cpu_ms_per_token"] = 1e3 * cpu[0] / max(n, 1)
+                        row["server"]["client_cpu_ms_per_token"] = 1e3 * cpu[1] / max(n, 1)
                     else:
                         wall, out = offline_run(
                             llm, prompts, args.max_tokens, c, not args.offline_main_thread
                         )
                         n = sum(len(o) for o in out)
-                        row["offline"] = {"wall_s": wall, "output_tok_s": n / wall}
+                        cpu = cpu_seconds(os.getpid()) - cpu0[1]
+                        row["offline"] = {
+                            "wall_s": wall,
+                            "output_tok_s": n / wall,
+                            "cpu_ms_per_token": 1e3 * cpu / max(n, 1),
+                        }
                         row["offline_tokens"] = out
                 row["same_tokens"] = row.pop("server_tokens") == row.pop("offline_tokens")
                 row["ratio"] = row["server"]["output_tok_s"] / row["offline"]["output_tok_s"]
@@ -305,10 +340,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "ttft_ms_p99": med([r["server"]["ttft_ms_p99"] for r in rounds]),
                 "itl_ms_p50": med([r["server"]["itl_ms_p50"] for r in rounds]),
                 "itl_ms_p99": med([r["server"]["itl_ms_p99"] for r in rounds]),
+                "server_cpu_ms_per_token": med([r["server"]["cpu_ms_per_token"] for r in rounds]),
+                "client_cpu_ms_per_token": med(
+                    [r["server"]["client_cpu_ms_per_token"] for r in rounds]
+                ),
+                "offline_cpu_ms_per_token": med([r["offline"]["cpu_ms_per_token"] for r in rounds]),
                 "errors": sum(r["server"]["errors"] for r in rounds),
                 "same_tokens": all(r["same_tokens"] for r in rounds),
             }
+            summary["step_ms"] = step_medians(url, llm)
             results["by_concurrency"][str(c)] = {"summary": summary, "rounds": rounds}
+            print(f"c={c} decode step ms median (server, offline): {summary['step_ms']}")
     finally:
         proc.terminate()
         try:
@@ -319,9 +361,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"\nload after: {results['load_after']}")
     print(
         "| concurrency | server tok/s | offline tok/s | ratio (median; rounds) | req/s "
-        "| TTFT p50 / p99 ms | ITL p50 / p99 ms | same tokens |"
+        "| TTFT p50 / p99 ms | ITL p50 / p99 ms | CPU ms/token server + client / offline "
+        "| same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for c, rec in results["by_concurrency"].items():
         s = rec["summary"]
         ratios = ", ".join(f"{x:.2f}" for x in s["ratios"])
@@ -329,7 +372,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"| {c} | {s['server_tok_s']:.1f} | {s['offline_tok_s']:.1f} | "
             f"{s['ratio_median']:.3f} ({ratios}) | {s['req_s']:.2f} | "
             f"{s['ttft_ms_p50']:.1f} / {s['ttft_ms_p99']:.1f} | "
-            f"{s['itl_ms_p50']:.2f} / {s['itl_ms_p99']:.2f} | {s['same_tokens']} |"
+            f"{s['itl_ms_p50']:.2f} / {s['itl_ms_p99']:.2f} | "
+            f"{s['server_cpu_ms_per_token']:.2f} + {s['client_cpu_ms_per_token']:.2f} / "
+            f"{s['offline_cpu_ms_per_token']:.2f} | {s['same_tokens']} |"
         )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

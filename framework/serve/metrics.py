@@ -117,8 +117,7 @@ class ServingMetrics:
 
         tps = self.tokens_per_second()
         with self._lock:
-            gauge("model_info", f'served model (label model="{model}")', 1)
-            lines[-1] = f'{p}model_info{{model="{model}"}} 1'
+            metric("model_info", "gauge", "the served model", [f'model_info{{model="{model}"}} 1'])
             gauge("requests_running", "requests that have produced a token, not finished", running)
             gauge("requests_waiting", "requests submitted that have produced no token yet", waiting)
             total = engine.get("kv_blocks_total")
@@ -169,6 +168,19 @@ class ServingMetrics:
                     "prefix_cache_hit_rate",
                     "hit tokens / queried tokens",
                     f"{hits / queried:.6f}" if queried else 0,
+                )
+            steps = [
+                (kind, q, engine[f"{kind}_ms_{q}"])
+                for kind in ("prefill", "decode", "mixed")
+                for q in ("median", "p90")
+                if f"{kind}_ms_{q}" in engine
+            ]
+            if steps:
+                metric(
+                    "engine_step_ms",
+                    "gauge",
+                    "engine step time over the server's life, by step kind and quantile",
+                    [f'engine_step_ms{{kind="{k}",quantile="{q}"}} {v}' for k, q, v in steps],
                 )
             metric(
                 "time_to_first_token_seconds",

@@ -227,6 +227,20 @@ def test_seeded_sampling_is_reproducible_and_equals_offline(client, offline):
     assert c.choices[0].model_extra["token_ids"] != a
 
 
+def test_engine_sampling_extensions_reach_the_sampler(client, offline):
+    """top_k=1 at temperature 1 is greedy; min_p=1 keeps only the top token too."""
+    greedy = offline_out(offline, "Hello", 10, ignore_eos=True).token_ids
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        r = client.completions.create(
+            model=MODEL_NAME,
+            prompt="Hello",
+            max_tokens=10,
+            temperature=1.0,
+            extra_body={**extra, "ignore_eos": True, "return_token_ids": True},
+        )
+        assert r.choices[0].model_extra["token_ids"] == greedy, extra
+
+
 # ---------------------------------------------------------------------- concurrency
 def test_32_concurrent_streams_get_their_alone_tokens(server, offline):
     g = random.Random(3)
