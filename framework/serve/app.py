@@ -52,13 +52,9 @@ class ServerConfig:
 
     def __post_init__(self):
         for name in ("max_model_len", "max_waiting", "retry_after_s", "max_body_bytes"):
-            v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int)
-                or v < (0 if name == "max_waiting" else 1)
-            ):
-                raise ValueError(f"ServerConfig.{name}: must be a positive int, got {v!r}")
+            v, low = getattr(self, name), 0 if name == "max_waiting" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"ServerConfig.{name}: must be an int >= {low}, got {v!r}")
         if self.overload_status not in (429, 503):
             raise ValueError(
                 f"ServerConfig.overload_status: must be 429 or 503, got {self.overload_status!r}"
@@ -175,6 +171,8 @@ class OpenAIServer:
 
         @app.get("/metrics")
         async def metrics():
+            if not self.loop.alive:
+                raise APIError(503, "the engine loop is not running")
             engine = await self.loop.engine_stats()
             text = self.loop.metrics.render(
                 self.loop.num_running, self.loop.num_waiting, engine, self.config.model_name

@@ -56,6 +56,23 @@ def test_build_llm_applies_engine_overrides(chat_model_dir):
     assert "prefix_cache_queried_tokens" in llm.stats
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_waiting", -1),
+        ("max_body_bytes", 0),
+        ("overload_status", 500),
+        ("api_key", ""),
+        ("max_prompt_tokens", True),
+    ],
+)
+def test_server_config_names_the_bad_field(field, value):
+    from framework.serve.app import ServerConfig
+
+    with pytest.raises(ValueError, match=f"ServerConfig.{field}"):
+        ServerConfig(model_name="m", max_model_len=64, **{field: value})
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
