@@ -605,3 +605,52 @@ def test_load_generator_is_bounded_and_loopback_only(server, offline):
     assert [t.tokens for t in res.timings] == want
     with pytest.raises(ValueError, match="loopback"):
         asyncio.run(run_load("http://10.1.2.3:80", MODEL_NAME, prompts, 6, 2, deadline_s=1))
+
+
+class CountingLLM(GatedLLM):
+    """Counts the steps that start after ``requested`` is set and before the engine's
+    ``abort`` runs."""
+
+    def __init__(self, llm):
+        super().__init__(llm)
+        self.gate.set()
+        self.requested = threading.Event()
+        self.steps_between = 0
+        self.aborted = threading.Event()
+
+    def step(self):
+        if self.requested.is_set() and not self.aborted.is_set():
+            self.steps_between += 1
+        time.sleep(0.01)  # slow steps: the abort lands while one is running
+        return self.llm.step()
+
+    def abort(self, rid):
+        ok = self.llm.abort(rid)
+        self.aborted.set()
+        return ok
+
+
+def test_an_abort_frees_the_blocks_before_the_next_step(spare_llm):
+    from framework.serve.engine_loop import EngineLoop
+
+    counting = CountingLLM(spare_llm)
+    loop = EngineLoop(counting)
+    loop.start()
+
+    async def main():
+        s = loop.submit([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(3):
+            await s.queue.get()
+        counting.requested.set()
+        loop.abort(s)
+        await asyncio.get_running_loop().run_in_executor(None, counting.aborted.wait, 10)
+
+    try:
+        asyncio.run(main())
+        assert counting.aborted.is_set()
+        assert counting.steps_between <= 1  # at most the step already running
+        stats = spare_llm.stats
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        wait_for(lambda: loop.metrics.client_aborts == 1 and loop.num_running == 0)
+    finally:
+        loop.stop()
