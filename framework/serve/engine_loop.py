@@ -83,6 +83,7 @@ class EngineLoop:
         self._running = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.steps = 0
+        self._warned_foreign = False
 
     # ------------------------------------------------------------------ handler side
     def start(self) -> None:
@@ -221,7 +222,14 @@ class EngineLoop:
         now = time.monotonic()
         for out in outs:
             s = self._live.get(out.request_id)
-            if s is None:
+            if s is None:  # not submitted here: something else adds requests to this engine
+                if not self._warned_foreign:
+                    self._warned_foreign = True
+                    logger.warning(
+                        "engine output for request %d, which this loop did not submit: an "
+                        "engine must have one loop and no other caller",
+                        out.request_id,
+                    )
                 continue
             new = len(out.token_ids) - s.num_tokens
             if new > 0:
