@@ -24,7 +24,7 @@ from framework.core.quantization import QuantizationConfig
 
 def register_compile_schema() -> None:
     """(No ``passes`` group: ``passes`` is the top-level short pass list of conf/config.yaml,
-    experiments/pass_cli.py.)"""
+    framework/engine/pass_cli.py.)"""
     ConfigStore.instance().store(group="compile", name="compile_schema", node=CompilationConfig)
 
 

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import platform
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -28,7 +27,6 @@ from experiments.compiler_env import compiler_caches_under, warm_up_compiler
 from experiments.config_store import register_compile_schema
 from experiments.job_inputs import job_prompts, resolve_model_path, text_examples
 from experiments.job_summary import summary
-from experiments.pass_cli import apply_short, toggle_passes
 from experiments.sweep import (
     Entry,
     agreement,
@@ -37,45 +35,19 @@ from experiments.sweep import (
     park,
     record_failed_job,
 )
-from framework.core.config import CompilationConfig
 from framework.core.files import atomic_write_text
 from framework.engine.observers import FirstTokenLogits
+from framework.engine.run_config import CONF_DIR as _CONF_DIR
+from framework.engine.run_config import (  # noqa: F401  (re-exported: the jobs' mapping)
+    compilation_config,
+    int_setting,
+    llm_kwargs,
+    toggle_passes,
+)
 from passes.registry import canonical_order
 
 logger = logging.getLogger("experiments.run")
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-
-def compilation_config(cfg: DictConfig) -> CompilationConfig:
-    data = OmegaConf.to_container(cfg.compile, resolve=True, enum_to_str=True)
-    if cfg.cache_dir is not None:
-        data["cache_dir"] = str(cfg.cache_dir)
-    short = cfg.get("passes")
-    if short is not None:
-        short = OmegaConf.to_container(short) if OmegaConf.is_config(short) else short
-        data["pass_config"] = apply_short(short, dict(data.get("pass_config") or {}))
-    toggles = cfg.get("toggle_passes")
-    if toggles:
-        data["pass_config"] = toggle_passes(
-            data.get("pass_config") or {},
-            list(toggles),
-            level=2 if data.get("level") is None else int(data["level"]),
-            device_type=str(cfg.get("device") or "cpu"),
-        )
-    return CompilationConfig.from_dict(data)
-
-
-def int_setting(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    """The int at dotted ``key`` (``None`` stays ``None``), or a ``ValueError`` naming the key:
-    ``max_num_seqs=abc`` says ``max_num_seqs: must be an int, got 'abc'``."""
-    value = OmegaConf.select(cfg, key, default=default)
-    if value is None:
-        return None
-    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key}: must be an int, got {value!r}")
-    return value
+CONF_DIR = str(_CONF_DIR)
 
 
 def check_job_settings(cfg: DictConfig) -> None:
@@ -100,25 +72,7 @@ def check_job_settings(cfg: DictConfig) -> None:
 def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
     from framework.engine.llm import LLM
 
-    quant = cfg.quantization
-    if isinstance(quant, DictConfig):
-        quant = OmegaConf.to_container(quant, resolve=True)
-    engine = cfg.get("engine") or {}
-    kv_bytes = engine.get("kv_cache_memory_bytes")
-    return LLM(
-        model_path,
-        dtype=cfg.dtype,
-        compilation_config=cc,
-        quantization=quant,
-        max_num_seqs=int_setting(cfg, "max_num_seqs"),
-        max_model_len=int_setting(cfg, "max_model_len"),
-        max_num_batched_tokens=int_setting(cfg, "max_num_batched_tokens"),
-        seed=int_setting(cfg, "seed"),
-        enable_prefix_caching=bool(engine.get("enable_prefix_caching", False)),
-        block_size=int_setting(cfg, "engine.block_size", 16),
-        kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes),
-        tensor_parallel_size=int_setting(cfg, "parallel.tensor_parallel_size", 1),
-    )
+    return LLM(model_path, **llm_kwargs(cfg, cc))
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:

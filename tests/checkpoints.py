@@ -49,3 +49,46 @@ def derive_checkpoint(
         edit_config(config)
         (dst / "config.json").write_text(json.dumps(config))
     return dst
+
+
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def write_byte_tokenizer(
+    model_dir: Path, chat_template: Optional[str] = BYTE_CHAT_TEMPLATE
+) -> Path:
+    """A byte-level tokenizer for a vocab-256 test checkpoint: token id i is byte i (no merges),
+    so any text encodes, multi-byte characters span several tokens, and every id decodes.
+    EOS is the model config's ``eos_token_id``; ``chat_template`` None: none."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id", 2)
+    chars = _bytes_to_unicode()
+    vocab = {chars[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=chars[eos], clean_up_tokenization_spaces=False
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(model_dir))
+    return Path(model_dir)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what the ByteLevel pre-tokenizer emits)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}

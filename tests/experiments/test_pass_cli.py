@@ -1,12 +1,13 @@
-"""The short pass list ``passes=[...]`` (experiments/pass_cli.py) through Hydra composition."""
+"""The short pass list ``passes=[...]`` (framework/engine/pass_cli.py) through Hydra
+composition."""
 
 import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra_job_harness import compose_job
 
-from experiments.pass_cli import parse_short
 from experiments.run import compilation_config
+from framework.engine.pass_cli import parse_short
 from passes.registry import level_passes, order_passes
 
 

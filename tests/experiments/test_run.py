@@ -12,9 +12,9 @@ from omegaconf import OmegaConf
 
 from experiments.compiler_env import compiler_caches_under, warm_up_compiler
 from experiments.job_inputs import job_prompts, make_prompts, synthetic_task_of
-from experiments.pass_cli import toggle_passes
 from experiments.sweep import agreement
 from experiments.trace import read_trace
+from framework.engine.pass_cli import toggle_passes
 from passes.registry import level_passes
 
 

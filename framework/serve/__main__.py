@@ -1,0 +1,5 @@
+import sys
+
+from framework.serve.server import main
+
+sys.exit(main())
