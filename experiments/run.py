@@ -24,7 +24,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.compiler_env import compiler_caches_under, warm_up_compiler
-from experiments.config_store import register_compile_schema
 from experiments.job_inputs import job_prompts, resolve_model_path, text_examples
 from experiments.job_summary import summary
 from experiments.sweep import (
@@ -35,6 +34,7 @@ from experiments.sweep import (
     park,
     record_failed_job,
 )
+from framework.core.config import CompilationConfig
 from framework.core.files import atomic_write_text
 from framework.engine.observers import FirstTokenLogits
 from framework.engine.run_config import CONF_DIR as _CONF_DIR
@@ -42,6 +42,7 @@ from framework.engine.run_config import (  # noqa: F401  (re-exported: the jobs'
     compilation_config,
     int_setting,
     llm_kwargs,
+    register_compile_schema,
     toggle_passes,
 )
 from passes.registry import canonical_order
@@ -396,7 +397,8 @@ def pass_toggle_sweep() -> str:
 
 register_compile_schema()
 register_resolvers()
-# The quantization schema is deliberately not registered (experiments/config_store.py says why).
+# The quantization schema is deliberately not registered (run_config.register_quantization_schema
+# says why).
 
 main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(main_entry)
 

@@ -6,6 +6,11 @@ key=value overrides -- the Hydra jobs (``experiments.run``) and the OpenAI-compa
 
     cc = compilation_config(cfg)          # compile.*, passes, toggle_passes, cache_dir
     llm = LLM(model_dir, **llm_kwargs(cfg, cc))   # dtype, quantization, engine.*, parallel.*
+
+It also registers the strict config dataclasses with Hydra's ConfigStore
+(:func:`register_compile_schema`): Hydra is the front end of the runs and the server, so its
+registration lives here and not beside the dataclasses (``framework.core`` imports no Hydra,
+and nothing in the engine imports this module: the engine runs where Hydra is absent).
 """
 
 from __future__ import annotations
@@ -42,6 +47,31 @@ def compilation_config(cfg: DictConfig) -> CompilationConfig:
             device_type=str(cfg.get("device") or "cpu"),
         )
     return CompilationConfig.from_dict(data)
+
+
+def register_compile_schema() -> None:
+    """:class:`~framework.core.config.CompilationConfig` as the schema of the ``compile``
+    group (conf/compile/*.yaml are validated against it).  (No ``passes`` group: ``passes``
+    is the top-level short pass list of conf/config.yaml, framework/engine/pass_cli.py.)"""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="compile", name="compile_schema", node=CompilationConfig)
+
+
+def register_quantization_schema() -> None:
+    """:class:`~framework.core.quantization.QuantizationConfig` as a ``quantization`` group.
+    The runs do not call it: a config *group* named ``quantization`` makes Hydra treat the
+    top-level ``quantization`` value of conf/config.yaml as a group and reject
+    ``quantization=int8_per_token`` ("Could not override 'quantization'. No match in the
+    defaults list").  Values are checked by ``QuantizationConfig.parse`` when the LLM is
+    built; the schema is there for a config that wants a typed node."""
+    from hydra.core.config_store import ConfigStore
+
+    from framework.core.quantization import QuantizationConfig
+
+    ConfigStore.instance().store(
+        group="quantization", name="quantization_schema", node=QuantizationConfig
+    )
 
 
 def int_setting(cfg: DictConfig, key: str, default: Any = None) -> Any:

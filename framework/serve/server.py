@@ -23,10 +23,9 @@ def compose_run_config(overrides: Sequence[str]) -> Any:
     ``quantization=int8_per_token``, ``engine.enable_prefix_caching=true``, ...)."""
     from hydra import compose, initialize_config_dir
 
-    from framework.core.config import register_hydra_configs
-    from framework.engine.run_config import CONF_DIR
+    from framework.engine.run_config import CONF_DIR, register_compile_schema
 
-    register_hydra_configs()
+    register_compile_schema()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="serve"):
         return compose("config", overrides=list(overrides))
 

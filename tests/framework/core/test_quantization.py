@@ -232,7 +232,7 @@ def test_hydra_config_store_and_omegaconf_node():
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from experiments.config_store import register_quantization_schema
+    from framework.engine.run_config import register_quantization_schema
 
     repo = ConfigStore.instance().repo
     had_group = "quantization" in repo

@@ -40,7 +40,7 @@ def test_overrides_map_to_llm_arguments_as_in_a_hydra_job():
     cc = compilation_config(cfg)
     kw = llm_kwargs(cfg, cc)
     assert cc.level == 1 and cc.cache_dir == "/tmp/somewhere"
-    assert "fuse_add_rmsnorm" in cc.pass_config.disable
+    assert cc.pass_config.passes == ["-fuse_add_rmsnorm"]
     assert kw["quantization"] == "int8_per_token" and kw["dtype"] == "bfloat16"
     assert kw["enable_prefix_caching"] is True and kw["block_size"] == 32
     assert kw["max_num_seqs"] == 3 and kw["compilation_config"] is cc
