@@ -31,7 +31,7 @@ from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
 from framework.engine.capture import capture_graphs, dummy_batch
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-from framework.engine.model_prep import prepack_lm_head, quantize
+from framework.engine.model_prep import process_weights, quantize
 from framework.engine.outputs import RequestOutput, output_of
 from framework.engine.parallel import start_tensor_parallel, startup_guard
 from framework.engine.request import Request, validate_max_tokens, validate_token_ids
@@ -235,7 +235,7 @@ class LLM:
         restore), the runner, static-quantization calibration and the warm-up forward that
         compiles (and saves the program for warm starts)."""
         mc = self.model_config
-        prepack_lm_head(self.model, self.config)
+        self.packed_layers = process_weights(self.model, self.config)
         self.graphs = setup_graphs(
             self.config,
             attention_backend=attention_backend,

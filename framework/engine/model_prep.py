@@ -1,15 +1,21 @@
-"""Preparing the loaded model before it is compiled: weight quantization and the prepacked
-LM head (the LM head runs outside the compiled graph)."""
+"""Preparing the loaded model before it is compiled: weight quantization, then the weights
+re-laid out once for the kernels that read them (vLLM's ``process_weights_after_loading``).
+
+After :func:`process_weights` every CPU linear the ``prepack_linear`` pass covers holds its
+weight once, packed (``PackedLinearMethod``); the plain originals are gone.  A weight shared
+by several modules (a tied LM head and embedding) stays plain: packing it would hold it twice.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Optional
 
 import torch
 
 from framework.core.config import CompilationConfig
 from framework.core.quantization import QuantizationConfig
-from passes.ops_prepack import PrepackedLinearMethod
+from passes.ops_prepack import PackedLinearMethod
 from passes.quant_schemes import quantize_model
 
 
@@ -25,12 +31,25 @@ def quantize(model: torch.nn.Module, quantization: Any) -> tuple[Any, Optional[s
     return qc, qc.compute_hash(), quantize_model(model, qc)
 
 
-def prepack_lm_head(model: torch.nn.Module, config: CompilationConfig) -> None:
-    """Give the LM head the prepacked path too when the ``prepack_linear`` pass is on (it is
-    the largest matmul of a small model, and runs outside the compiled graph)."""
-    head = getattr(model, "lm_head", None)
-    if head is None or "prepack_linear" not in config.pass_config.passes:
-        return
+def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[str]:
+    """Re-lay every eligible linear weight of ``model`` once, in place, when the
+    ``prepack_linear`` pass is on; returns the names of the layers packed.
 
-    if PrepackedLinearMethod.applies_to(head):
-        head.linear_method = PrepackedLinearMethod()
+    Eligible: a module exposing ``linear_method`` (None: no quantization scheme took it) and
+    a 2-D CPU bf16/fp32 weight that no other module shares.  The LM head is included (it runs
+    outside the compiled graph and is the largest matmul of a small model)."""
+    if "prepack_linear" not in config.pass_config.passes:
+        return []
+    owners = Counter(id(p) for _, m in model.named_modules() for p in m.parameters(recurse=False))
+    max_rows = config.kernel_config.max_rows()
+    packed = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "linear_method") or not PackedLinearMethod.applies_to(module):
+            continue
+        if owners[id(module.weight)] > 1:
+            continue  # tied: the other owner still reads the plain layout
+        method = PackedLinearMethod(max_rows)
+        if method.process(module):
+            module.linear_method = method
+            packed.append(name)
+    return packed
