@@ -44,7 +44,7 @@ from framework.engine.request import step_kind
 ROWS = ("linears", "attention", "elementwise pieces", "LM head + sampling", "host")
 LINEAR_OPS = frozenset(
     {
-        "piecewise::prepacked_linear",
+        "piecewise::packed_linear",
         "mkldnn::_linear_pointwise",
         "aten::linear",
         "aten::addmm",
@@ -155,7 +155,7 @@ def step_bytes(llm: Any, batch: int, mean_ctx: float) -> dict[str, int]:
     for name, p in model.named_parameters():
         if p is head_w or "embed" in name:
             continue
-        if p.dim() == 2:
+        if p.dim() >= 2:  # plain [N, K] or re-laid out (packed panels)
             linear += p.numel() * p.element_size()
         else:
             other += p.numel() * p.element_size()

@@ -302,7 +302,7 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
 def _code_digest(llm: Any) -> Optional[str]:
     """What the model runs, as one digest: the compiled pieces' code
     (``PiecewiseBackend.code_digest``) and what runs outside them -- every module's linear
-    method (the LM head's prepacked path depends on ``prepack_linear`` without changing any
+    method (the LM head's packed path depends on ``prepack_linear`` without changing any
     piece). None when a piece's code is not known as text."""
     backend = getattr(getattr(llm, "compiled", None), "backend", None)
     pieces = backend.code_digest() if callable(getattr(backend, "code_digest", None)) else None

@@ -145,7 +145,13 @@ def _shim():
         capsule = ctypes.pythonapi.PyCapsule_New
         capsule.restype = ctypes.py_object
         capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        return fn, lib.aoti_torch_layout__mkldnn(), dtypes, lib.aoti_torch_device_type_cpu(), capsule
+        return (
+            fn,
+            lib.aoti_torch_layout__mkldnn(),
+            dtypes,
+            lib.aoti_torch_device_type_cpu(),
+            capsule,
+        )
     except (OSError, AttributeError) as e:
         logger.warning("oneDNN tensor views unavailable (%s); large-M linears use F.linear", e)
         return None

@@ -23,6 +23,7 @@ from passes.base import CompileRange, GraphPass, graph_device_types
 from passes.ops_prepack import mkldnn_available, packed_linear
 from passes.registry import register_pass
 
+
 # CPU only (mkldnn); on by default from O1: 1.26x on the CPU decode step.
 @register_pass(
     "prepack_linear",

@@ -99,7 +99,9 @@ class KernelConfig(StrictConfig):
     cache key; fixed when the weights are re-laid out (model preparation), never read from
     the environment at call time."""
 
-    small_m_linear: bool = field(default_factory=lambda: _env_flag("PIECEWISE_SMALL_M_LINEAR", True))
+    small_m_linear: bool = field(
+        default_factory=lambda: _env_flag("PIECEWISE_SMALL_M_LINEAR", True)
+    )
     """Run bf16 linears of few rows on the small-M kernel (``passes/small_m_linear.py``).
     Default: the environment variable ``PIECEWISE_SMALL_M_LINEAR`` (``0`` turns it off), else on."""
     small_m_max_rows: int = 16
@@ -116,8 +118,7 @@ class KernelConfig(StrictConfig):
             or self.small_m_max_rows < 0
         ):
             raise ValueError(
-                f"KernelConfig.small_m_max_rows: must be an int >= 0, got "
-                f"{self.small_m_max_rows!r}"
+                f"KernelConfig.small_m_max_rows: must be an int >= 0, got {self.small_m_max_rows!r}"
             )
 
     def max_rows(self) -> int:

@@ -11,7 +11,7 @@ import torch
 
 import backends.attention  # noqa: F401  (defines piecewise::attention)
 import passes.ops  # noqa: F401  (defines the fused ops)
-import passes.ops_prepack  # noqa: F401  (defines piecewise::prepacked_linear)
+import passes.ops_prepack  # noqa: F401  (defines piecewise::packed_linear)
 from framework.core import ops as core_ops
 
 ops = torch.ops.piecewise
@@ -35,7 +35,7 @@ FUSED = {
 
 def test_every_op_is_defined_through_the_helper():
     table = core_ops.registered_kernels()
-    assert {n.split("::")[1] for n in table} >= FUSED | {"attention", "prepacked_linear"}
+    assert {n.split("::")[1] for n in table} >= FUSED | {"attention", "packed_linear"}
     triton = importlib.util.find_spec("triton") is not None
     for name in FUSED:
         entry = table[f"piecewise::{name}"]
@@ -44,7 +44,7 @@ def test_every_op_is_defined_through_the_helper():
         if triton:
             assert entry["cuda"].startswith("passes.ops.triton.")
         assert hasattr(ops, name)
-    assert set(table["piecewise::prepacked_linear"]) == {"cpu"}
+    assert set(table["piecewise::packed_linear"]) == {"cpu"}
     assert set(table["piecewise::attention"]) == {"default"}
 
 
