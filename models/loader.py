@@ -14,6 +14,7 @@ the model expects (missing / unexpected), then per tensor check dtype and shape 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Optional, Union
 
@@ -162,7 +163,8 @@ def _load_file(
             f"{file}: not a readable safetensors file ({e}); the file is "
             f"corrupt or truncated, re-download it"
         ) from None
-    with handle as f, torch.no_grad():
+    offsets = _data_offsets(file)
+    with handle as f, open(file, "rb", buffering=0) as raw, torch.no_grad():
         present = set(f.keys())
         for hf_name in names:
             if hf_name not in present:
@@ -199,6 +201,9 @@ def _load_file(
                     f"{want} (from config.json)"
                 )
             try:
+                if shard is None:
+                    _read_into(raw, offsets[hf_name], _TORCH_DTYPES[dtype], target)
+                    continue
                 tensor = _read(f, sl, hf_name, shard)
             except Exception as e:
                 raise CheckpointError(
@@ -210,6 +215,64 @@ def _load_file(
                     target.zero_()  # vocabulary padding rows
                 target = target.narrow(shard.dim, shard.dst_start, shard.size)
             target.copy_(tensor)
+
+
+_TORCH_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
+_CHUNK = 64 << 20
+"""Bytes per read (and the most a dtype conversion holds beside the model)."""
+
+
+def _data_offsets(file: Path) -> dict[str, tuple[int, int]]:
+    """Tensor name -> (first byte, end byte) in the file, from the safetensors header."""
+    with open(file, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    base = 8 + n
+    return {
+        name: (base + meta["data_offsets"][0], base + meta["data_offsets"][1])
+        for name, meta in header.items()
+        if name != "__metadata__"
+    }
+
+
+def _read_into(raw, span: tuple[int, int], src_dtype: torch.dtype, target: torch.Tensor) -> None:
+    """Read a whole tensor's bytes with plain file reads, straight into ``target`` when the
+    dtypes agree, else through chunks converted in place: the checkpoint is never mapped or
+    held beside the model (a mapped file's pages count in the process's resident memory)."""
+    begin, end = span
+    flat = target.view(-1) if target.is_contiguous() else None
+    numel = target.numel()
+    if (end - begin) != numel * src_dtype.itemsize:
+        raise ValueError(f"{end - begin} bytes for {numel} {src_dtype} elements")
+    raw.seek(begin)
+    if flat is not None and src_dtype == target.dtype:
+        _readinto(raw, memoryview(flat.view(torch.uint8).numpy()))
+        return
+    step = max(1, _CHUNK // src_dtype.itemsize)
+    done = 0
+    out = flat if flat is not None else torch.empty(numel, dtype=target.dtype)
+    while done < numel:
+        count = min(step, numel - done)
+        buf = torch.empty(count, dtype=src_dtype)
+        _readinto(raw, memoryview(buf.view(torch.uint8).numpy()))
+        out[done : done + count].copy_(buf)
+        done += count
+    if flat is None:
+        target.copy_(out.view(target.shape))
+
+
+def _readinto(raw, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = raw.readinto(view[got : got + _CHUNK])
+        if not n:
+            raise ValueError("unexpected end of file")
+        got += n
 
 
 def _read(f, sl, name: str, shard) -> torch.Tensor:

@@ -38,7 +38,7 @@ from framework.engine.request import Request, validate_max_tokens, validate_toke
 from framework.engine.runner import ModelRunner
 from framework.engine.sampling_params import SamplingParams, params_per_prompt
 from framework.engine.scheduler import Scheduler
-from framework.engine.stats import StartupStats, compile_stats, step_time_stats
+from framework.engine.stats import StartupStats, compile_stats, memory_stats, step_time_stats
 from framework.engine.tokenizer import encode_prompt, load_tokenizer
 from models.config import parse_dtype
 from models.loader import load_model
@@ -483,6 +483,8 @@ class LLM:
         out.update(self.scheduler.stats.as_dict())
         out["kv_blocks_total"] = self.allocator.num_usable
         out["kv_blocks_free"] = self.allocator.num_free
+        memory = memory_stats(self.model, self.kv_caches, getattr(self, "packed_layers", []))
+        out.update({f"memory_{k}": v for k, v in memory.items()})
         if self.allocator.enable_prefix_caching:
             out.update(self.allocator.stats.as_dict())
         return out
