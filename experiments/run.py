@@ -309,7 +309,7 @@ def _code_digest(llm: Any) -> Optional[str]:
     if pieces is None:
         return None
     eager = sorted(
-        f"{name}:{type(m.linear_method).__qualname__}"
+        f"{name}:{m.linear_method!r}"
         for name, m in llm.model.named_modules()
         if getattr(m, "linear_method", None) is not None
     )

@@ -38,34 +38,34 @@ def available() -> bool:
     )
 
 
-def reorder(
-    w: torch.Tensor, expect: Optional[torch.Tensor] = None
-) -> Optional[tuple[Optional[torch.Tensor], torch.Tensor]]:
-    """``w [N, K]`` in oneDNN's packed layout: (the packed bytes as a dense 1-D tensor of
-    ``w``'s dtype, the uint8 memory descriptor), or None where this torch cannot say.
+class Packed:
+    """oneDNN's packed form of a weight, alive until :meth:`release`: ``data`` is a dense 1-D
+    view (the weight's dtype) of oneDNN's bytes, ``md`` the uint8 memory descriptor."""
 
-    With ``expect`` (the caller's own re-laid copy of ``w``), no bytes are copied: the result
-    is (None, descriptor) when oneDNN's bytes equal ``expect``'s, else None.  The opaque
-    oneDNN tensor lives only inside this call."""
+    def __init__(self, opaque: torch.Tensor, data: torch.Tensor, md: torch.Tensor) -> None:
+        self._opaque, self.data, self.md = opaque, data, md
+
+    def release(self) -> None:
+        self._opaque = self.data = None
+
+
+def reorder(w: torch.Tensor) -> Optional[Packed]:
+    """``w [N, K]`` re-laid out by oneDNN (one copy; ``w`` untouched), or None where this torch
+    cannot say.  Copy ``data`` into a tensor of your own, then :meth:`Packed.release`."""
     if not available() or _shim() is None:
         return None
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
-        md = torch.ops.mkldnn._get_mkldnn_serialized_md(packed).clone()
-        nbytes = int(torch.ops.mkldnn._nbytes(packed))
-        ptr = int(torch.ops.mkldnn.data_ptr(packed))
+        opaque = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+        md = torch.ops.mkldnn._get_mkldnn_serialized_md(opaque).clone()
+        nbytes = int(torch.ops.mkldnn._nbytes(opaque))
+        ptr = int(torch.ops.mkldnn.data_ptr(opaque))
     except (AttributeError, RuntimeError) as e:
         logger.warning("oneDNN weight layout unavailable (%s); linears use F.linear", e)
         return None
     if nbytes % w.element_size():
         return None
-    raw = torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=w.dtype)
-    if expect is not None:
-        same = raw.numel() == expect.numel() and torch.equal(raw, expect.reshape(-1))
-        return (None, md) if same else None
-    out = raw.clone()
-    del raw, packed
-    return out, md
+    data = torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=w.dtype)
+    return Packed(opaque, data, md)
 
 
 def view(w: torch.Tensor, md: torch.Tensor, n: int, k: int) -> Optional[torch.Tensor]:

@@ -89,6 +89,27 @@ packed_linear = define_op("piecewise::packed_linear", fake=_fake, default_key="c
 )
 
 
+def _release_weight(layer: nn.Module) -> None:
+    del layer.weight  # a tied weight is never processed, so this drops the last reference
+
+
+def _same_as_panels(data: torch.Tensor, w: torch.Tensor, k: int, chunk: int = 16) -> bool:
+    """oneDNN's bytes ``data`` equal the small-M panels of ``w``, compared a few panels at a
+    time (no full second copy)."""
+    n = w.shape[0]
+    size = int(torch.Size(small_m.panel_shape(n, k)).numel())
+    if data.numel() != size:
+        return False
+    per_panel = size // small_m.panel_shape(n, k)[0]
+    rows = small_m.LANES * chunk
+    for r0 in range(0, n, rows):
+        part = small_m.pack(w.detach()[r0 : r0 + rows]).reshape(-1)
+        start = (r0 // small_m.LANES) * per_panel
+        if not torch.equal(data[start : start + part.numel()], part):
+            return False
+    return True
+
+
 class PackedLinearMethod:
     """The ``linear_method`` of a layer whose weight was re-laid out once (:meth:`process`).
 
@@ -116,24 +137,31 @@ class PackedLinearMethod:
     def process(self, layer: nn.Module) -> bool:
         """Re-lay ``layer.weight`` (plain ``[N, K]``) once; the layer then holds only the packed
         tensor (and ``weight_md``).  Returns False (layer unchanged) where nothing reads a
-        packed layout here."""
-        w = layer.weight.detach()
-        n, k = w.shape
-        small = self.max_rows > 0 and w.dtype in small_m.DTYPES and small_m.kernel_available()
+        packed layout here.  At most two copies of this one weight exist at any moment."""
+        n, k = layer.weight.shape
+        dtype = layer.weight.dtype
+        small = self.max_rows > 0 and dtype in small_m.DTYPES and small_m.kernel_available()
+        onednn_packed = onednn.reorder(layer.weight.detach())
+        md = None
         if small:
-            packed = small_m.pack(w)
-            got = onednn.reorder(w, expect=packed)
-            md = got[1] if got is not None else None
             self.layout = "panel"
+            if onednn_packed is not None and _same_as_panels(onednn_packed.data, layer.weight, k):
+                md = onednn_packed.md
+                shape = small_m.panel_shape(n, k)
+                _release_weight(layer)  # the original goes before the copy is made
+                packed = onednn_packed.data.view(shape).clone()
+            else:
+                onednn_packed = None
+                packed = small_m.pack(layer.weight.detach())
+                _release_weight(layer)
         else:
-            got = onednn.reorder(w)
-            if got is None:
+            if onednn_packed is None:
                 return False
-            packed, md = got
-            self.layout = "onednn"
-            self.max_rows = 0
-        del w
-        del layer.weight  # the original is released here (a tied weight is never processed)
+            self.layout, self.max_rows, md = "onednn", 0, onednn_packed.md
+            _release_weight(layer)
+            packed = onednn_packed.data.clone()
+        if onednn_packed is not None:
+            onednn_packed.release()
         layer.weight = nn.Parameter(packed, requires_grad=False)
         layer.register_buffer("weight_md", md, persistent=False)
         self.out_features, self.in_features = n, k

@@ -101,6 +101,11 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return padded.view(n_pad // LANES, LANES, k_pad // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def panel_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """The shape :func:`pack` gives an ``[n, k]`` weight."""
+    return (-(-n // LANES), -(-k // 2), LANES, 2)
+
+
 def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The plain ``[n, k]`` weight of a :func:`pack` ed one (a new tensor)."""
     panels, pairs = packed.shape[:2]
@@ -113,7 +118,7 @@ def is_packed(w: torch.Tensor, n: int, k: int) -> bool:
     return (
         w.dim() == 4
         and w.dtype in DTYPES
-        and tuple(w.shape) == (-(-n // LANES), -(-k // 2), LANES, 2)
+        and tuple(w.shape) == panel_shape(n, k)
         and w.is_contiguous()
     )
 
