@@ -209,6 +209,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--model-dir", help="an existing checkpoint (default: the cached 1.1B one)")
     p.add_argument("--cache-dir", help="artifact cache (default: under the model cache root)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="also write the rows (tokens included) to this file")
     p.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.cache_dir is None:
@@ -239,6 +240,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             f"{r['memory_kv_cache_bytes'] / 1e9:.4f} |",
             flush=True,
         )
+    for r in rows:
+        print(f"# {r['config']} greedy tokens: {r['tokens']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
 
 
