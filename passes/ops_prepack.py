@@ -93,7 +93,7 @@ def _release_weight(layer: nn.Module) -> None:
     del layer.weight  # a tied weight is never processed, so this drops the last reference
 
 
-def _same_as_panels(data: torch.Tensor, w: torch.Tensor, k: int, chunk: int = 16) -> bool:
+def _same_as_panels(data: torch.Tensor, w: torch.Tensor, k: int, chunk: int = 64) -> bool:
     """oneDNN's bytes ``data`` equal the small-M panels of ``w``, compared a few panels at a
     time (no full second copy)."""
     n = w.shape[0]
@@ -134,34 +134,46 @@ class PackedLinearMethod:
             and getattr(layer, "linear_method", None) is None
         )
 
-    def process(self, layer: nn.Module) -> bool:
+    def process(self, layer: nn.Module, layouts: Optional[dict] = None) -> bool:
         """Re-lay ``layer.weight`` (plain ``[N, K]``) once; the layer then holds only the packed
         tensor (and ``weight_md``).  Returns False (layer unchanged) where nothing reads a
-        packed layout here.  At most two copies of this one weight exist at any moment."""
+        packed layout here.  At most two copies of this one weight exist at any moment.
+
+        ``layouts``: a dict the caller keeps over one model's layers; whether oneDNN reads the
+        panel layout of a (shape, dtype) is found once per shape (oneDNN re-lays the first
+        weight of each shape, its bytes are compared with the panels) and remembered there."""
         n, k = layer.weight.shape
         dtype = layer.weight.dtype
         small = self.max_rows > 0 and dtype in small_m.DTYPES and small_m.kernel_available()
-        onednn_packed = onednn.reorder(layer.weight.detach())
-        md = None
+        layouts = {} if layouts is None else layouts
+        key = (n, k, dtype, small)
         if small:
             self.layout = "panel"
-            if onednn_packed is not None and _same_as_panels(onednn_packed.data, layer.weight, k):
-                md = onednn_packed.md
-                shape = small_m.panel_shape(n, k)
-                _release_weight(layer)  # the original goes before the copy is made
-                packed = onednn_packed.data.view(shape).clone()
-            else:
-                onednn_packed = None
+            if key in layouts:
+                md = layouts[key]
                 packed = small_m.pack(layer.weight.detach())
                 _release_weight(layer)
+            else:
+                got = onednn.reorder(layer.weight.detach())
+                md = None
+                if got is not None and _same_as_panels(got.data, layer.weight, k):
+                    md = got.md
+                    _release_weight(layer)  # the original goes before the copy is made
+                    packed = got.data.view(small_m.panel_shape(n, k)).clone()
+                    got.release()
+                else:
+                    got = None
+                    packed = small_m.pack(layer.weight.detach())
+                    _release_weight(layer)
+                layouts[key] = md
         else:
-            if onednn_packed is None:
+            got = onednn.reorder(layer.weight.detach())
+            if got is None:
                 return False
-            self.layout, self.max_rows, md = "onednn", 0, onednn_packed.md
+            self.layout, self.max_rows, md = "onednn", 0, got.md
             _release_weight(layer)
-            packed = onednn_packed.data.clone()
-        if onednn_packed is not None:
-            onednn_packed.release()
+            packed = got.data.clone()
+            got.release()
         layer.weight = nn.Parameter(packed, requires_grad=False)
         layer.register_buffer("weight_md", md, persistent=False)
         self.out_features, self.in_features = n, k

@@ -8,6 +8,9 @@ by several modules (a tied LM head and embedding) stays plain: packing it would 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 from collections import Counter
 from typing import Any, Optional
 
@@ -42,6 +45,7 @@ def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[s
         return []
     owners = Counter(id(p) for _, m in model.named_modules() for p in m.parameters(recurse=False))
     max_rows = config.kernel_config.max_rows()
+    layouts: dict = {}  # per shape: does oneDNN read the panel layout (found once per shape)
     packed = []
     for name, module in model.named_modules():
         if not hasattr(module, "linear_method") or not PackedLinearMethod.applies_to(module):
@@ -49,7 +53,26 @@ def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[s
         if owners[id(module.weight)] > 1:
             continue  # tied: the other owner still reads the plain layout
         method = PackedLinearMethod(max_rows)
-        if method.process(module):
+        if method.process(module, layouts):
             module.linear_method = method
             packed.append(name)
+            release_free_memory()  # the original's pages go back to the system now
     return packed
+
+
+def release_free_memory() -> None:
+    """Return freed heap memory to the system (glibc ``malloc_trim``; a no-op elsewhere).
+    Weights of a few MB live on the heap, where freeing one does not shrink the process."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
