@@ -183,3 +183,31 @@ def test_the_pass_counts_the_packed_linears_in_a_compiled_graph():
     compile_with(f, backend, *args)
     assert count_op(backend.graph_after, torch.ops.piecewise.packed_linear) == 1
     assert pm.stats()["prepack_linear"]["total_matches"] == 1
+
+
+def test_onednn_layout_is_checked_once_per_shape(monkeypatch):
+    """Over one model's layers, oneDNN re-lays only the first weight of each shape; the
+    others are packed directly and share its verdict and descriptor (and stay exact)."""
+    if not small_m.kernel_available():
+        pytest.skip("no small-M kernel: every bf16 weight goes through oneDNN")
+    calls = []
+    real = onednn_layout.reorder
+    monkeypatch.setattr(onednn_layout, "reorder", lambda w: calls.append(w.shape) or real(w))
+    layouts: dict = {}
+    ws = [torch.randn(128, 64, dtype=torch.bfloat16) for _ in range(3)]
+    layers = []
+    for w in ws + [torch.randn(64, 64, dtype=torch.bfloat16)]:
+        layer = Linear(w.shape[1], w.shape[0], dtype=w.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        method = P.PackedLinearMethod(small_m.DEFAULT_MAX_ROWS)
+        assert method.process(layer, layouts)
+        layer.linear_method = method
+        layers.append(layer)
+    assert calls == [(128, 64), (64, 64)]
+    x = torch.randn(small_m.DEFAULT_MAX_ROWS + 4, 64, dtype=torch.bfloat16)
+    for layer, w in zip(layers, ws):
+        assert torch.equal(layer.weight, small_m.pack(w))
+        torch.testing.assert_close(layer(x), F.linear(x, w), atol=5e-2, rtol=5e-2)
+    mds = [layer.weight_md for layer in layers[:3]]
+    assert all((md is None) == (mds[0] is None) for md in mds)
