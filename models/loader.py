@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections import Counter
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -118,8 +119,16 @@ def _tied_lm_head(model: nn.Module) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
-def load_weights(model: nn.Module, model_dir: Union[str, Path]) -> None:
-    """Copy every checkpoint tensor into the (materialized) model, cast to its dtype."""
+def load_weights(
+    model: nn.Module,
+    model_dir: Union[str, Path],
+    loaded: Optional[Callable[[str], None]] = None,
+) -> None:
+    """Copy every checkpoint tensor into the (materialized) model, cast to its dtype.
+
+    ``loaded(param_name)`` is called as soon as a parameter is complete (every row block of a
+    merged projection read), so a caller can re-lay or quantize it before the next one is
+    read -- the model's float weights then never all sit in memory at once."""
     files = checkpoint_tensor_files(model_dir)
     expected = expected_checkpoint_tensors(model)
     optional = {"lm_head.weight"} if _tied_lm_head(model) else set()
@@ -145,8 +154,9 @@ def load_weights(model: nn.Module, model_dir: Union[str, Path]) -> None:
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
+    remaining = Counter(param for param, _ in expected.values())
     for file, names in by_file.items():
-        _load_file(model, params, file, names, expected)
+        _load_file(model, params, file, names, expected, remaining, loaded)
 
 
 def _load_file(
@@ -155,7 +165,14 @@ def _load_file(
     file: Path,
     names: list[str],
     expected: dict[str, tuple[str, Optional[int]]],
+    remaining: Counter,
+    loaded: Optional[Callable[[str], None]],
 ) -> None:
+    def done(param_name: str) -> None:
+        remaining[param_name] -= 1
+        if remaining[param_name] == 0 and loaded is not None:
+            loaded(param_name)
+
     try:
         handle = safe_open(str(file), framework="pt")
     except Exception as e:
@@ -203,6 +220,7 @@ def _load_file(
             try:
                 if shard is None:
                     _read_into(raw, offsets[hf_name], _TORCH_DTYPES[dtype], target)
+                    done(param_name)
                     continue
                 tensor = _read(f, sl, hf_name, shard)
             except Exception as e:
@@ -215,6 +233,7 @@ def _load_file(
                     target.zero_()  # vocabulary padding rows
                 target = target.narrow(shard.dim, shard.dst_start, shard.size)
             target.copy_(tensor)
+            done(param_name)
 
 
 _TORCH_DTYPES = {
@@ -298,9 +317,13 @@ def load_model(
     model_dir: Union[str, Path],
     dtype: Union[torch.dtype, str] = torch.float32,
     device: Union[str, torch.device] = "cpu",
+    prepare: Optional[Callable[[nn.Module], Callable[[str], None]]] = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model of a Hugging Face folder on the meta device, materialize it on
     ``device`` and load its safetensors weights cast to ``dtype``.
+
+    ``prepare(model)`` (before any weight is read) returns the ``loaded`` callback of
+    :func:`load_weights`: how weights are processed while the checkpoint streams in.
 
     Returns ``(model, config)``; the model is in eval mode with gradients off.
     """
@@ -315,7 +338,7 @@ def load_model(
     # sympy and torch's symbolic shapes (~1 s of every start); the checkpoint fills them.
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.init_non_persistent_state()
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, prepare(model) if prepare is not None else None)
     model.requires_grad_(False)
     model.eval()
     return model, config

@@ -31,7 +31,7 @@ from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
 from framework.engine.capture import capture_graphs, dummy_batch
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-from framework.engine.model_prep import process_weights, quantize
+from framework.engine.model_prep import load_quantized, process_weights
 from framework.engine.outputs import RequestOutput, output_of
 from framework.engine.parallel import start_tensor_parallel, startup_guard
 from framework.engine.request import Request, validate_max_tokens, validate_token_ids
@@ -41,7 +41,6 @@ from framework.engine.scheduler import Scheduler
 from framework.engine.stats import StartupStats, compile_stats, memory_stats, step_time_stats
 from framework.engine.tokenizer import encode_prompt, load_tokenizer
 from models.config import parse_dtype
-from models.loader import load_model
 from passes.quant_schemes import calibrate_activation_scales
 from passes.registry import level_passes
 
@@ -178,8 +177,10 @@ class LLM:
         """Step 1: weights (and quantization), the resolved config, the KV cache, the block
         manager, the tokenizer and the scheduler.  Returns the quantization hash."""
         self.dtype = parse_dtype(dtype)
-        self.model, self.model_config = load_model(model, self.dtype, self.device)
-        self.quant_config, quant_hash, self.quantized_layers = quantize(self.model, quantization)
+        self.model, self.model_config, quantized = load_quantized(
+            model, self.dtype, self.device, quantization
+        )
+        self.quant_config, quant_hash, self.quantized_layers = quantized
         cc = compilation_config or CompilationConfig()
         if isinstance(cc, dict):
             cc = CompilationConfig.from_dict(cc)

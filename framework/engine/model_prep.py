@@ -18,8 +18,9 @@ import torch
 
 from framework.core.config import CompilationConfig
 from framework.core.quantization import QuantizationConfig
+from models.loader import load_model
 from passes.ops_prepack import PackedLinearMethod
-from passes.quant_schemes import quantize_model
+from passes.quant_schemes import apply_scheme, quantize_model, quantize_plan
 
 
 def quantize(model: torch.nn.Module, quantization: Any) -> tuple[Any, Optional[str], Any]:
@@ -32,6 +33,39 @@ def quantize(model: torch.nn.Module, quantization: Any) -> tuple[Any, Optional[s
     if qc is None:
         return None, None, None
     return qc, qc.compute_hash(), quantize_model(model, qc)
+
+
+def load_quantized(
+    model_dir: str, dtype: torch.dtype, device: Any, quantization: Any
+) -> tuple[torch.nn.Module, Any, tuple[Any, Optional[str], Any]]:
+    """:func:`models.loader.load_model`, quantizing each selected layer as soon as its weight
+    is read (the float weights never all sit in memory at once).  Returns (model, model
+    config, (quantization config, its hash, ``{layer: scheme}``)), as :func:`quantize` does."""
+    qc = QuantizationConfig.parse(quantization) if quantization is not None else None
+    if qc is None:
+        model, model_config = load_model(model_dir, dtype, device)
+        return model, model_config, (None, None, None)
+    plan: list = []
+    pending: dict[str, tuple[torch.nn.Module, Any]] = {}
+
+    def prepare(model: torch.nn.Module):
+        plan.extend(quantize_plan(model, qc))  # raises before any weight is read
+        for name, layer, scheme in plan:
+            pending[f"{name}.weight"] = (layer, scheme)
+
+        def loaded(param_name: str) -> None:
+            entry = pending.pop(param_name, None)
+            if entry is not None:
+                apply_scheme(*entry)
+                release_free_memory()
+
+        return loaded
+
+    model, model_config = load_model(model_dir, dtype, device, prepare=prepare)
+    for layer, scheme in pending.values():  # e.g. a tied weight, loaded under another name
+        apply_scheme(layer, scheme)
+    layers = {name: type(scheme).name for name, _, scheme in plan}
+    return model, model_config, (qc, qc.compute_hash(), layers)
 
 
 def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[str]:
