@@ -9,9 +9,12 @@ tensor), and each large-M call wraps those bytes in a non-owning oneDNN tensor
 (:func:`view`, ~10-15 µs) for the duration of the call.
 
 For bf16 on AVX512-BF16 machines oneDNN's blocked format (``BA16a64b2a``) is byte for byte the
-small-M kernel's panel layout (``passes/small_m_linear.py``) whenever N is a multiple of 64 and
-K of 32; :func:`reorder` returns the bytes and the caller compares them with its own layout
-before trusting that (other shapes, other ISAs: no descriptor, one kernel for every size).
+small-M kernel's panel layout (``passes/small_m_linear.py``) whenever K is a multiple of 32
+(N is zero-padded to whole 64-row panels by both; checked on torch 2.13 for e.g. 100x64,
+320x2048, 2048x5632, and not so for K = 33, 48, 70).  :func:`reorder` returns oneDNN's bytes
+and the caller compares them with its own layout before trusting that; where they differ
+(other shapes, other ISAs) there is no descriptor and larger batches unpack the weight per
+call (``F.linear``).
 
 Every private torch API this needs is here, each failing closed (``None``): without them the
 packed op runs the public path (``F.linear`` on the weight unpacked per call).  Checked on
