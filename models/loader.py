@@ -170,8 +170,10 @@ def _load_file(
 ) -> None:
     def done(param_name: str) -> None:
         remaining[param_name] -= 1
-        if remaining[param_name] == 0 and loaded is not None:
-            loaded(param_name)
+        if remaining[param_name] == 0:
+            params.pop(param_name)  # no reference kept: ``loaded`` may replace it
+            if loaded is not None:
+                loaded(param_name)
 
     try:
         handle = safe_open(str(file), framework="pt")
@@ -220,6 +222,7 @@ def _load_file(
             try:
                 if shard is None:
                     _read_into(raw, offsets[hf_name], _TORCH_DTYPES[dtype], target)
+                    param = target = None  # so that ``loaded`` can release it
                     done(param_name)
                     continue
                 tensor = _read(f, sl, hf_name, shard)
@@ -233,6 +236,7 @@ def _load_file(
                     target.zero_()  # vocabulary padding rows
                 target = target.narrow(shard.dim, shard.dst_start, shard.size)
             target.copy_(tensor)
+            param = target = tensor = None
             done(param_name)
 
 
