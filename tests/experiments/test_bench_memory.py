@@ -78,10 +78,13 @@ def test_loading_reads_into_the_parameters_without_a_second_copy(tmp_path):
     assert growth < 32 * 2**20, f"peak grew {growth / 2**20:.0f} MB while loading 128 MB"
 
 
-@pytest.mark.slow(reason="writes a 2.2 GB checkpoint once and runs the 1.1B model at O2")
-def test_1_1b_bf16_peak_rss_within_weights_plus_0_6_gb(capsys):
-    (row,) = bench_memory.main(["--configs", "bf16"])
-    assert row["meets_target"], row
-    assert row["peak"] <= row["checkpoint_bytes"] + bench_memory.TARGET_EXTRA_BYTES
-    assert row["memory_weights_bytes"] < row["checkpoint_bytes"] * 1.01  # held once
-    assert len(row["tokens"]) == 16
+@pytest.mark.slow(reason="writes a 2.2 GB checkpoint once and runs the 1.1B model at O2 twice")
+def test_1_1b_peak_rss_within_weights_plus_0_6_gb(capsys):
+    bf16, int8 = bench_memory.main(["--configs", "bf16", "int8"])
+    assert bf16["meets_target"], bf16
+    assert bf16["peak"] <= bf16["checkpoint_bytes"] + bench_memory.TARGET_EXTRA_BYTES
+    assert bf16["memory_weights_bytes"] < bf16["checkpoint_bytes"] * 1.01  # held once
+    # int8: within its own (int8 + bf16 embedding/LM head) weights + 0.6 GB, not just the
+    # checkpoint's: the bf16 weights are never all loaded at once.
+    assert int8["peak"] <= int8["memory_weights_bytes"] + bench_memory.TARGET_EXTRA_BYTES, int8
+    assert len(bf16["tokens"]) == len(int8["tokens"]) == 16
