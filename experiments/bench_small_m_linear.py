@@ -8,9 +8,9 @@ bf16) and row count M, three implementations run round-robin, each round timing 
 enough copies of the weight to exceed 96 MB (so every call streams its weight from DRAM, as a
 decode step does, instead of re-reading a cached one):
 
-* ``kernel``: :func:`passes.small_m_linear.small_m_linear` (the re-laid weight),
+* ``kernel``: :func:`passes.small_m_linear.run_packed` on the re-laid weight,
 * ``mkldnn``: ``mkldnn._linear_pointwise`` on the oneDNN-packed weight (what
-  ``piecewise::prepacked_linear`` ran before),
+  ``piecewise::packed_linear`` runs above the small-M threshold),
 * ``F.linear``: torch on the plain weight.
 
 Prints the median µs per call and the weight-read rate in GB/s (median round, and the best
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from experiments.bandwidth import measure_read_bandwidth
-from passes.ops_prepack import packed_weight
-from passes.small_m_linear import isa, small_m_linear
+from passes import small_m_linear as small_m
+from passes.small_m_linear import isa
 
 DEFAULT_SHAPES = ("1024x512", "512x512", "2816x512", "512x1408", "32000x512")
 SWEEP_BYTES = 96 << 20
@@ -48,10 +48,12 @@ def bench_shape(
     g = torch.Generator().manual_seed(0)
     copies = max(3, -(-sweep_bytes // (n * k * 2)))
     ws = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for _ in range(copies)]
+    packed = {id(w): small_m.pack(w) for w in ws}  # this benchmark's own copies, not an engine's
+    onednn = {id(w): torch.ops.mkldnn._reorder_linear_weight(w) for w in ws}
     impls = {
-        "kernel": lambda x, w: small_m_linear(x, w, None),
+        "kernel": lambda x, w: small_m.run_packed(x, packed[id(w)], None, n),
         "mkldnn": lambda x, w: torch.ops.mkldnn._linear_pointwise(
-            x, packed_weight(w), None, "none", [], ""
+            x, onednn[id(w)], None, "none", [], ""
         ),
         "F.linear": lambda x, w: F.linear(x, w),
     }

@@ -3,11 +3,13 @@ side in one process: what the kernel buys end to end.
 
     python -m experiments.bench_small_m_step [--batches 1 8] [--rounds 5] [--threads 2]
 
-One ``LLM`` (default tiny model, bf16, O2) serves both variants: ``oneDNN`` sets
-``passes.small_m_linear.MAX_ROWS = 0`` so ``piecewise::prepacked_linear`` (graph linears and
-the LM head) takes the oneDNN path; ``small-M`` restores the default threshold.  Rounds
-alternate the variants (round-robin, the first variant rotating); each row is the median
-decode step over every round's steps, and says whether the greedy tokens equal oneDNN's.
+Two ``LLM`` s (default tiny model, bf16, O2) per batch size, one per variant: ``oneDNN``
+builds with ``kernel_config.small_m_max_rows = 0`` so ``piecewise::packed_linear`` (graph
+linears and the LM head) takes the oneDNN path at every size; ``small-M`` keeps the default
+threshold.  The setting is each engine's own (part of its cache key), so both live in one
+process.  Rounds alternate the variants (round-robin, the first variant rotating); each row is
+the median decode step over every round's steps, and says whether the greedy tokens equal
+oneDNN's.
 """
 
 from __future__ import annotations
@@ -20,20 +22,27 @@ from typing import Optional
 import torch
 
 from experiments.bench_measure import make_prompts, timed_generation
-from experiments.contenders import Piecewise, build_llm
+from experiments.contenders import Piecewise
+from framework import LLM, CompilationConfig
 from passes import small_m_linear as small_m
 
-VARIANTS = {"oneDNN": 0, "small-M": small_m.MAX_ROWS}
+VARIANTS = {"oneDNN": 0, "small-M": small_m.DEFAULT_MAX_ROWS}
+"""Variant name -> ``KernelConfig.small_m_max_rows``."""
 
 
-class _Variant(Piecewise):
-    def __init__(self, name: str, llm, max_rows: int):
-        super().__init__(name, llm)
-        self.max_rows = max_rows
-
-    def generate(self, prompts, steps):
-        small_m.MAX_ROWS = self.max_rows
-        return super().generate(prompts, steps)
+def build_variant(
+    max_rows: int, path: str, dtype: str, cache_dir: str, max_num_seqs: int, max_model_len: int
+) -> LLM:
+    return LLM(
+        path,
+        dtype=dtype,
+        cache_dir=cache_dir,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        compilation_config=CompilationConfig(
+            level=2, progress_bar=False, kernel_config={"small_m_max_rows": max_rows}
+        ),
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -45,20 +54,22 @@ def run(args: argparse.Namespace) -> list[dict]:
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="pw_small_m_")
     rows = []
     for batch in args.batches:
-        t0 = time.perf_counter()
-        llm = build_llm(2, path, args.dtype, cache_dir, batch, args.prompt_len + args.steps + 8)
-        print(f"# built O2 b{batch} in {time.perf_counter() - t0:.1f}s", flush=True)
-        prompts = make_prompts(batch, args.prompt_len, llm.model_config.vocab_size)
-        variants = [_Variant(n, llm, r) for n, r in VARIANTS.items()]
+        variants = []
+        for name, max_rows in VARIANTS.items():
+            t0 = time.perf_counter()
+            max_len = args.prompt_len + args.steps + 8
+            llm = build_variant(max_rows, path, args.dtype, cache_dir, batch, max_len)
+            print(f"# built O2 b{batch} {name} in {time.perf_counter() - t0:.1f}s", flush=True)
+            variants.append(Piecewise(name, llm))
+        prompts = make_prompts(batch, args.prompt_len, variants[0].llm.model_config.vocab_size)
         tokens, samples = {}, {v.name: [] for v in variants}
-        for v in variants:  # warm-up: packing, thread pool
+        for v in variants:  # warm-up: thread pool, first calls
             tokens[v.name], _ = timed_generation(v, prompts, args.steps)
         for r in range(args.rounds):
             k = r % len(variants)
             for v in variants[k:] + variants[:k]:
                 _, times = timed_generation(v, prompts, args.steps)
                 samples[v.name].extend(t * 1e3 for t in times[args.warmup_steps :])
-        small_m.MAX_ROWS = VARIANTS["small-M"]
         base = statistics.median(samples["oneDNN"])
         for v in variants:
             med = statistics.median(samples[v.name])

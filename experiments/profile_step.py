@@ -44,7 +44,7 @@ from framework.engine.request import step_kind
 ROWS = ("linears", "attention", "elementwise pieces", "LM head + sampling", "host")
 LINEAR_OPS = frozenset(
     {
-        "piecewise::prepacked_linear",
+        "piecewise::packed_linear",
         "mkldnn::_linear_pointwise",
         "aten::linear",
         "aten::addmm",
@@ -152,10 +152,11 @@ def step_bytes(llm: Any, batch: int, mean_ctx: float) -> dict[str, int]:
     head = getattr(model, "lm_head", None)
     head_w = head.weight if head is not None else None
     linear = other = 0
+    packed = set(getattr(llm, "packed_layers", []))  # re-laid out: any shape
     for name, p in model.named_parameters():
         if p is head_w or "embed" in name:
             continue
-        if p.dim() == 2:
+        if p.dim() == 2 or name.rpartition(".")[0] in packed:
             linear += p.numel() * p.element_size()
         else:
             other += p.numel() * p.element_size()

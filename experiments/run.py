@@ -322,7 +322,7 @@ def main_entry(cfg: DictConfig) -> Optional[float]:
 def _code_digest(llm: Any) -> Optional[str]:
     """What the model runs, as one digest: the compiled pieces' code
     (``PiecewiseBackend.code_digest``) and what runs outside them -- every module's linear
-    method (the LM head's prepacked path depends on ``prepack_linear`` without changing any
+    method (the LM head's packed path depends on ``prepack_linear`` without changing any
     piece). None when a piece's code is not known as text."""
     backend = getattr(getattr(llm, "compiled", None), "backend", None)
     pieces = backend.code_digest() if callable(getattr(backend, "code_digest", None)) else None
@@ -337,7 +337,7 @@ def _eager_digest(llm: Any) -> str:
     prepacked path depends on ``prepack_linear`` without changing any piece)."""
     return "\n".join(
         sorted(
-            f"{name}:{type(m.linear_method).__qualname__}"
+            f"{name}:{m.linear_method!r}"
             for name, m in llm.model.named_modules()
             if getattr(m, "linear_method", None) is not None
         )

@@ -14,11 +14,13 @@ the model expects (missing / unexpected), then per tensor check dtype and shape 
 from __future__ import annotations
 
 import json
+import struct
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -134,9 +136,17 @@ def _tied_lm_head(model: nn.Module) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
-def load_weights(model: nn.Module, model_dir: Union[str, Path]) -> WeightCheck:
+def load_weights(
+    model: nn.Module,
+    model_dir: Union[str, Path],
+    loaded: Optional[Callable[[str], None]] = None,
+) -> WeightCheck:
     """Copy every checkpoint tensor into the (materialized) model, cast to its dtype;
-    returns which of them hold NaN or inf (see :class:`WeightCheck`)."""
+    returns which of them hold NaN or inf (see :class:`WeightCheck`).
+
+    ``loaded(param_name)`` is called as soon as a parameter is complete (every row block of a
+    merged projection read), so a caller can re-lay or quantize it before the next one is
+    read -- the model's float weights then never all sit in memory at once."""
     files = checkpoint_tensor_files(model_dir)
     expected = expected_checkpoint_tensors(model)
     optional = {"lm_head.weight"} if _tied_lm_head(model) else set()
@@ -163,8 +173,9 @@ def load_weights(model: nn.Module, model_dir: Union[str, Path]) -> WeightCheck:
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     check = WeightCheck()
+    remaining = Counter(param for param, _ in expected.values())
     for file, names in by_file.items():
-        _load_file(model, params, file, names, expected, check)
+        _load_file(model, params, file, names, expected, check, remaining, loaded)
     return check
 
 
@@ -175,7 +186,16 @@ def _load_file(
     names: list[str],
     expected: dict[str, tuple[str, Optional[int]]],
     check: WeightCheck,
+    remaining: Counter,
+    loaded: Optional[Callable[[str], None]],
 ) -> None:
+    def done(param_name: str) -> None:
+        remaining[param_name] -= 1
+        if remaining[param_name] == 0:
+            params.pop(param_name)  # no reference kept: ``loaded`` may replace it
+            if loaded is not None:
+                loaded(param_name)
+
     try:
         handle = safe_open(str(file), framework="pt")
     except Exception as e:
@@ -183,7 +203,8 @@ def _load_file(
             f"{file}: not a readable safetensors file ({e}); the file is "
             f"corrupt or truncated, re-download it"
         ) from None
-    with handle as f, torch.no_grad():
+    offsets = _data_offsets(file)
+    with handle as f, open(file, "rb", buffering=0) as raw, torch.no_grad():
         present = set(f.keys())
         for hf_name in names:
             if hf_name not in present:
@@ -220,6 +241,12 @@ def _load_file(
                     f"{want} (from config.json)"
                 )
             try:
+                if shard is None:
+                    _read_into(raw, offsets[hf_name], _TORCH_DTYPES[dtype], target)
+                    _check_finite(target, hf_name, check)
+                    param = target = None  # so that ``loaded`` can release it
+                    done(param_name)
+                    continue
                 tensor = _read(f, sl, hf_name, shard)
             except Exception as e:
                 raise CheckpointError(
@@ -231,10 +258,16 @@ def _load_file(
                     target.zero_()  # vocabulary padding rows
                 target = target.narrow(shard.dim, shard.dst_start, shard.size)
             target.copy_(tensor)
-            t0 = time.perf_counter()
-            if not _finite(target):
-                check.non_finite.append(hf_name)
-            check.check_s += time.perf_counter() - t0
+            _check_finite(target, hf_name, check)
+            param = target = tensor = None
+            done(param_name)
+
+
+def _check_finite(target: torch.Tensor, hf_name: str, check: WeightCheck) -> None:
+    t0 = time.perf_counter()
+    if not _finite(target):
+        check.non_finite.append(hf_name)
+    check.check_s += time.perf_counter() - t0
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -245,6 +278,64 @@ def _finite(t: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(t)
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+_TORCH_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
+_CHUNK = 64 << 20
+"""Bytes per read (and the most a dtype conversion holds beside the model)."""
+
+
+def _data_offsets(file: Path) -> dict[str, tuple[int, int]]:
+    """Tensor name -> (first byte, end byte) in the file, from the safetensors header."""
+    with open(file, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    base = 8 + n
+    return {
+        name: (base + meta["data_offsets"][0], base + meta["data_offsets"][1])
+        for name, meta in header.items()
+        if name != "__metadata__"
+    }
+
+
+def _read_into(raw, span: tuple[int, int], src_dtype: torch.dtype, target: torch.Tensor) -> None:
+    """Read a whole tensor's bytes with plain file reads, straight into ``target`` when the
+    dtypes agree, else through chunks converted in place: the checkpoint is never mapped or
+    held beside the model (a mapped file's pages count in the process's resident memory)."""
+    begin, end = span
+    flat = target.view(-1) if target.is_contiguous() else None
+    numel = target.numel()
+    if (end - begin) != numel * src_dtype.itemsize:
+        raise ValueError(f"{end - begin} bytes for {numel} {src_dtype} elements")
+    raw.seek(begin)
+    if flat is not None and src_dtype == target.dtype:
+        _readinto(raw, memoryview(flat.view(torch.uint8).numpy()))
+        return
+    step = max(1, _CHUNK // src_dtype.itemsize)
+    done = 0
+    out = flat if flat is not None else torch.empty(numel, dtype=target.dtype)
+    while done < numel:
+        count = min(step, numel - done)
+        buf = torch.empty(count, dtype=src_dtype)
+        _readinto(raw, memoryview(buf.view(torch.uint8).numpy()))
+        out[done : done + count].copy_(buf)
+        done += count
+    if flat is None:
+        target.copy_(out.view(target.shape))
+
+
+def _readinto(raw, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = raw.readinto(view[got : got + _CHUNK])
+        if not n:
+            raise ValueError("unexpected end of file")
+        got += n
 
 
 def _read(f, sl, name: str, shard) -> torch.Tensor:
@@ -272,9 +363,13 @@ def load_model(
     device: Union[str, torch.device] = "cpu",
     *,
     strict: bool = False,
+    prepare: Optional[Callable[[nn.Module], Callable[[str], None]]] = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model of a Hugging Face folder on the meta device, materialize it on
     ``device`` and load its safetensors weights cast to ``dtype``.
+
+    ``prepare(model)`` (before any weight is read) returns the ``loaded`` callback of
+    :func:`load_weights`: how weights are processed while the checkpoint streams in.
 
     Returns ``(model, config)``; the model is in eval mode with gradients off, and its
     ``weight_check`` (:class:`WeightCheck`) tells which tensors hold NaN or inf: one
@@ -291,7 +386,7 @@ def load_model(
     # sympy and torch's symbolic shapes (~1 s of every start); the checkpoint fills them.
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.init_non_persistent_state()
-    check = load_weights(model, model_dir)
+    check = load_weights(model, model_dir, prepare(model) if prepare is not None else None)
     if check.non_finite:
         message = (
             f"{model_dir}: tensor(s) {_short(check.non_finite)} hold NaN or inf values "

@@ -288,14 +288,13 @@ def linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def quantize_model(model: nn.Module, quant_config: Any) -> dict[str, str]:
-    """Quantize every linear layer the config selects, once; returns ``{layer: scheme}``.
-
-    ``quant_config``: anything :meth:`QuantizationConfig.parse` accepts.  Raises before
-    touching any layer when some selected layer has no matching scheme."""
+def quantize_plan(model: nn.Module, quant_config: Any) -> list[tuple[str, nn.Module, Any]]:
+    """``[(layer name, layer, scheme)]`` for every linear layer the config selects, checked
+    before any layer is touched (a selected layer without a matching scheme raises); the
+    model's weights need not be loaded yet.  ``scheme.process(layer)`` then quantizes one."""
     qc = QuantizationConfig.parse(quant_config)
     if qc is None:
-        return {}
+        return []
     plan = []
     for name, layer in linear_layers(model):
         spec = qc.spec_for(name)
@@ -307,9 +306,23 @@ def quantize_model(model: nn.Module, quant_config: Any) -> dict[str, str]:
                 f"{layer.linear_method!r}; quantize a model only once"
             )
         plan.append((name, layer, scheme_for(spec, name)(spec, name)))
-    for name, layer, scheme in plan:
-        scheme.process(layer)
-        layer.linear_method = scheme
+    return plan
+
+
+def apply_scheme(layer: nn.Module, scheme: Any) -> None:
+    """Quantize one planned layer (its weight loaded) and install its scheme."""
+    scheme.process(layer)
+    layer.linear_method = scheme
+
+
+def quantize_model(model: nn.Module, quant_config: Any) -> dict[str, str]:
+    """Quantize every linear layer the config selects, once; returns ``{layer: scheme}``.
+
+    ``quant_config``: anything :meth:`QuantizationConfig.parse` accepts.  Raises before
+    touching any layer when some selected layer has no matching scheme."""
+    plan = quantize_plan(model, quant_config)
+    for _, layer, scheme in plan:
+        apply_scheme(layer, scheme)
     return {name: type(scheme).name for name, _, scheme in plan}
 
 

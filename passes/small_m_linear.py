@@ -7,13 +7,17 @@ output rounded to nearest even once, after the bias (as ``F.linear`` does).
 
 Why: at batch 1 a linear is a GEMV that only has to stream its weight once; oneDNN's
 ``_linear_pointwise`` on a packed weight reaches ~12-17 GB/s here, against ~31 GB/s of read
-bandwidth.  The kernel reads the weight re-laid out ONCE into panels of 64 output features
-(see the .cpp), so each thread streams contiguous memory and needs no horizontal reductions.
-The re-laid copy is cached per weight (:class:`passes.weight_cache.WeightCache`).
+bandwidth.  The kernel reads the weight re-laid out into panels of 64 output features
+(:func:`pack`, see the .cpp), so each thread streams contiguous memory and needs no horizontal
+reductions.  That panel layout is the layer's own weight (``piecewise::packed_linear``,
+:mod:`passes.ops_prepack`): the engine re-lays each weight once after loading and releases
+the original; on AVX512-BF16 machines it is also oneDNN's packed layout, so larger batches
+run oneDNN on the same bytes.
 
-``piecewise::prepacked_linear`` dispatches here (:func:`use_small_m`); everything else (more
-rows, fp32, no compiler) stays on oneDNN.  ``PIECEWISE_SMALL_M_LINEAR=0`` turns the kernel
-off; ``PIECEWISE_SMALL_M_LINEAR_PORTABLE=1`` forces the portable build.
+:func:`run_packed` is what the op calls; :func:`small_m_linear` packs a plain weight per call
+(tests, microbenchmarks).  Whether the op uses the kernel, and up to how many rows, are
+engine settings (``CompilationConfig.kernel_config``); ``PIECEWISE_SMALL_M_LINEAR_PORTABLE=1``
+forces the portable build of the library.
 """
 
 from __future__ import annotations
@@ -21,20 +25,19 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from framework.core.native_build import KernelBuildError, NativeLibrary, compiler
-from passes.weight_cache import WeightCache
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 16
+DEFAULT_MAX_ROWS = 16
 """Rows (tokens) up to which the kernel beats oneDNN here (``python -m
-experiments.bench_small_m_linear``); batches of more rows go to oneDNN."""
+experiments.bench_small_m_linear``); batches of more rows go to oneDNN.  The default of
+``KernelConfig.small_m_max_rows``."""
 
 LANES = 64
 """Output features per panel of the packed layout (``kLanes`` in the .cpp)."""
@@ -74,10 +77,8 @@ def isa(portable: Optional[bool] = None) -> str:
 
 @functools.lru_cache(maxsize=None)
 def kernel_available() -> bool:
-    """The kernel is enabled and builds on this machine (a failed build is logged once and
-    leaves every linear on oneDNN)."""
-    if os.environ.get("PIECEWISE_SMALL_M_LINEAR", "1") in ("0", ""):
-        return False
+    """The kernel builds on this machine (a failed build is logged once and leaves every
+    linear on oneDNN)."""
     if compiler() is None:
         return False
     try:
@@ -92,12 +93,36 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     """``w [N, K]`` in the kernel's layout ``[ceil(N/64), ceil(K/2), 64, 2]``, zero-padded."""
     n, k = w.shape
     n_pad, k_pad = -(-n // LANES) * LANES, k + (k & 1)
-    padded = w.new_zeros(n_pad, k_pad)
-    padded[:n, :k] = w
+    if (n_pad, k_pad) == (n, k):
+        padded = w  # no padding: one copy, the permuted one
+    else:
+        padded = w.new_zeros(n_pad, k_pad)
+        padded[:n, :k] = w
     return padded.view(n_pad // LANES, LANES, k_pad // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-_PACKED = WeightCache(pack)
+def panel_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """The shape :func:`pack` gives an ``[n, k]`` weight."""
+    return (-(-n // LANES), -(-k // 2), LANES, 2)
+
+
+def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The plain ``[n, k]`` weight of a :func:`pack` ed one (a new tensor)."""
+    panels, pairs = packed.shape[:2]
+    plain = packed.permute(0, 2, 1, 3).reshape(panels * LANES, pairs * 2)
+    return plain[:n, :k].contiguous()
+
+
+def is_packed(w: torch.Tensor, n: int, k: int) -> bool:
+    """``w`` has the shape and dtype :func:`pack` gives an ``[n, k]`` weight."""
+    return (
+        w.dim() == 4
+        and w.dtype in DTYPES
+        and tuple(w.shape) == panel_shape(n, k)
+        and w.is_contiguous()
+    )
+
+
 _KERNEL = None
 """The default build's C function, once loaded (saves two cached look-ups per call)."""
 
@@ -108,21 +133,6 @@ def _kernel(portable: Optional[bool] = None):
     if portable is None:
         _KERNEL = fn
     return fn
-
-
-def clear_packed_weights() -> None:
-    _PACKED.clear()
-
-
-def use_small_m(x2: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``small_m_linear`` serves this call (few rows, a supported dtype, CPU)."""
-    return (
-        x2.shape[0] <= MAX_ROWS
-        and w.dtype in DTYPES
-        and x2.dtype == w.dtype
-        and w.is_cpu
-        and kernel_available()
-    )
 
 
 def small_m_linear(
@@ -158,10 +168,20 @@ def run(
     bias: Optional[torch.Tensor],
     portable: Optional[bool] = None,
 ) -> torch.Tensor:
-    """:func:`small_m_linear` without the argument checks, for callers that made them
-    (``piecewise::prepacked_linear``: one call per linear per decode step)."""
+    """:func:`small_m_linear` without the argument checks (packs ``w`` for this call)."""
+    return run_packed(x2, pack(w), bias, w.shape[0], portable)
+
+
+def run_packed(
+    x2: torch.Tensor,
+    packed: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    n: int,
+    portable: Optional[bool] = None,
+) -> torch.Tensor:
+    """``x2 [M, K] @ W.T (+ bias)`` on the :func:`pack` ed ``W [n, K]``; no argument checks
+    (``piecewise::packed_linear`` makes them: one call per linear per decode step)."""
     m, k = x2.shape
-    n = w.shape[0]
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if bias is not None and bias.stride(0) != 1:
@@ -172,13 +192,13 @@ def run(
         x2.data_ptr(),
         x2.stride(0) if m > 1 else k,  # a size-1 dim's stride can be anything
         m,
-        _PACKED.get(w).data_ptr(),
+        packed.data_ptr(),
         bias.data_ptr() if bias is not None else None,
         out.data_ptr(),
         n,
         n,
         k,
-        DTYPES[w.dtype],
+        DTYPES[packed.dtype],
     )
     if rc:
         raise ValueError(f"small_m_linear: kernel error {rc} for x {tuple(x2.shape)}, w {(n, k)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -133,6 +134,44 @@ class PassConfig(StrictConfig):
         return parse_pass_list(self.passes).resolve(level_default)
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value not in ("", "0")
+
+
+@dataclass
+class KernelConfig(StrictConfig):
+    """Which hand-written kernels the engine's layers use, and where.  Part of the compile
+    cache key; fixed when the weights are re-laid out (model preparation), never read from
+    the environment at call time."""
+
+    small_m_linear: bool = field(
+        default_factory=lambda: _env_flag("PIECEWISE_SMALL_M_LINEAR", True)
+    )
+    """Run bf16 linears of few rows on the small-M kernel (``passes/small_m_linear.py``).
+    Default: the environment variable ``PIECEWISE_SMALL_M_LINEAR`` (``0`` turns it off), else on."""
+    small_m_max_rows: int = 16
+    """Rows (tokens) up to which a linear runs the small-M kernel; more go to oneDNN."""
+
+    def validate(self) -> None:
+        if not isinstance(self.small_m_linear, bool):
+            raise ValueError(
+                f"KernelConfig.small_m_linear: must be a bool, got {self.small_m_linear!r}"
+            )
+        if (
+            isinstance(self.small_m_max_rows, bool)
+            or not isinstance(self.small_m_max_rows, int)
+            or self.small_m_max_rows < 0
+        ):
+            raise ValueError(
+                f"KernelConfig.small_m_max_rows: must be an int >= 0, got {self.small_m_max_rows!r}"
+            )
+
+    def max_rows(self) -> int:
+        """Rows up to which the small-M kernel runs (0: never)."""
+        return self.small_m_max_rows if self.small_m_linear else 0
+
+
 @dataclass
 class CompilationConfig(StrictConfig):
     """How the model is traced, split, compiled, cached and wrapped in CUDA graphs."""
@@ -163,6 +202,8 @@ class CompilationConfig(StrictConfig):
     inductor_config: dict[str, Any] = field(default_factory=dict)
     """Extra ``torch._inductor.config`` options for every piece (part of the cache key)."""
     pass_config: PassConfig = field(default_factory=PassConfig)
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)
+    """Kernel settings of this engine's layers (part of the cache key)."""
     """Compiler passes run on every piece."""
     use_cache: bool = field(default=True, metadata=NO_HASH)
     """Read and write the on-disk artifact cache."""

@@ -1,4 +1,4 @@
-"""One way to define every ``piecewise::`` custom op (attention, prepacked linear, fused ops).
+"""One way to define every ``piecewise::`` custom op (attention, packed linear, fused ops).
 
 ``define_op`` declares an op with ``torch.library`` (schema inferred from the Python signature,
 mutated arguments marked), registers its fake (meta) implementation and one implementation
@@ -19,16 +19,21 @@ hot path (attention runs once per layer per step) custom_op's Python wrapper cos
 call against ~3 µs for a Library kernel (measured side by side, torch 2.13 CPU). Outputs never
 alias inputs (write into a mutated ``out`` argument instead).
 
-``override_kernel(qualname, device, fn)`` re-registers one device's kernel through the same
-library (``allow_override``), so every caller, compiled graphs included, uses the new kernel.
+``with override_kernel(qualname, device, fn):`` swaps one device's kernel for the calls made
+in that block, in that thread (or asyncio task) only: compiled graphs called inside it use the
+new kernel, and another engine or thread running at the same time does not see it.  The first
+override of an (op, device) installs a trampoline kernel that reads a ``ContextVar`` (one
+look-up per call); outside any override it calls the registered kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import importlib.util
 import warnings
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -113,25 +118,55 @@ def define_op(
     return deco
 
 
-def override_kernel(qualname: str, device: str, kernel: Optional[KernelRef]) -> Optional[KernelRef]:
-    """Replace one device's kernel (``None``: fall back to the default kernel); returns what
-    was registered before so callers can restore it."""
+_OVERRIDES: contextvars.ContextVar[dict[tuple[str, str], Callable]] = contextvars.ContextVar(
+    "piecewise_kernel_overrides", default={}
+)
+"""(qualname, device) -> the kernel that replaces it in the current context (never mutated:
+each ``override_kernel`` block sets a new dict and restores the old one)."""
+_TRAMPOLINES: set[tuple[str, str]] = set()
+
+
+def _trampoline(qualname: str, device: str, ref: KernelRef) -> Callable:
+    base = _lazy(ref)
+    key = (qualname, device)
+
+    def kernel(*args, **kwargs):
+        fn = _OVERRIDES.get().get(key)
+        return (fn or base)(*args, **kwargs)
+
+    kernel.__name__ = getattr(base, "__name__", "kernel")
+    return kernel
+
+
+@contextlib.contextmanager
+def override_kernel(qualname: str, device: str, kernel: KernelRef) -> Iterator[None]:
+    """Within the block, and only in the current thread / task, ``qualname`` runs ``kernel``
+    on ``device`` (``"default"`` for the op's device-independent kernel, ``"cpu"``,
+    ``"cuda"``); a device without a kernel of its own otherwise runs the default one."""
     if qualname not in _KERNELS:
         raise KeyError(f"override_kernel: unknown op {qualname!r}; defined ops: {sorted(_KERNELS)}")
-    table = _KERNELS[qualname]
-    previous = table.get(device)
+    if device not in DEVICE_KEYS:
+        raise ValueError(f"{qualname}: unknown device {device!r}; use one of {sorted(DEVICE_KEYS)}")
     if kernel is None:
-        if device == "default":
-            raise ValueError(
-                f"override_kernel({qualname!r}): the default kernel cannot be "
-                f"removed, only replaced"
+        raise ValueError(f"override_kernel({qualname!r}): give the kernel to run in the block")
+    key = (qualname, device)
+    if key not in _TRAMPOLINES:
+        table = _KERNELS[qualname]
+        ref = table.get(device, table["default"])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+            _LIB.impl(
+                _split(qualname),
+                _trampoline(qualname, device, ref),
+                DEVICE_KEYS[device],
+                allow_override=True,
             )
-        # A device kernel cannot be unregistered; the default kernel takes its place.
-        _register(qualname, device, table["default"])
-        table.pop(device, None)
-    else:
-        _register(qualname, device, kernel)
-    return previous
+        _TRAMPOLINES.add(key)
+    token = _OVERRIDES.set({**_OVERRIDES.get(), key: resolve_kernel(kernel)})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
 
 
 def registered_kernels() -> dict[str, dict[str, str]]:

@@ -37,7 +37,7 @@ from framework.engine.parallel import (
 )
 from framework.engine.sampling_params import SamplingParams
 from framework.engine.scheduler import Scheduler
-from framework.engine.stats import compile_stats, step_time_stats
+from framework.engine.stats import compile_stats, memory_stats, step_time_stats
 from framework.engine.tokenizer import load_tokenizer
 from framework.engine.worker import Worker
 
@@ -233,6 +233,8 @@ class LLM:
         out.update(self.scheduler.stats.as_dict())
         out["kv_blocks_total"] = self.allocator.num_usable
         out["kv_blocks_free"] = self.allocator.num_free
+        memory = memory_stats(self.model, self.kv_caches, self.packed_layers)
+        out.update({f"memory_{k}": v for k, v in memory.items()})
         if self.allocator.enable_prefix_caching:
             out.update(self.allocator.stats.as_dict())
         return out
@@ -254,4 +256,5 @@ _WORKER_ATTRS = (
     "graphs",
     "compiled",
     "runner",
+    "packed_layers",
 )

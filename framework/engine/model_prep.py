@@ -1,16 +1,26 @@
-"""Preparing the loaded model before it is compiled: weight quantization and the prepacked
-LM head (the LM head runs outside the compiled graph)."""
+"""Preparing the loaded model before it is compiled: weight quantization, then the weights
+re-laid out once for the kernels that read them (vLLM's ``process_weights_after_loading``).
+
+After :func:`process_weights` every CPU linear the ``prepack_linear`` pass covers holds its
+weight once, packed (``PackedLinearMethod``); the plain originals are gone.  A weight shared
+by several modules (a tied LM head and embedding) stays plain: packing it would hold it twice.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+from collections import Counter
 from typing import Any, Optional
 
 import torch
 
 from framework.core.config import CompilationConfig
 from framework.core.quantization import QuantizationConfig
-from passes.ops_prepack import PrepackedLinearMethod
-from passes.quant_schemes import quantize_model
+from models.loader import load_model
+from passes.ops_prepack import PackedLinearMethod
+from passes.quant_schemes import apply_scheme, quantize_model, quantize_plan
 
 
 def quantize(model: torch.nn.Module, quantization: Any) -> tuple[Any, Optional[str], Any]:
@@ -25,12 +35,79 @@ def quantize(model: torch.nn.Module, quantization: Any) -> tuple[Any, Optional[s
     return qc, qc.compute_hash(), quantize_model(model, qc)
 
 
-def prepack_lm_head(model: torch.nn.Module, config: CompilationConfig) -> None:
-    """Give the LM head the prepacked path too when the ``prepack_linear`` pass is on (it is
-    the largest matmul of a small model, and runs outside the compiled graph)."""
-    head = getattr(model, "lm_head", None)
-    if head is None or "prepack_linear" not in config.pass_config.passes:
-        return
+def load_quantized(
+    model_dir: str, dtype: torch.dtype, device: Any, quantization: Any, *, strict: bool = False
+) -> tuple[torch.nn.Module, Any, tuple[Any, Optional[str], Any]]:
+    """:func:`models.loader.load_model`, quantizing each selected layer as soon as its weight
+    is read (the float weights never all sit in memory at once).  Returns (model, model
+    config, (quantization config, its hash, ``{layer: scheme}``)), as :func:`quantize` does.
+    ``strict``: a non-finite checkpoint tensor is an error (see ``load_model``)."""
+    qc = QuantizationConfig.parse(quantization) if quantization is not None else None
+    if qc is None:
+        model, model_config = load_model(model_dir, dtype, device, strict=strict)
+        return model, model_config, (None, None, None)
+    plan: list = []
+    pending: dict[str, tuple[torch.nn.Module, Any]] = {}
 
-    if PrepackedLinearMethod.applies_to(head):
-        head.linear_method = PrepackedLinearMethod()
+    def prepare(model: torch.nn.Module):
+        plan.extend(quantize_plan(model, qc))  # raises before any weight is read
+        for name, layer, scheme in plan:
+            pending[f"{name}.weight"] = (layer, scheme)
+
+        def loaded(param_name: str) -> None:
+            entry = pending.pop(param_name, None)
+            if entry is not None:
+                apply_scheme(*entry)
+                release_free_memory()
+
+        return loaded
+
+    model, model_config = load_model(model_dir, dtype, device, strict=strict, prepare=prepare)
+    for layer, scheme in pending.values():  # e.g. a tied weight, loaded under another name
+        apply_scheme(layer, scheme)
+    layers = {name: type(scheme).name for name, _, scheme in plan}
+    return model, model_config, (qc, qc.compute_hash(), layers)
+
+
+def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[str]:
+    """Re-lay every eligible linear weight of ``model`` once, in place, when the
+    ``prepack_linear`` pass is on; returns the names of the layers packed.
+
+    Eligible: a module exposing ``linear_method`` (None: no quantization scheme took it) and
+    a 2-D CPU bf16/fp32 weight that no other module shares.  The LM head is included (it runs
+    outside the compiled graph and is the largest matmul of a small model)."""
+    if "prepack_linear" not in config.pass_config.passes:
+        return []
+    owners = Counter(id(p) for _, m in model.named_modules() for p in m.parameters(recurse=False))
+    max_rows = config.kernel_config.max_rows()
+    layouts: dict = {}  # per shape: does oneDNN read the panel layout (found once per shape)
+    packed = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "linear_method") or not PackedLinearMethod.applies_to(module):
+            continue
+        if owners[id(module.weight)] > 1:
+            continue  # tied: the other owner still reads the plain layout
+        method = PackedLinearMethod(max_rows)
+        if method.process(module, layouts):
+            module.linear_method = method
+            packed.append(name)
+            release_free_memory()  # the original's pages go back to the system now
+    return packed
+
+
+def release_free_memory() -> None:
+    """Return freed heap memory to the system (glibc ``malloc_trim``; a no-op elsewhere).
+    Weights of a few MB live on the heap, where freeing one does not shrink the process."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None

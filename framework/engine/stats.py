@@ -67,3 +67,48 @@ def compile_stats(c: Any) -> dict[str, Any]:
         out["passes"] = c.pass_manager.stats()
     out.update(c.stats)
     return out
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a shared or tied tensor counts once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        s = t.untyped_storage()
+        seen[(str(t.device), s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+def process_memory() -> dict[str, int]:
+    """This process's resident memory now and at its peak (Linux ``/proc/self/status``;
+    empty elsewhere)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out["rss_bytes" if key == "VmRSS" else "rss_peak_bytes"] = (
+                        int(value.split()[0]) * 1024
+                    )
+    except OSError:
+        pass
+    return out
+
+
+def memory_stats(model: Any, kv_caches: dict[str, Any], packed_layers: list[str]) -> dict[str, int]:
+    """What the engine holds, counted from the tensors themselves: ``weights_bytes`` (every
+    parameter and buffer of the model, each storage once; packed weights are the model's own
+    tensors, so they are in it, and nothing is held beside it), ``packed_weight_bytes`` (the
+    part of it that is re-laid out for a kernel), ``kv_cache_bytes``, and the process's
+    resident memory (``rss_bytes``, ``rss_peak_bytes``)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    packed = [model.get_submodule(name).weight for name in packed_layers]
+    out = {
+        "weights_bytes": _storage_bytes(tensors),
+        "packed_weight_bytes": _storage_bytes(packed),
+        "kv_cache_bytes": _storage_bytes(kv_caches.values()),
+    }
+    out.update(process_memory())
+    return out

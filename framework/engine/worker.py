@@ -28,12 +28,11 @@ from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
 from framework.engine.capture import capture_graphs, dummy_batch
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-from framework.engine.model_prep import prepack_lm_head, quantize
+from framework.engine.model_prep import load_quantized, process_weights
 from framework.engine.request import ScheduledChunk
 from framework.engine.runner import ModelRunner
 from framework.engine.stats import StartupStats
 from models.config import parse_dtype
-from models.loader import load_model
 from passes.quant_schemes import calibrate_activation_scales
 from passes.registry import level_passes
 
@@ -145,11 +144,11 @@ class Worker:
         block manager.  Returns the quantization hash.  ``strict_weights``: a checkpoint
         tensor holding NaN or inf is an error, not a warning."""
         self.dtype = parse_dtype(dtype)
-        self.model, self.model_config = load_model(
-            model, self.dtype, self.device, strict=strict_weights
+        self.model, self.model_config, quantized = load_quantized(
+            model, self.dtype, self.device, quantization, strict=strict_weights
         )
         self.startup.weight_check_s = self.model.weight_check.check_s
-        self.quant_config, quant_hash, self.quantized_layers = quantize(self.model, quantization)
+        self.quant_config, quant_hash, self.quantized_layers = quantized
         cc = compilation_config or CompilationConfig()
         if isinstance(cc, dict):
             cc = CompilationConfig.from_dict(cc)
@@ -200,7 +199,7 @@ class Worker:
         restore), the runner, static-quantization calibration and the warm-up forward that
         compiles (and saves the program for warm starts)."""
         mc = self.model_config
-        prepack_lm_head(self.model, self.config)
+        self.packed_layers = process_weights(self.model, self.config)
         self.graphs = setup_graphs(
             self.config,
             attention_backend=attention_backend,

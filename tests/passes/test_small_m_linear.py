@@ -1,16 +1,15 @@
 """The small-M bf16 linear kernel (passes/small_m_linear.py) against torch: fp32 F.linear of
 the same bf16 inputs, then one rounding.  The default tiny model's shapes and the LM head, the
-test models' shapes, M = 1..MAX_ROWS, bias, K odd / not a multiple of 32, N not a multiple
+test models' shapes, M = 1..DEFAULT_MAX_ROWS, bias, K odd / not a multiple of 32, N not a multiple
 of 64 (panel tails), strided rows, threads 1 and 2, the portable build, the dispatch inside
-``piecewise::prepacked_linear`` and opcheck."""
+``piecewise::packed_linear`` and opcheck."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from passes import small_m_linear as small_m
-from passes.ops_prepack import _PACKED as ONEDNN_PACKED
-from passes.ops_prepack import clear_packed_weights, mkldnn_available
+from passes.ops_prepack import mkldnn_available
 
 pytestmark = pytest.mark.skipif(
     not small_m.kernel_available(), reason="the small-M kernel needs a C++ compiler"
@@ -54,14 +53,14 @@ SHAPES = [
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_fp32_reference(n, k, bias):
-    for m in (1, 2, 5, 7, 8, small_m.MAX_ROWS):
+    for m in (1, 2, 5, 7, 8, small_m.DEFAULT_MAX_ROWS):
         x, w, b = make(m, n, k, bias, seed=m)
         check(small_m.small_m_linear(x, w, b), x, w, b)
 
 
 def test_every_row_count_and_the_lm_head():
-    x, w, b = make(small_m.MAX_ROWS, 2816, 512, True)
-    for m in range(1, small_m.MAX_ROWS + 1):
+    x, w, b = make(small_m.DEFAULT_MAX_ROWS, 2816, 512, True)
+    for m in range(1, small_m.DEFAULT_MAX_ROWS + 1):
         check(small_m.small_m_linear(x[:m], w, b), x[:m], w, b)
     x, w, _ = make(1, 32000, 512, False)
     check(small_m.small_m_linear(x, w, None), x, w, None)
@@ -106,52 +105,67 @@ def test_bad_inputs_name_the_problem():
         small_m.small_m_linear(x, w, b[:10])
 
 
-def test_packed_once_and_repacked_after_in_place_update():
-    small_m.clear_packed_weights()
-    x, w, _ = make(2, 80, 48, False)
-    small_m.small_m_linear(x, w, None)
-    packed = small_m._PACKED.values()[0]
-    assert packed.shape == (2, 24, 64, 2)  # ceil(80/64) panels, 24 k-pairs
-    small_m.small_m_linear(x, w, None)
-    assert len(small_m._PACKED) == 1 and small_m._PACKED.values()[0] is packed
-    w.mul_(2)
-    check(small_m.small_m_linear(x, w, None), x, w, None)
+def test_pack_layout_and_unpack_round_trip():
+    _, w, _ = make(2, 80, 47, False)
+    packed = small_m.pack(w)
+    assert packed.shape == (2, 24, 64, 2)  # ceil(80/64) panels, 24 k-pairs (K padded to 48)
+    assert small_m.is_packed(packed, 80, 47) and not small_m.is_packed(packed, 80, 49)
+    assert torch.equal(packed[1, 3, 5], w[64 + 5, 6:8])  # packed[p][i][j][t] = W[64p+j][2i+t]
+    assert torch.equal(packed[1, 0, 16:], torch.zeros(48, 2, dtype=BF16))  # rows >= 80: zero
+    assert torch.equal(small_m.unpack(packed, 80, 47), w)
+
+
+def _layer(m, n, k, bias, max_rows, seed=0):
+    """A layer whose weight was re-laid out once (the engine's model preparation)."""
+    from models.layers import Linear
+    from passes.ops_prepack import PackedLinearMethod
+
+    x, w, b = make(m, n, k, bias, seed)
+    layer = Linear(k, n, bias=bias, dtype=BF16)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        if bias:
+            layer.bias.copy_(b)
+    method = PackedLinearMethod(max_rows)
+    assert method.process(layer)
+    layer.linear_method = method
+    return layer, x, w, b
 
 
 @pytest.mark.skipif(not mkldnn_available(), reason="needs oneDNN (mkldnn)")
-def test_prepacked_linear_dispatches_by_rows(monkeypatch):
-    """Up to MAX_ROWS bf16 rows run the kernel; more rows, fp32, or the kernel switched off
-    run oneDNN.  Both agree with the reference."""
-    op = torch.ops.piecewise.prepacked_linear
-    x, w, b = make(small_m.MAX_ROWS + 1, 96, 64, True)
-    clear_packed_weights()
-    check(op(x[:1].view(1, 1, 64), w, b).view(1, 96), x[:1], w, b)
-    assert len(small_m._PACKED) == 1 and len(ONEDNN_PACKED) == 0
-    check(op(x, w, b), x, w, b)
-    assert len(ONEDNN_PACKED) == 1
-    clear_packed_weights()
-    w32 = w.float()  # kept alive: a packed copy lives as long as its weight
-    op(x.float()[:1], w32, None)  # fp32: oneDNN
-    assert len(small_m._PACKED) == 0 and len(ONEDNN_PACKED) == 1
-    monkeypatch.setattr(small_m, "kernel_available", lambda: False)
-    clear_packed_weights()
-    check(op(x[:1], w, b), x[:1], w, b)
-    assert len(small_m._PACKED) == 0 and len(ONEDNN_PACKED) == 1
+def test_packed_linear_dispatches_by_rows(monkeypatch):
+    """Up to the layer's max_rows bf16 rows run the kernel; more rows (or max_rows 0) run
+    oneDNN on the same bytes.  Both agree with the reference; the threshold is the layer's
+    own (two layers with different settings in one process)."""
+    calls = []
+    real = small_m.run_packed
+    monkeypatch.setattr(small_m, "run_packed", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layer, x, w, b = _layer(small_m.DEFAULT_MAX_ROWS + 1, 96, 64, True, small_m.DEFAULT_MAX_ROWS)
+    off, _, _, _ = _layer(small_m.DEFAULT_MAX_ROWS + 1, 96, 64, True, 0)
+    check(layer(x[:1].view(1, 1, 64)).view(1, 96), x[:1], w, b)
+    assert len(calls) == 1
+    check(layer(x), x, w, b)
+    assert len(calls) == 1  # 17 rows: oneDNN
+    check(off(x[:1]), x[:1], w, b)
+    assert len(calls) == 1  # max_rows 0: oneDNN at every size
 
 
 @pytest.mark.skipif(not mkldnn_available(), reason="needs oneDNN (mkldnn)")
-@pytest.mark.parametrize("m", [1, small_m.MAX_ROWS])
+@pytest.mark.parametrize("m", [1, small_m.DEFAULT_MAX_ROWS, small_m.DEFAULT_MAX_ROWS + 3])
 def test_opcheck(m):
-    x, w, b = make(m, 96, 64, True)
+    layer, x, _, b = _layer(m, 96, 64, True, small_m.DEFAULT_MAX_ROWS)
+    op = torch.ops.piecewise.packed_linear.default
     for bias in (None, b):
-        torch.library.opcheck(torch.ops.piecewise.prepacked_linear.default, (x, w, bias))
+        args = (x, layer.weight, layer.weight_md, bias, 96, 64, small_m.DEFAULT_MAX_ROWS)
+        torch.library.opcheck(op, args)
 
 
-def test_prepacked_linear_refuses_a_bias_of_another_dtype():
+@pytest.mark.skipif(not mkldnn_available(), reason="needs oneDNN (mkldnn)")
+def test_packed_linear_refuses_a_bias_of_another_dtype():
     """The kernel reads the bias as the weight's dtype: a float32 bias next to bf16 weights
     must be an error naming both, not silently wrong outputs."""
-    if not small_m.kernel_available():
-        pytest.skip("no C++ compiler for the small-M kernel")
-    x, w, b = make(1, 96, 64, True)
+    layer, x, _, b = _layer(1, 96, 64, True, small_m.DEFAULT_MAX_ROWS)
     with pytest.raises(ValueError, match="bias .* torch.float32 for w .* torch.bfloat16"):
-        torch.ops.piecewise.prepacked_linear(x, w, b.float())
+        torch.ops.piecewise.packed_linear(
+            x, layer.weight, layer.weight_md, b.float(), 96, 64, small_m.DEFAULT_MAX_ROWS
+        )

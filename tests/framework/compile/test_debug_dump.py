@@ -18,7 +18,7 @@ def test_debug_dump_writes_graphs_passes_and_bytecode(llama_checkpoint, tmp_path
     assert len(pieces) == llm.stats["compile_unique_graphs"]
     assert "piecewise.attention" in (dump / "split_graph.py").read_text()
     snapshots = list((dump / "passes").rglob("*_after_prepack_linear.txt"))
-    assert snapshots and "prepacked_linear" in snapshots[0].read_text()
+    assert snapshots and "packed_linear" in snapshots[0].read_text()
     assert any(p.suffix == ".py" for p in (dump / "depyf").iterdir())
 
 
@@ -54,7 +54,7 @@ def test_debug_dump_with_inductor_at_O2_has_every_piece_before_and_after_each_pa
             continue
         assert files == expected, piece
     after = next((dump / "passes").rglob("*_after_prepack_linear.txt")).read_text()
-    assert "prepacked_linear" in after
+    assert "packed_linear" in after
     assert llm.stats["cache_writes"] > 0  # the artifacts were saved (no "no artifact to save")
     warm = LLM(
         str(ckpt),

@@ -11,7 +11,7 @@ import torch
 
 import backends.attention  # noqa: F401  (defines piecewise::attention)
 import passes.ops  # noqa: F401  (defines the fused ops)
-import passes.ops_prepack  # noqa: F401  (defines piecewise::prepacked_linear)
+import passes.ops_prepack  # noqa: F401  (defines piecewise::packed_linear)
 from framework.core import ops as core_ops
 
 ops = torch.ops.piecewise
@@ -35,7 +35,7 @@ FUSED = {
 
 def test_every_op_is_defined_through_the_helper():
     table = core_ops.registered_kernels()
-    assert {n.split("::")[1] for n in table} >= FUSED | {"attention", "prepacked_linear"}
+    assert {n.split("::")[1] for n in table} >= FUSED | {"attention", "packed_linear"}
     triton = importlib.util.find_spec("triton") is not None
     for name in FUSED:
         entry = table[f"piecewise::{name}"]
@@ -44,7 +44,7 @@ def test_every_op_is_defined_through_the_helper():
         if triton:
             assert entry["cuda"].startswith("passes.ops.triton.")
         assert hasattr(ops, name)
-    assert set(table["piecewise::prepacked_linear"]) == {"cpu"}
+    assert set(table["piecewise::packed_linear"]) == {"cpu"}
     assert set(table["piecewise::attention"]) == {"default"}
 
 
@@ -65,7 +65,7 @@ def test_opcheck_of_a_mutating_and_a_functional_op():
     )
 
 
-def test_override_rebinds_every_caller_and_restores():
+def test_override_rebinds_every_caller_in_its_block_and_restores():
     calls = []
 
     def fake_kernel(out, x):
@@ -74,18 +74,44 @@ def test_override_rebinds_every_caller_and_restores():
 
     x, out = torch.randn(2, 8), torch.empty(2, 4)
     compiled = torch.compile(lambda o, t: ops.silu_and_mul(o, t), backend="eager")
-    previous = core_ops.override_kernel("piecewise::silu_and_mul", "cpu", fake_kernel)
-    assert previous is None
-    try:
+    with core_ops.override_kernel("piecewise::silu_and_mul", "cpu", fake_kernel):
         ops.silu_and_mul(out, x)
         assert (out == 7).all()
         compiled(out, x)
         assert len(calls) == 2
-    finally:
-        core_ops.override_kernel("piecewise::silu_and_mul", "cpu", previous)
     assert "cpu" not in core_ops.registered_kernels()["piecewise::silu_and_mul"]
     ops.silu_and_mul(out, x)
     assert not (out == 7).all() and len(calls) == 2
+
+
+def test_override_is_not_seen_by_another_thread():
+    """Scoped, not process-wide: a thread running while another overrides keeps the
+    registered kernel."""
+    import threading
+
+    inside, outside = threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        inside.wait(10)
+        o = torch.empty(2, 4)
+        ops.silu_and_mul(o, torch.ones(2, 8))
+        seen["other"] = bool((o == 7).all())
+        outside.set()
+
+    def sevens(o, x):
+        o.fill_(7)
+
+    t = threading.Thread(target=other)
+    t.start()
+    with core_ops.override_kernel("piecewise::silu_and_mul", "cpu", sevens):
+        inside.set()
+        assert outside.wait(10)
+        o = torch.empty(2, 4)
+        ops.silu_and_mul(o, torch.ones(2, 8))
+        seen["self"] = bool((o == 7).all())
+    t.join()
+    assert seen == {"self": True, "other": False}
 
 
 def test_lazy_kernel_path_resolves_on_first_call():
@@ -101,13 +127,16 @@ def test_lazy_kernel_path_resolves_on_first_call():
 
 def test_errors_name_the_op():
     with pytest.raises(KeyError, match="unknown op 'piecewise::nope'"):
-        core_ops.override_kernel("piecewise::nope", "cpu", print)
+        with core_ops.override_kernel("piecewise::nope", "cpu", print):
+            pass
     with pytest.raises(ValueError, match="op name must look like"):
         core_ops.define_op("rms_norm", fake=print)
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
-        core_ops.override_kernel("piecewise::silu_and_mul", "tpu", print)
-    with pytest.raises(ValueError, match="default kernel cannot be removed"):
-        core_ops.override_kernel("piecewise::silu_and_mul", "default", None)
+        with core_ops.override_kernel("piecewise::silu_and_mul", "tpu", print):
+            pass
+    with pytest.raises(ValueError, match="give the kernel"):
+        with core_ops.override_kernel("piecewise::silu_and_mul", "default", None):
+            pass
 
 
 def test_importing_ops_does_not_import_triton():

@@ -1,0 +1,57 @@
+"""Model preparation: quantizing while the checkpoint streams in gives exactly the weights of
+quantizing afterwards; the loader reports each parameter once it is complete."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framework.engine.model_prep import load_quantized
+from models.loader import load_model, load_weights
+from passes.quant_schemes import quantize_model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: tied embeddings, qkv bias
+@pytest.mark.parametrize("scheme", ["int8_per_token", "int8_per_channel_weight_only"])
+def test_quantizing_while_loading_equals_quantizing_after(tiny_checkpoint, family, scheme):
+    ckpt = tiny_checkpoint(family)
+    after, _ = load_model(ckpt, torch.float32)
+    expected = quantize_model(after, scheme)
+    model, _, (qc, qhash, layers) = load_quantized(ckpt, torch.float32, "cpu", scheme)
+    assert layers == expected and qc is not None and qhash == qc.compute_hash()
+    want = after.state_dict()
+    got = model.state_dict()
+    assert want.keys() == got.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    assert repr(model.model.layers[0].self_attn.qkv_proj.linear_method) == repr(
+        after.model.layers[0].self_attn.qkv_proj.linear_method
+    )
+
+
+def test_loader_reports_each_parameter_once_complete(llama_checkpoint):
+    model, _ = load_model(llama_checkpoint, torch.float32)
+    seen: list[str] = []
+    complete: dict[str, bool] = {}
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    reference = dict(model.named_parameters())[qkv].detach().clone()
+
+    def loaded(name: str) -> None:
+        seen.append(name)
+        if name == qkv:  # all three row blocks (q, k, v) are in when it is reported
+            complete[name] = torch.equal(dict(model.named_parameters())[name], reference)
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    load_weights(model, llama_checkpoint, loaded)
+    assert sorted(seen) == sorted(n for n, _ in model.named_parameters())
+    assert complete == {qkv: True}
+
+
+def test_without_quantization_it_is_plain_loading(llama_checkpoint):
+    model, _, quantized = load_quantized(llama_checkpoint, torch.float32, "cpu", None)
+    assert quantized == (None, None, None)
+    ref, _ = load_model(llama_checkpoint, torch.float32)
+    for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), n
