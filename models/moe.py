@@ -68,6 +68,8 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(num_experts, hidden_size, I, dtype=dtype), requires_grad=False
         )
+        self.moe_method = None
+        """Installed by quantization (``apply(module, x, weights, ids)``); None: float."""
 
     # -- loading ---------------------------------------------------------------------------
     def checkpoint_tensors(self, attr: str) -> list[tuple[str, int, Optional[int]]]:
@@ -97,6 +99,8 @@ class FusedMoE(nn.Module):
     # -- compute ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """``x [T, H]`` -> ``[T, H]`` (this rank's partial sum under tensor parallelism)."""
+        if self.moe_method is not None:
+            return self.moe_method.apply(self, x, topk_weights, topk_ids)
         return torch.ops.piecewise.fused_moe(x, topk_weights, topk_ids, self.w13, self.w2)
 
     def extra_repr(self) -> str:

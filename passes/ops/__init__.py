@@ -31,6 +31,8 @@ scales are fp32, static ``[1]``, dynamic per-token ``[T, 1]``.
 
     piecewise::topk_softmax(logits, top_k: int, renormalize: bool) -> (weights, ids)
     piecewise::fused_moe(x, topk_weights, topk_ids, w13, w2) -> Tensor
+    piecewise::fused_moe_int8(x, topk_weights, topk_ids, w13_q, w13_scale, w2_q, w2_scale,
+                              quantize_activations: bool) -> Tensor
         mixture of experts (see :mod:`passes.ops.moe` for shapes and arithmetic)
 
 Arithmetic (rounding, clamping, minimum dynamic scale): :mod:`passes.ops.quant_utils`.

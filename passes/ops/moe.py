@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from framework.core.ops import define_op
+from passes.ops.quant_utils import per_token_scales, quantize
+from passes.ops.scaled_mm import int8_scaled_mm_torch, int8_weight_only_mm_torch
 
 
 def topk_softmax_torch(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -141,3 +143,107 @@ def _fused_moe_fake(
 
 
 fused_moe = define_op("piecewise::fused_moe", fake=_fused_moe_fake)(fused_moe_grouped)
+
+
+# --- int8 experts ---------------------------------------------------------------------------
+#
+#   piecewise::fused_moe_int8(x, topk_weights, topk_ids, w13_q [E, 2I, H] int8,
+#                             w13_scale [E, 2I] fp32, w2_q [E, H, I] int8, w2_scale [E, H] fp32,
+#                             quantize_activations: bool) -> [T, H] of x.dtype
+#
+# Weights are int8 per output channel.  ``quantize_activations``: each GEMM's input is
+# quantized per token (W8A8, ``torch._int_mm``); else the GEMMs run in ``x.dtype`` on the
+# weights dequantized (weight-only; ``_weight_int8pack_mm`` for small M).  Only the experts
+# that are hit are touched, as in the float kernel.
+
+
+def _check_int8(x, topk_weights, topk_ids, w13_q, w13_scale, w2_q, w2_scale) -> None:
+    _check(x, topk_weights, topk_ids, w13_q, w2_q)
+    if w13_q.dtype != torch.int8 or w2_q.dtype != torch.int8:
+        raise ValueError(
+            f"piecewise::fused_moe_int8: weights must be int8, got {w13_q.dtype}, {w2_q.dtype}"
+        )
+    if tuple(w13_scale.shape) != tuple(w13_q.shape[:2]) or tuple(w2_scale.shape) != tuple(
+        w2_q.shape[:2]
+    ):
+        raise ValueError(
+            f"piecewise::fused_moe_int8: scales {tuple(w13_scale.shape)}, "
+            f"{tuple(w2_scale.shape)} must be [E, 2I] and [E, H]"
+        )
+
+
+def _int8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, quantize_activations: bool) -> Tensor:
+    """``x [M, K] @ dequant(w_q [N, K], w_scale [N])^T`` in ``x.dtype``."""
+    if not quantize_activations:
+        return int8_weight_only_mm_torch(x, w_q, w_scale.to(x.dtype), None)
+    s = per_token_scales(x, torch.int8)
+    return int8_scaled_mm_torch(quantize(x, s, torch.int8), s, w_q.t(), w_scale, None, x.dtype)
+
+
+def fused_moe_int8_grouped(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13_q: Tensor,
+    w13_scale: Tensor,
+    w2_q: Tensor,
+    w2_scale: Tensor,
+    quantize_activations: bool,
+) -> Tensor:
+    _check_int8(x, topk_weights, topk_ids, w13_q, w13_scale, w2_q, w2_scale)
+    T, K = topk_ids.shape
+    out = torch.zeros_like(x)
+    if T == 0:
+        return out
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13_q.shape[0]).tolist()
+    rows_all = order // K
+    weights_all = topk_weights.reshape(-1)[order].float().unsqueeze(-1)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = rows_all[start : start + n]
+        h = _int8_linear(x.index_select(0, rows), w13_q[e], w13_scale[e], quantize_activations)
+        gate, up = h.chunk(2, dim=-1)
+        y = _int8_linear(F.silu(gate) * up, w2_q[e], w2_scale[e], quantize_activations)
+        out.index_add_(0, rows, (y.float() * weights_all[start : start + n]).to(x.dtype))
+        start += n
+    return out
+
+
+def fused_moe_int8_reference(
+    x, topk_weights, topk_ids, w13_q, w13_scale, w2_q, w2_scale, quantize_activations
+) -> Tensor:
+    """Oracle: every expert in fp32 on dequantized weights (and fake-quantized inputs)."""
+
+    def fq(a: Tensor) -> Tensor:
+        if not quantize_activations:
+            return a.float()
+        s = per_token_scales(a, torch.int8)
+        return quantize(a, s, torch.int8).float() * s
+
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(w13_q.shape[0]):
+        hit = topk_ids == e
+        if not bool(hit.any()):
+            continue
+        weight = (topk_weights.float() * hit).sum(dim=-1, keepdim=True)
+        w13 = w13_q[e].float() * w13_scale[e].float().unsqueeze(-1)
+        w2 = w2_q[e].float() * w2_scale[e].float().unsqueeze(-1)
+        gate, up = F.linear(fq(x), w13).chunk(2, dim=-1)
+        out += weight * F.linear(fq(F.silu(gate) * up), w2)
+    return out.to(x.dtype)
+
+
+def _fused_moe_int8_fake(
+    x, topk_weights, topk_ids, w13_q, w13_scale, w2_q, w2_scale, quantize_activations
+) -> Tensor:
+    _check_int8(x, topk_weights, topk_ids, w13_q, w13_scale, w2_q, w2_scale)
+    return torch.empty_like(x)
+
+
+fused_moe_int8 = define_op("piecewise::fused_moe_int8", fake=_fused_moe_int8_fake)(
+    fused_moe_int8_grouped
+)

@@ -122,3 +122,29 @@ def test_traces_with_a_symbolic_token_count():
     assert len(graphs) == 1
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum("piecewise.fused_moe" in t for t in targets) == 1
+
+
+def _quantized(w):
+    """Per-row symmetric int8 of a stacked ``[E, N, K]`` weight."""
+    scale = (w.abs().amax(-1) / 127).clamp(min=1e-8)
+    return (w / scale.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int8), scale
+
+
+@pytest.mark.parametrize("t", [1, 5, 33])
+@pytest.mark.parametrize("quantize_activations", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_experts_match_their_oracle(t, quantize_activations, dtype):
+    from passes.ops.moe import fused_moe_int8_reference
+
+    x, weights, ids, w13, w2 = make(t, dtype)
+    w13_q, w13_s = _quantized(w13.float())
+    w2_q, w2_s = _quantized(w2.float())
+    args = (x, weights, ids, w13_q, w13_s, w2_q, w2_s, quantize_activations)
+    got = ops.fused_moe_int8(*args)
+    assert got.dtype == dtype and got.shape == (t, H)
+    tol = dict(atol=2e-3, rtol=1e-2) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got, fused_moe_int8_reference(*args), **tol)
+    # and close to the float experts it quantizes
+    ref = fused_moe_reference(x.float(), weights, ids, w13.float(), w2.float())
+    assert (got.float() - ref).abs().max() < 0.05 * ref.abs().max() + 1e-2
+    torch.library.opcheck(ops.fused_moe_int8.default, args)
