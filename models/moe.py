@@ -122,6 +122,8 @@ class _PartialMLP(DecoderMLP):
         down = self.down_proj
         if down.tp_size == 1:
             return down(h)
+        if down.linear_method is not None:  # quantized: the method on this rank's columns
+            return down.linear_method.apply(down, h)  # [T, H] partial sum
         return torch.nn.functional.linear(h, down.weight)  # [T, H] partial sum
 
 
