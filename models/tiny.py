@@ -95,6 +95,26 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
         ),
         "float32",
     ),
+    # The MoE benchmark shape (experiments.bench_moe): Qwen3-MoE style, 16 experts top-2.
+    "bench-qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+            initializer_range=0.02,
+            num_experts=16,
+            num_experts_per_tok=2,
+            moe_intermediate_size=384,
+            norm_topk_prob=True,
+        ),
+        "bfloat16",
+    ),
     "test-mixtral": (
         "mixtral",
         dict(
