@@ -19,6 +19,8 @@ order.
 Kernels:
 - :func:`fused_moe_reference`, the test oracle: every expert over every token, masked by its
   routing weight (a per-expert loop that never groups tokens);
+- ``passes.ops.triton.moe.fused_moe`` (CUDA): a Triton grouped GEMM over the (token, slot)
+  pairs sorted by expert and padded per expert to the block size;
 - :func:`fused_moe_grouped` (CPU and the default): tokens sorted by expert, then per expert
   that is hit one gate-up GEMM over its rows, SiLU-mul, one down GEMM, scaled and
   index-added.  At batch 1 only the top-k experts' weights are read; the GEMMs are plain
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from framework.core.ops import define_op
+from framework.core.ops import define_op, if_installed
 from passes.ops.quant_utils import per_token_scales, quantize
 from passes.ops.scaled_mm import int8_scaled_mm_torch, int8_weight_only_mm_torch
 
@@ -142,7 +144,11 @@ def _fused_moe_fake(
     return torch.empty_like(x)
 
 
-fused_moe = define_op("piecewise::fused_moe", fake=_fused_moe_fake)(fused_moe_grouped)
+fused_moe = define_op(
+    "piecewise::fused_moe",
+    fake=_fused_moe_fake,
+    cuda=if_installed("triton", "passes.ops.triton.moe:fused_moe"),
+)(fused_moe_grouped)
 
 
 # --- int8 experts ---------------------------------------------------------------------------
