@@ -53,6 +53,54 @@ def active_weight_bytes(llm) -> dict[str, int]:
     return {"top_k_experts": experts, "other": other, "total": experts + other}
 
 
+def _hf_expert_loop(x, weights, ids, w13, w2):
+    """transformers 5's eager ``*MoeExperts.forward``: one-hot mask, per-expert where()."""
+    out = torch.zeros_like(x)
+    mask = torch.nn.functional.one_hot(ids, num_classes=w13.shape[0]).permute(2, 1, 0)
+    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit:
+        e = int(e[0])
+        pos, tok = torch.where(mask[e])
+        gate, up = torch.nn.functional.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e])
+        out.index_add_(0, tok, (h * weights[tok, pos, None]).to(out.dtype))
+    return out
+
+
+def measure_kernel(llm, token_counts: list[int], rounds: int) -> list[dict]:
+    """The expert computation of one MoE layer alone, bf16: ``piecewise::fused_moe`` (tokens
+    grouped by expert) against transformers' expert loop, alternated, median of ``rounds``;
+    the largest count is a b32 x 64-token prefill."""
+    import time
+
+    block = next(m for m in llm.model.modules() if hasattr(m, "experts"))
+    w13, w2 = block.experts.w13, block.experts.w2
+    E, k = w13.shape[0], block.top_k
+    rows = []
+    for t in token_counts:
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, w13.shape[2], generator=g).to(w13.dtype)
+        logits = torch.randn(t, E, generator=g)
+        probs = torch.softmax(logits, -1)
+        weights, ids = torch.topk(probs, k, -1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(w13.dtype)
+        fns = {
+            "fused_moe": lambda: torch.ops.piecewise.fused_moe(x, weights, ids, w13, w2),
+            "hf_expert_loop": lambda: _hf_expert_loop(x, weights, ids, w13, w2),
+        }
+        times: dict[str, list[float]] = {n: [] for n in fns}
+        for f in fns.values():
+            f()
+        for r in range(rounds):
+            for name in list(fns)[r % 2 :] + list(fns)[: r % 2]:
+                t0 = time.perf_counter()
+                fns[name]()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        med = {n: statistics.median(v) for n, v in times.items()}
+        rows.append({"tokens": t, **{f"{n}_ms": v for n, v in med.items()}})
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     path = str(ensure_tiny_model(preset=PRESET))
@@ -65,6 +113,7 @@ def run(args: argparse.Namespace) -> dict:
         HFLoop("hf_compile", hf, torch.compile(hf, dynamic=True)),
         Piecewise("O2", llm),
     ]
+    kernel_rows = measure_kernel(llm, [1, 8, 32 * 64], max(5, args.rounds))
     rows = []
     for batch in args.batches:
         rows += measure_latency(contenders, "bfloat16", batch, args, vocab, print)
@@ -76,6 +125,7 @@ def run(args: argparse.Namespace) -> dict:
         "preset": PRESET,
         "threads": args.threads,
         "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
+        "kernel_rows": kernel_rows,
         "bandwidth_gb_s": bandwidth / 1e9,
         "active_weight_bytes": weights,
         "floor_ms": floor_ms,
@@ -99,6 +149,9 @@ def markdown(result: dict) -> str:
                 f"| {batch} | {r['contender']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | "
                 f"{r['median_ms'] / o2:.2f}x | {r['token_agreement']:.3f} |"
             )
+    lines += ["", "| tokens | fused_moe ms | transformers expert loop ms |", "|---|---|---|"]
+    for r in result.get("kernel_rows", []):
+        lines.append(f"| {r['tokens']} | {r['fused_moe_ms']:.3f} | {r['hf_expert_loop_ms']:.3f} |")
     w = result["active_weight_bytes"]
     ratio = result["o2_b1_over_floor"]
     lines += [
