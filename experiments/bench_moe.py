@@ -103,16 +103,17 @@ def measure_kernel(llm, token_counts: list[int], rounds: int) -> list[dict]:
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    path = str(ensure_tiny_model(preset=PRESET))
+    path = str(ensure_tiny_model(preset=args.preset))
     hf = load_hf(path, "bfloat16")
     vocab = hf.config.vocab_size
     cache = tempfile.mkdtemp(prefix="bench-moe-")
     llm = build_llm(2, path, "bfloat16", cache, max(args.batches), args.prompt_len + args.steps + 8)
-    contenders = [
-        HFLoop("hf_eager", hf, hf),
-        HFLoop("hf_compile", hf, torch.compile(hf, dynamic=True)),
-        Piecewise("O2", llm),
-    ]
+    make = {
+        "hf_eager": lambda: HFLoop("hf_eager", hf, hf),
+        "hf_compile": lambda: HFLoop("hf_compile", hf, torch.compile(hf, dynamic=True)),
+        "O2": lambda: Piecewise("O2", llm),
+    }
+    contenders = [make[name]() for name in args.contenders]
     kernel_rows = measure_kernel(llm, [1, 8, 32 * 64], max(5, args.rounds))
     rows = []
     for batch in args.batches:
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
     o2_b1 = [r for r in rows if r["contender"] == "O2" and r["batch"] == 1]
     floor_ms = weights["total"] / bandwidth * 1e3
     result = {
-        "preset": PRESET,
+        "preset": args.preset,
         "threads": args.threads,
         "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
         "kernel_rows": kernel_rows,
@@ -143,7 +144,8 @@ def markdown(result: dict) -> str:
     ]
     for batch in sorted({r["batch"] for r in result["rows"]}):
         rows = [r for r in result["rows"] if r["batch"] == batch]
-        o2 = statistics.median([r["median_ms"] for r in rows if r["contender"] == "O2"])
+        o2s = [r["median_ms"] for r in rows if r["contender"] == "O2"]
+        o2 = statistics.median(o2s) if o2s else float("nan")
         for r in rows:
             lines.append(
                 f"| {batch} | {r['contender']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | "
@@ -166,6 +168,8 @@ def markdown(result: dict) -> str:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default=PRESET, help="models.tiny preset (a Qwen3-MoE shape)")
+    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=16)
