@@ -65,6 +65,7 @@ def test_softmax_without_topk_is_left_alone():
     assert pm.warn_unmatched() == ["fuse_moe_router"]
 
 
+@pytest.mark.slow  # ~15-40 s: every O3 pass verified on every piece of a 3-layer MoE
 def test_o3_passes_on_a_moe_model_verify_and_match(tiny_checkpoint, compile_cache_dir):
     """Every CPU pass at O3 plus the router fusion, each verified against the piece before
     it; the router fusion matches once per MoE layer; tokens equal O0."""

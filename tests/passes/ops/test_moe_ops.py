@@ -147,4 +147,12 @@ def test_int8_experts_match_their_oracle(t, quantize_activations, dtype):
     # and close to the float experts it quantizes
     ref = fused_moe_reference(x.float(), weights, ids, w13.float(), w2.float())
     assert (got.float() - ref).abs().max() < 0.05 * ref.abs().max() + 1e-2
+
+
+@pytest.mark.parametrize("quantize_activations", [False, True])
+def test_int8_opcheck(quantize_activations):
+    x, weights, ids, w13, w2 = make(5)
+    w13_q, w13_s = _quantized(w13)
+    w2_q, w2_s = _quantized(w2)
+    args = (x, weights, ids, w13_q, w13_s, w2_q, w2_s, quantize_activations)
     torch.library.opcheck(ops.fused_moe_int8.default, args)
