@@ -75,6 +75,19 @@ class ModelConfig(StrictConfig):
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Union[int, list]] = None
     dtype: str = "float32"
+    # -- mixture of experts (num_experts == 0: a dense model) ------------------------------
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    """Intermediate size of one routed expert."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to 1."""
+    shared_expert_intermediate_size: int = 0
+    """0: no shared expert; else a dense expert every token takes, scaled by a sigmoid gate."""
+    decoder_sparse_step: int = 1
+    """Layer ``i`` is MoE when ``(i + 1) % decoder_sparse_step == 0`` and it is not listed in
+    ``mlp_only_layers``."""
+    mlp_only_layers: Optional[list] = None
 
     def validate(self) -> None:
         for name in (
@@ -112,6 +125,38 @@ class ModelConfig(StrictConfig):
                 raise ValueError(f"ModelConfig.layer_types: unsupported layer type(s) {bad}")
         check_rope_scaling(self.rope_scaling, "ModelConfig.rope_scaling")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        for name in (
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"ModelConfig.{name}: must be a non-negative integer, got {value!r}"
+                )
+        if not self.num_experts:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok: must be in [1, num_experts={self.num_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.moe_intermediate_size <= 0:
+            raise ValueError("ModelConfig.moe_intermediate_size: must be positive for a MoE model")
+        if self.decoder_sparse_step <= 0:
+            raise ValueError(
+                f"ModelConfig.decoder_sparse_step: must be positive, got {self.decoder_sparse_step}"
+            )
+        bad = [i for i in self.mlp_only_layers or [] if not 0 <= int(i) < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"ModelConfig.mlp_only_layers: layer(s) {bad} outside [0, {self.num_layers})"
+            )
 
     # -- derived facts ---------------------------------------------------------------------
     @property
@@ -124,6 +169,14 @@ class ModelConfig(StrictConfig):
             return []
         return (
             list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s MLP is a mixture of experts (else a dense MLP)."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in (self.mlp_only_layers or [])
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
 
     def layer_sliding_window(self, layer_idx: int) -> int:
@@ -189,6 +242,7 @@ class ModelConfig(StrictConfig):
             eos_token_id=d.get("eos_token_id"),
             dtype=_hf_dtype(d),
         )
+        fields.update(_hf_moe(d, traits, source))
         fields.update(overrides)
         try:
             check_rope_scaling(scaling, rope_field)
@@ -253,13 +307,52 @@ def _hf_sliding_window(
         return int(window), None
     if not d.get("use_sliding_window", False):
         return None, None
+    if kind == "flag":  # one window for every layer, only with use_sliding_window
+        return int(window), None
     layer_types = d.get("layer_types")
+    if layer_types is None and kind == "qwen2_moe":  # transformers' Qwen2MoeConfig default
+        last = int(d.get("max_window_layers", num_layers))
+        layer_types = [
+            "sliding_attention" if (i + 1) % 2 and i < last else "full_attention"
+            for i in range(num_layers)
+        ]
     if layer_types is None:
         first = int(d.get("max_window_layers", num_layers))
         layer_types = [
             "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
         ]
     return int(window), list(layer_types)
+
+
+def _hf_moe(d: Mapping[str, Any], traits: Any, source: str) -> dict[str, Any]:
+    """MoE fields of a config dict ({} for a dense family).  Expert counts are spelled
+    ``num_experts`` (Qwen2-MoE) or ``num_local_experts`` (Mixtral, Qwen3-MoE as saved)."""
+    if traits.moe is None:
+        return {}
+    experts = d.get("num_experts") or d.get("num_local_experts")
+    if not experts:
+        raise ValueError(f"{source}: missing field 'num_experts' / 'num_local_experts'")
+    if d.get("num_experts_per_tok") is None:
+        raise ValueError(f"{source}: missing field 'num_experts_per_tok'")
+    if traits.moe == "mixtral":  # every layer MoE, experts of intermediate_size, renormalised
+        return dict(
+            num_experts=int(experts),
+            num_experts_per_tok=int(d["num_experts_per_tok"]),
+            moe_intermediate_size=int(d["intermediate_size"]),
+            norm_topk_prob=True,
+        )
+    if d.get("moe_intermediate_size") is None:
+        raise ValueError(f"{source}: missing field 'moe_intermediate_size'")
+    shared = int(d.get("shared_expert_intermediate_size") or 0) if traits.moe == "qwen2_moe" else 0
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(d["num_experts_per_tok"]),
+        moe_intermediate_size=int(d["moe_intermediate_size"]),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared,
+        decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+        mlp_only_layers=[int(i) for i in d.get("mlp_only_layers") or []] or None,
+    )
 
 
 def _hf_dtype(d: Mapping[str, Any]) -> str:

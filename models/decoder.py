@@ -15,6 +15,8 @@ D head dim, V vocab size.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -87,10 +89,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: Optional[int] = None):
         super().__init__()
         dt = config.torch_dtype
-        I = config.intermediate_size  # noqa: E741
+        I = intermediate_size or config.intermediate_size  # noqa: E741
         self.intermediate_size = divide(I, get_tp_state().world_size, "intermediate_size")
         self.gate_up_proj = MergedColumnParallelLinear.even(
             config.hidden_size, [I, I], "intermediate_size", dtype=dt
@@ -111,7 +113,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
         self.self_attn = DecoderAttention(config, rotary, f"{prefix}.self_attn", layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
-        self.mlp = DecoderMLP(config)
+        self.mlp = self.make_mlp(config, layer_idx)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx`` (a family with experts overrides it)."""
+        return DecoderMLP(config)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # Same residual structure (and rounding) as transformers: add, then norm.
@@ -126,7 +132,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str = "model"):
+    def __init__(self, config: ModelConfig, prefix: str = "model", layer_cls: type = DecoderLayer):
         super().__init__()
         dt = config.torch_dtype
         # VocabParallelEmbedding allocates uninitialised (torch.empty): the checkpoint overwrites
@@ -140,7 +146,7 @@ class DecoderModel(nn.Module):
             dtype=dt,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary_emb, f"{prefix}.layers.{i}", i)
+            layer_cls(config, self.rotary_emb, f"{prefix}.layers.{i}", i)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
@@ -171,10 +177,13 @@ class DecoderForCausalLM(nn.Module):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
 
+    layer_cls: type = DecoderLayer
+    """The decoder layer class (a family with experts substitutes its own)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, prefix="model")
+        self.model = DecoderModel(config, prefix="model", layer_cls=self.layer_cls)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, config.torch_dtype)
         self.tie_weights()
 

@@ -35,10 +35,17 @@ class FamilyTraits:
     """Bias on the output projection; None: from ``attention_bias``."""
     qk_norm: bool = False
     """Per-head RMSNorm on q and k before RoPE."""
-    sliding: Optional[Literal["all", "qwen"]] = None
+    sliding: Optional[Literal["all", "flag", "qwen", "qwen2_moe"]] = None
     """How sliding windows are declared: "all" (one window for every layer when
-    ``sliding_window`` is set), "qwen" (only with ``use_sliding_window``, per layer via
-    ``layer_types`` / ``max_window_layers``) or None (no sliding window)."""
+    ``sliding_window`` is set), "flag" (the same, only with ``use_sliding_window``), "qwen"
+    (only with ``use_sliding_window``, per layer via ``layer_types`` / ``max_window_layers``),
+    "qwen2_moe" (as "qwen", but without ``layer_types`` every other layer below
+    ``max_window_layers`` slides) or None (no sliding window)."""
+    moe: Optional[Literal["qwen3_moe", "qwen2_moe", "mixtral"]] = None
+    """How the config declares its experts: "qwen3_moe" (``moe_intermediate_size``,
+    ``norm_topk_prob``, ``mlp_only_layers`` / ``decoder_sparse_step``), "qwen2_moe" (the same
+    plus a gated shared expert), "mixtral" (every layer, experts of ``intermediate_size``,
+    top-k renormalised) or None (a dense model)."""
 
 
 @runtime_checkable
@@ -64,7 +71,9 @@ class ModelFamily(Protocol):
 
 
 MODELS: Registry[type[nn.Module]] = Registry(
-    "model architecture", builtin_modules=("models.decoder",), entry_point_group="piecewise.models"
+    "model architecture",
+    builtin_modules=("models.decoder", "models.moe"),
+    entry_point_group="piecewise.models",
 )
 
 

@@ -7,6 +7,13 @@ pickled checkpoints are refused, never opened.  Checkpoint names map to ours by 
 ``...self_attn.qkv_proj.weight``, ``...mlp.up_proj.weight`` block 1 of ``gate_up_proj``, and so
 on.  Every problem is one :class:`CheckpointError` naming the file and the tensor.
 
+Stacked expert weights (mixture of experts): a module that holds every expert in one tensor
+says which checkpoint tensors fill it through ``checkpoint_tensors(attr)`` -> ``[(name relative
+to the module, expert index, row block or None)]``; each per-expert tensor is copied into its
+slot of the stacked tensor (the per-expert tensors are never kept).  A model whose module
+names differ from the checkpoint's declares ``hf_module_renames`` (our path component -> the
+checkpoint's, e.g. ``{"mlp": "block_sparse_moe"}`` for Mixtral).
+
 Order of checks: find the files, read only their headers, compare the tensor names with what
 the model expects (missing / unexpected), then per tensor check dtype and shape before copying.
 """
@@ -113,21 +120,32 @@ def _read_header_names(file: Path) -> list[str]:
         ) from None
 
 
-def expected_checkpoint_tensors(model: nn.Module) -> dict[str, tuple[str, Optional[int]]]:
-    """HF tensor name -> (our parameter name, row-block index in a merged projection or None).
+Target = tuple[str, Optional[int], Optional[int]]
+"""(our parameter name, row-block index in a merged projection or None, expert index or None)."""
+
+
+def expected_checkpoint_tensors(model: nn.Module) -> dict[str, Target]:
+    """HF tensor name -> (our parameter name, row block or None, expert index or None).
 
     A tied ``lm_head.weight`` is not expected (it shares the embedding's Parameter).
     """
     packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
-    expected: dict[str, tuple[str, Optional[int]]] = {}
+    renames: dict[str, str] = getattr(model, "hf_module_renames", {})
+    expected: dict[str, Target] = {}
     for name, _ in model.named_parameters():  # shared (tied) parameters appear once
         module_path, _, attr = name.rpartition(".")
-        parent, _, leaf = module_path.rpartition(".")
-        if leaf in packed:
+        hf_path = ".".join(renames.get(part, part) for part in module_path.split("."))
+        module = model.get_submodule(module_path)
+        parent, _, leaf = hf_path.rpartition(".")
+        stacked = getattr(module, "checkpoint_tensors", None)
+        if callable(stacked):
+            for rel, expert, block in stacked(attr):
+                expected[f"{hf_path}.{rel}"] = (name, block, expert)
+        elif leaf in packed:
             for i, part in enumerate(packed[leaf]):
-                expected[f"{parent}.{part}.{attr}"] = (name, i)
+                expected[f"{parent}.{part}.{attr}"] = (name, i, None)
         else:
-            expected[name] = (name, None)
+            expected[f"{hf_path}.{attr}"] = (name, None, None)
     return expected
 
 
@@ -173,7 +191,7 @@ def load_weights(
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     check = WeightCheck()
-    remaining = Counter(param for param, _ in expected.values())
+    remaining = Counter(target[0] for target in expected.values())
     for file, names in by_file.items():
         _load_file(model, params, file, names, expected, check, remaining, loaded)
     return check
@@ -184,7 +202,7 @@ def _load_file(
     params: dict[str, nn.Parameter],
     file: Path,
     names: list[str],
-    expected: dict[str, tuple[str, Optional[int]]],
+    expected: dict[str, Target],
     check: WeightCheck,
     remaining: Counter,
     loaded: Optional[Callable[[str], None]],
@@ -212,11 +230,13 @@ def _load_file(
                     f"{file}: tensor {hf_name!r} is listed in the shard index "
                     f"but not stored in this shard"
                 )
-            param_name, block = expected[hf_name]
+            param_name, block, expert = expected[hf_name]
             param = params[param_name]
             target = param.data
             module_path, _, attr = param_name.rpartition(".")
             module = model.get_submodule(module_path)
+            if expert is not None:
+                target = target[expert]
             if block is not None:
                 start, size = module.shard_bounds(block)
                 target = target.narrow(0, start, size)

@@ -10,7 +10,10 @@ concurrent processes never see a half-written checkpoint.
 Presets: ``default`` is the project's benchmark model (Llama-style, 8 layers, hidden 512);
 ``test-llama`` / ``test-mistral`` / ``test-qwen2`` / ``test-qwen3`` are 2-layer, hidden-64
 models for tests, each exercising its family's traits (sliding window, qkv bias + tied
-embeddings, q/k norm with head_dim != hidden / heads).
+embeddings, q/k norm with head_dim != hidden / heads); ``test-qwen3_moe`` /
+``test-qwen2_moe`` / ``test-mixtral`` are mixtures of experts (6 experts top-2, expert
+intermediate 72, vocabulary 251; a dense layer among MoE ones, a gated shared expert and
+sliding windows, a renormalised top-2 with a window).
 """
 
 from __future__ import annotations
@@ -62,6 +65,69 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
     "test-mistral": ("mistral", dict(_TEST_SIZES, sliding_window=16), "float32"),
     "test-qwen2": ("qwen2", dict(_TEST_SIZES, tie_word_embeddings=True), "float32"),
     "test-qwen3": ("qwen3", dict(_TEST_SIZES, head_dim=32), "float32"),
+    # Mixtures of experts: 6 experts top-2, expert intermediate 72, an odd vocabulary.
+    "test-qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            _TEST_SIZES,
+            num_hidden_layers=3,
+            vocab_size=251,
+            head_dim=32,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=72,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+        "float32",
+    ),
+    "test-qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            _TEST_SIZES,
+            vocab_size=251,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=72,
+            shared_expert_intermediate_size=96,
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=2,
+        ),
+        "float32",
+    ),
+    # The MoE benchmark shape (experiments.bench_moe): Qwen3-MoE style, 16 experts top-2.
+    "bench-qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+            initializer_range=0.02,
+            num_experts=16,
+            num_experts_per_tok=2,
+            moe_intermediate_size=384,
+            norm_topk_prob=True,
+        ),
+        "bfloat16",
+    ),
+    "test-mixtral": (
+        "mixtral",
+        dict(
+            _TEST_SIZES,
+            vocab_size=251,
+            intermediate_size=72,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            sliding_window=16,
+        ),
+        "float32",
+    ),
 }
 
 

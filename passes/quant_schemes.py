@@ -288,6 +288,104 @@ def linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+# --- MoE experts ------------------------------------------------------------------------------
+
+
+class ExpertScheme:
+    """An expert method for stacked MoE experts (modules exposing ``w13 [E, 2I, H]``,
+    ``w2 [E, H, I]`` and ``moe_method``): quantize once (``process``), compute (``apply``)."""
+
+    name: ClassVar[str]
+    quantize_activations: ClassVar[bool]
+
+    def __init__(self, spec: QuantSpec, layer_name: str = "?"):
+        self.spec = spec.resolved()
+        self.layer_name = layer_name
+
+    def process(self, experts: nn.Module) -> None:
+        for attr in ("w13", "w2"):
+            w = getattr(experts, attr)
+            E, N, K = w.shape
+            q, scale = quantize_weight(w.detach().reshape(E * N, K), self.spec.weight)
+            delattr(experts, attr)  # one copy: the float tensor is dropped
+            experts.register_parameter(attr, nn.Parameter(q.reshape(E, N, K), requires_grad=False))
+            experts.register_buffer(f"{attr}_scale", scale.reshape(E, N).float())
+
+    def apply(self, experts: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
+        return ops.fused_moe_int8(
+            x,
+            topk_weights,
+            topk_ids,
+            experts.w13,
+            experts.w13_scale,
+            experts.w2,
+            experts.w2_scale,
+            self.quantize_activations,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec})"
+
+
+class Int8ExpertsWeightOnly(ExpertScheme):
+    """int8 per-channel expert weights, GEMMs in the model dtype."""
+
+    name = "int8_weight_only"
+    quantize_activations = False
+
+
+class Int8ExpertsPerToken(ExpertScheme):
+    """int8 per-channel expert weights x int8 activations quantized per token (W8A8)."""
+
+    name = "int8_dynamic_per_token"
+    quantize_activations = True
+
+
+def expert_scheme_for(spec: QuantSpec, layer_name: str = "?") -> type[ExpertScheme]:
+    w, a = spec.weight, spec.activation
+    if w is not None and w.dtype == "int8" and w.scale == "static" and w.group == "per_channel":
+        if spec.weight_only:
+            return Int8ExpertsWeightOnly
+        if a is not None and (a.dtype, a.scale, a.group) == ("int8", "dynamic", "per_token"):
+            return Int8ExpertsPerToken
+    raise ValueError(
+        f"quantization of MoE experts {layer_name!r}: no expert scheme implements {spec}; "
+        f"supported: int8 per-channel weights, weight-only or with dynamic per-token int8 "
+        f"activations (int8_per_channel_weight_only, int8_per_token)"
+    )
+
+
+def expert_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(name, module)`` of every stacked-experts module (``moe_method`` + 3-D ``w13``)."""
+    for name, module in model.named_modules():
+        w13 = getattr(module, "w13", None)
+        if hasattr(module, "moe_method") and isinstance(w13, torch.Tensor) and w13.dim() == 3:
+            yield name, module
+
+
+def expert_plan(model: nn.Module, quant_config: Any) -> list[tuple[str, nn.Module, Any]]:
+    """``[(name, experts, scheme)]`` for every stacked-experts module the config's ``moe``
+    selects (checked before any is touched)."""
+    qc = QuantizationConfig.parse(quant_config)
+    if qc is None:
+        return []
+    plan = []
+    for name, experts in expert_modules(model):
+        spec = qc.spec_for_experts(name)
+        if spec is None:
+            continue
+        if experts.moe_method is not None:
+            raise ValueError(f"quantize_model: experts {name!r} are already quantized")
+        plan.append((name, experts, expert_scheme_for(spec, name)(spec, name)))
+    return plan
+
+
+def apply_expert_scheme(experts: nn.Module, scheme: Any) -> None:
+    """Quantize one planned experts module (its weights loaded) and install its scheme."""
+    scheme.process(experts)
+    experts.moe_method = scheme
+
+
 def quantize_plan(model: nn.Module, quant_config: Any) -> list[tuple[str, nn.Module, Any]]:
     """``[(layer name, layer, scheme)]`` for every linear layer the config selects, checked
     before any layer is touched (a selected layer without a matching scheme raises); the
@@ -316,14 +414,18 @@ def apply_scheme(layer: nn.Module, scheme: Any) -> None:
 
 
 def quantize_model(model: nn.Module, quant_config: Any) -> dict[str, str]:
-    """Quantize every linear layer the config selects, once; returns ``{layer: scheme}``.
+    """Quantize every linear layer (and MoE experts) the config selects, once; returns
+    ``{layer: scheme}``.
 
     ``quant_config``: anything :meth:`QuantizationConfig.parse` accepts.  Raises before
     touching any layer when some selected layer has no matching scheme."""
     plan = quantize_plan(model, quant_config)
+    experts = expert_plan(model, quant_config)
     for _, layer, scheme in plan:
         apply_scheme(layer, scheme)
-    return {name: type(scheme).name for name, _, scheme in plan}
+    for _, module, scheme in experts:
+        apply_expert_scheme(module, scheme)
+    return {name: type(scheme).name for name, _, scheme in plan + experts}
 
 
 @torch.no_grad()

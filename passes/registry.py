@@ -41,6 +41,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "passes.fuse_rmsnorm_quant",
     "passes.fuse_silu_mul_quant",
     "passes.fuse_qk_norm_rope",
+    "passes.fuse_moe_router",
     "passes.prepack_linear",
     "passes.fix_functionalization",
 )

@@ -15,6 +15,9 @@ from safetensors.torch import load_file, save_file
 from models.tiny import write_tiny_checkpoint
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""Dense families."""
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""Mixture-of-experts families."""
 
 
 def build_family_checkpoint(out_dir: Path, family: str, seed: int = 0, **overrides: Any) -> Path:

@@ -13,7 +13,7 @@ import torch
 # pytest import mode.
 sys.path.insert(0, os.path.dirname(__file__))
 
-from checkpoints import FAMILIES, build_family_checkpoint  # noqa: E402
+from checkpoints import FAMILIES, MOE_FAMILIES, build_family_checkpoint  # noqa: E402
 from triton_interpreter import KERNEL_MARK, language_is_interpreted  # noqa: E402
 
 GPU_CHECK_ENV = "PIECEWISE_GPU_CHECK"
@@ -58,12 +58,12 @@ def pytest_collection_finish(session):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """``tiny_checkpoint(family) -> Path``: the fp32 ``test-<family>`` checkpoint (seed 0),
-    written once per session; family in ("llama", "mistral", "qwen2", "qwen3")."""
+    written once per session; family in FAMILIES + MOE_FAMILIES (tests/checkpoints.py)."""
     built: dict[str, Path] = {}
 
     def get(family: str) -> Path:
-        if family not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+        if family not in FAMILIES + MOE_FAMILIES:
+            raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + MOE_FAMILIES}")
         if family not in built:
             root = tmp_path_factory.mktemp(f"ckpt-{family}")
             built[family] = build_family_checkpoint(root / family, family)

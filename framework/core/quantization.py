@@ -264,7 +264,9 @@ class QuantizationConfig(StrictConfig):
     linear: Optional[Any] = None
     """Spec for every linear layer (shorthand name, mapping, or QuantSpec)."""
     moe: Optional[Any] = None
-    """Spec for MoE expert weights (validated and hashed; no MoE layers in this project yet)."""
+    """Spec for the routed experts of MoE layers (``linear`` does not reach them; the router
+    and the shared expert are linear layers).  CPU schemes: ``int8_per_channel_weight_only``
+    and ``int8_per_token``."""
     ignore: list[str] = field(default_factory=list)
     """Layer names or fnmatch patterns left unquantized."""
     targets: dict[str, Any] = field(default_factory=dict)
@@ -319,6 +321,14 @@ class QuantizationConfig(StrictConfig):
             spec = None
         else:
             spec = self.linear
+        return spec.resolved() if spec is not None else None
+
+    def spec_for_experts(self, module_name: str) -> QuantSpec | None:
+        """The resolved spec of one MoE layer's stacked experts (``ignore`` applies; with
+        ``targets``, the module's name is looked up like a layer's)."""
+        if any(fnmatch.fnmatchcase(module_name, p) for p in self.ignore):
+            return None
+        spec = self._match_target(module_name) if self.targets else self.moe
         return spec.resolved() if spec is not None else None
 
     def _match_target(self, name: str) -> QuantSpec | None:

@@ -20,7 +20,13 @@ from framework.core.config import CompilationConfig
 from framework.core.quantization import QuantizationConfig
 from models.loader import load_model
 from passes.ops_prepack import PackedLinearMethod
-from passes.quant_schemes import apply_scheme, quantize_model, quantize_plan
+from passes.quant_schemes import (
+    apply_expert_scheme,
+    apply_scheme,
+    expert_plan,
+    quantize_model,
+    quantize_plan,
+)
 
 
 def quantize(model: torch.nn.Module, quantization: Any) -> tuple[Any, Optional[str], Any]:
@@ -65,7 +71,13 @@ def load_quantized(
     model, model_config = load_model(model_dir, dtype, device, strict=strict, prepare=prepare)
     for layer, scheme in pending.values():  # e.g. a tied weight, loaded under another name
         apply_scheme(layer, scheme)
-    layers = {name: type(scheme).name for name, _, scheme in plan}
+    # MoE experts: quantized once the checkpoint is read (their stacked tensors fill from
+    # many checkpoint tensors each), then their float weights are dropped.
+    experts = expert_plan(model, qc)
+    for _, module, scheme in experts:
+        apply_expert_scheme(module, scheme)
+        release_free_memory()
+    layers = {name: type(scheme).name for name, _, scheme in plan + experts}
     return model, model_config, (qc, qc.compute_hash(), layers)
 
 

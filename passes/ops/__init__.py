@@ -29,9 +29,22 @@ scales are fp32, static ``[1]``, dynamic per-token ``[T, 1]``.
     piecewise::int8_weight_only_mm(x, w_q, w_scale, bias: Optional) -> Tensor
         (addition) x [T, K] float; w_q [N, K] int8 (Linear layout); w_scale [N]; result x.dtype
 
+    piecewise::topk_softmax(logits, top_k: int, renormalize: bool) -> (weights, ids)
+    piecewise::fused_moe(x, topk_weights, topk_ids, w13, w2) -> Tensor
+    piecewise::fused_moe_int8(x, topk_weights, topk_ids, w13_q, w13_scale, w2_q, w2_scale,
+                              quantize_activations: bool) -> Tensor
+        mixture of experts (see :mod:`passes.ops.moe` for shapes and arithmetic)
+
 Arithmetic (rounding, clamping, minimum dynamic scale): :mod:`passes.ops.quant_utils`.
 Plain-torch implementations ``<op>_torch`` live next to each op (CPU path and test oracle);
 Triton kernels live in :mod:`passes.ops.triton` (GPU path).
 """
 
-from passes.ops import activation, activation_quant, norm, rope, scaled_mm  # noqa: F401  (registers)
+from passes.ops import (  # noqa: F401  (registers)
+    activation,
+    activation_quant,
+    moe,
+    norm,
+    rope,
+    scaled_mm,
+)

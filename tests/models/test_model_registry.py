@@ -15,10 +15,14 @@ def test_supported_architectures():
     assert supported_architectures() == [
         "LlamaForCausalLM",
         "MistralForCausalLM",
+        "MixtralForCausalLM",
         "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
     ]
     assert get_model_class("Qwen3ForCausalLM") is DecoderForCausalLM
+    assert issubclass(get_model_class("Qwen3MoeForCausalLM"), DecoderForCausalLM)
 
 
 def test_unknown_architecture_lists_supported():

@@ -17,6 +17,7 @@ PINNED: dict[tuple[int, str], list[str]] = {
         "fuse_rmsnorm_quant",
         "fuse_silu_mul_quant",
         "fuse_qk_norm_rope",
+        "fuse_moe_router",
         "prepack_linear",
         "fix_functionalization",
     ],
@@ -32,6 +33,7 @@ PINNED: dict[tuple[int, str], list[str]] = {
         "fuse_add_rmsnorm",
         "fuse_rmsnorm_quant",
         "fuse_silu_mul_quant",
+        "fuse_moe_router",
         "fix_functionalization",
     ],
     (3, "cuda"): [
@@ -40,6 +42,7 @@ PINNED: dict[tuple[int, str], list[str]] = {
         "fuse_rmsnorm_quant",
         "fuse_silu_mul_quant",
         "fuse_qk_norm_rope",
+        "fuse_moe_router",
         "fix_functionalization",
     ],
 }

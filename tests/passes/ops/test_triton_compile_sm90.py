@@ -194,3 +194,41 @@ def test_a_compile_error_fails(tmp_path):
 
     with pytest.raises(Exception, match="(?i)loop|type"):
         compile_for_sm90(bad, dict(x_ptr="*fp32", N="i32"), {})
+
+
+@pytest.mark.parametrize("dt", MODEL_DTYPES)
+def test_moe_gemm_kernel_compiles(dt):
+    """Both MoE stages: gate-up (A rows are tokens, no weight) and down (A rows are slots,
+    times the routing weight, fp32 output)."""
+    from passes.ops.triton import moe
+
+    for a_per_slot, mul_weight, out in ((False, False, dt), (True, True, "fp32")):
+        compile_for_sm90(
+            moe._moe_gemm_kernel,
+            dict(
+                a_ptr=f"*{dt}",
+                b_ptr=f"*{dt}",
+                c_ptr=f"*{out}",
+                topk_w_ptr="*fp32",
+                sorted_ids_ptr="*i32",
+                expert_ids_ptr="*i32",
+                N="i32",
+                K="i32",
+                num_slots="i32",
+                top_k="i32",
+                s_am="i32",
+                s_ak="i32",
+                s_be="i32",
+                s_bn="i32",
+                s_bk="i32",
+                s_cm="i32",
+                s_cn="i32",
+            ),
+            dict(
+                A_PER_SLOT=a_per_slot,
+                MUL_WEIGHT=mul_weight,
+                BLOCK_M=moe.BLOCK_M,
+                BLOCK_N=moe.BLOCK_N,
+                BLOCK_K=moe.BLOCK_K,
+            ),
+        )

@@ -22,10 +22,12 @@ from triton_interpreter import (  # noqa: E402
 import passes.ops  # noqa: E402,F401
 from passes.ops import activation as act_ops  # noqa: E402
 from passes.ops import activation_quant as aq_ops  # noqa: E402
+from passes.ops import moe as moe_ops  # noqa: E402
 from passes.ops import norm as norm_ops  # noqa: E402
 from passes.ops import rope as rope_ops  # noqa: E402
 from passes.ops import scaled_mm as mm_ops  # noqa: E402
 from passes.ops.triton import activation as tri_act  # noqa: E402
+from passes.ops.triton import moe as tri_moe  # noqa: E402
 from passes.ops.triton import norm as tri_norm  # noqa: E402
 from passes.ops.triton import rope as tri_rope  # noqa: E402
 from passes.ops.triton import scaled_mm as tri_mm  # noqa: E402
@@ -90,9 +92,34 @@ def _patch_interpreter_float_conversion():
     interpreter._convert_float = convert
 
 
+def _patch_interpreter_bf16_dot():
+    """Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands as their raw 16-bit
+    patterns (numpy has no bf16); the GPU multiplies the values exactly and accumulates in
+    fp32, which is what upcasting both operands to fp32 first computes.  Returns the original."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    tl = triton.language
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def as_f32(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        bits = np.ascontiguousarray(h.data).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, as_f32(a), as_f32(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    return original
+
+
 @pytest.fixture(autouse=True)
 def interpreter_rounds_like_the_gpu():
-    """The conversion patch, only around each kernel test that runs in the interpreter."""
+    """The conversion (and bf16 dot) patches, only around each kernel test that runs in the
+    interpreter."""
     if not language_is_interpreted():
         yield
         return
@@ -100,10 +127,12 @@ def interpreter_rounds_like_the_gpu():
 
     original = interpreter._convert_float
     _patch_interpreter_float_conversion()
+    original_dot = _patch_interpreter_bf16_dot()
     try:
         yield
     finally:
         interpreter._convert_float = original
+        interpreter.InterpreterBuilder.create_dot = original_dot
 
 
 EPS = 1e-6
@@ -279,3 +308,34 @@ def test_int8_weight_only_mm_kernel():
     got = tri_mm.int8_weight_only_mm(x, w_q, ws, bias)
     want = mm_ops.int8_weight_only_mm_torch(x, w_q, ws, bias)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@kernel
+@pytest.mark.parametrize("t", [1, 5, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_kernel(t, dtype):
+    """Grouped GEMM over the slots sorted by expert: 6 experts top-2, hidden 40, expert
+    intermediate 72 (no size a multiple of the blocks), against the per-expert oracle."""
+    g = torch.Generator().manual_seed(t)
+    E, H, I, K = 6, 40, 72, 2  # noqa: E741
+    x = torch.randn(t, H, generator=g).to(dtype)
+    w13 = (0.1 * torch.randn(E, 2 * I, H, generator=g)).to(dtype)
+    w2 = (0.1 * torch.randn(E, H, I, generator=g)).to(dtype)
+    w, ids = moe_ops.topk_softmax_torch(torch.randn(t, E, generator=g), K, True)
+    x, w13, w2, w, ids = dev(x, w13, w2, w, ids)
+    got = tri_moe.fused_moe(x, w, ids, w13, w2)
+    want = moe_ops.fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), w13.cpu(), w2.cpu())
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    if dtype == torch.float32 and ON_GPU:  # tf32 dots on the GPU
+        tol = dict(atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(got.cpu(), want, **tol)
+
+
+def test_align_by_expert_pads_each_expert_to_the_block():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    sorted_ids, experts = tri_moe.align_by_expert(ids, 4, 4)
+    sentinel = ids.numel()
+    assert experts.tolist() == [0, 1, 2]  # expert 3 is not hit: no block
+    # flat slots: [2, 0, 2, 1, 0, 2] -> expert 0: slots 1, 4; expert 1: 3; expert 2: 0, 2, 5
+    assert sorted_ids.tolist() == [1, 4, sentinel, sentinel, 3, sentinel, sentinel, sentinel,
+                                   0, 2, 5, sentinel]  # fmt: skip

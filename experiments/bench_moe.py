@@ -1,0 +1,194 @@
+"""Side-by-side MoE decode benchmark: this project at O2 against transformers eager and
+``torch.compile(transformers)``, bf16, on a Qwen3-MoE shape (preset ``bench-qwen3_moe``: 16
+experts top-2), and the batch-1 step against its active-weight floor.
+
+    python -m experiments.bench_moe                                   # b1 and b8, 5 rounds
+    python -m experiments.bench_moe --batches 1 --rounds 2 --steps 8 --threads 1   # quick
+
+Same weights, same prompts for every contender; a decode step is timed the same way for all
+(inputs, forward, argmax, tokens back to the host: ``experiments.contenders``); after one
+untimed warm-up generation each, ``--rounds`` rounds run the contenders round-robin with a
+rotating start; medians and p90s over every kept step (``experiments.bench_measure``).
+
+Active-weight floor of a b1 decode step: the bytes a step must read -- attention (qkv, o),
+norms, the router, only the top-k experts' gate-up and down of each MoE layer, the dense MLP
+layers, and the LM head (every weight but the embedding table and the experts not chosen) --
+divided by the best read bandwidth measured in the same run (``torch.sum`` over a 256 MB
+buffer, ``experiments.bandwidth``; that probe under-measures on some machines, see
+PERF_NOTES.md, so the ratio is pessimistic for the project).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from typing import Optional
+
+import torch
+
+from experiments.bandwidth import measure_read_bandwidth
+from experiments.bench_measure import measure_latency
+from experiments.contenders import HFLoop, Piecewise, build_llm, load_hf
+from models.tiny import ensure_tiny_model
+
+PRESET = "bench-qwen3_moe"
+CONTENDERS = ("hf_eager", "hf_compile", "O2")
+
+
+def active_weight_bytes(llm) -> dict[str, int]:
+    """Bytes of the weights a batch-1 decode step reads (see the module docstring)."""
+    mc, model = llm.model_config, llm.model
+    k, E = mc.num_experts_per_tok, mc.num_experts
+    experts = other = 0
+    for name, p in model.named_parameters():
+        if "embed" in name and not mc.tie_word_embeddings:  # a row gather, not a read
+            continue
+        size = p.numel() * p.element_size()
+        if name.endswith((".experts.w13", ".experts.w2")):
+            experts += size * k // E
+        else:
+            other += size
+    return {"top_k_experts": experts, "other": other, "total": experts + other}
+
+
+def _hf_expert_loop(x, weights, ids, w13, w2):
+    """transformers 5's eager ``*MoeExperts.forward``: one-hot mask, per-expert where()."""
+    out = torch.zeros_like(x)
+    mask = torch.nn.functional.one_hot(ids, num_classes=w13.shape[0]).permute(2, 1, 0)
+    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit:
+        e = int(e[0])
+        pos, tok = torch.where(mask[e])
+        gate, up = torch.nn.functional.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e])
+        out.index_add_(0, tok, (h * weights[tok, pos, None]).to(out.dtype))
+    return out
+
+
+def measure_kernel(llm, token_counts: list[int], rounds: int) -> list[dict]:
+    """The expert computation of one MoE layer alone, bf16: ``piecewise::fused_moe`` (tokens
+    grouped by expert) against transformers' expert loop, alternated, median of ``rounds``;
+    the largest count is a b32 x 64-token prefill."""
+    import time
+
+    block = next(m for m in llm.model.modules() if hasattr(m, "experts"))
+    w13, w2 = block.experts.w13, block.experts.w2
+    E, k = w13.shape[0], block.top_k
+    rows = []
+    for t in token_counts:
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, w13.shape[2], generator=g).to(w13.dtype)
+        logits = torch.randn(t, E, generator=g)
+        probs = torch.softmax(logits, -1)
+        weights, ids = torch.topk(probs, k, -1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(w13.dtype)
+        fns = {
+            "fused_moe": lambda: torch.ops.piecewise.fused_moe(x, weights, ids, w13, w2),
+            "hf_expert_loop": lambda: _hf_expert_loop(x, weights, ids, w13, w2),
+        }
+        times: dict[str, list[float]] = {n: [] for n in fns}
+        for f in fns.values():
+            f()
+        for r in range(rounds):
+            for name in list(fns)[r % 2 :] + list(fns)[: r % 2]:
+                t0 = time.perf_counter()
+                fns[name]()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        med = {n: statistics.median(v) for n, v in times.items()}
+        rows.append({"tokens": t, **{f"{n}_ms": v for n, v in med.items()}})
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    path = str(ensure_tiny_model(preset=args.preset))
+    hf = load_hf(path, "bfloat16")
+    vocab = hf.config.vocab_size
+    cache = tempfile.mkdtemp(prefix="bench-moe-")
+    llm = build_llm(2, path, "bfloat16", cache, max(args.batches), args.prompt_len + args.steps + 8)
+    make = {
+        "hf_eager": lambda: HFLoop("hf_eager", hf, hf),
+        "hf_compile": lambda: HFLoop("hf_compile", hf, torch.compile(hf, dynamic=True)),
+        "O2": lambda: Piecewise("O2", llm),
+    }
+    contenders = [make[name]() for name in args.contenders]
+    kernel_rows = measure_kernel(llm, [1, 8, 32 * 64], max(5, args.rounds))
+    rows = []
+    for batch in args.batches:
+        rows += measure_latency(contenders, "bfloat16", batch, args, vocab, print)
+    bandwidth = max(measure_read_bandwidth() for _ in range(3))
+    weights = active_weight_bytes(llm)
+    o2_b1 = [r for r in rows if r["contender"] == "O2" and r["batch"] == 1]
+    floor_ms = weights["total"] / bandwidth * 1e3
+    result = {
+        "preset": args.preset,
+        "threads": args.threads,
+        "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
+        "kernel_rows": kernel_rows,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "active_weight_bytes": weights,
+        "floor_ms": floor_ms,
+        "o2_b1_over_floor": (o2_b1[0]["median_ms"] / floor_ms) if o2_b1 else None,
+    }
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"MoE decode, bf16, {result['preset']}, {result['threads']} thread(s)",
+        "",
+        "| batch | contender | median ms | p90 ms | vs O2 | token agreement vs hf_eager |",
+        "|---|---|---|---|---|---|",
+    ]
+    for batch in sorted({r["batch"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["batch"] == batch]
+        o2s = [r["median_ms"] for r in rows if r["contender"] == "O2"]
+        o2 = statistics.median(o2s) if o2s else float("nan")
+        for r in rows:
+            lines.append(
+                f"| {batch} | {r['contender']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | "
+                f"{r['median_ms'] / o2:.2f}x | {r['token_agreement']:.3f} |"
+            )
+    lines += ["", "| tokens | fused_moe ms | transformers expert loop ms |", "|---|---|---|"]
+    for r in result.get("kernel_rows", []):
+        lines.append(f"| {r['tokens']} | {r['fused_moe_ms']:.3f} | {r['hf_expert_loop_ms']:.3f} |")
+    w = result["active_weight_bytes"]
+    ratio = result["o2_b1_over_floor"]
+    lines += [
+        "",
+        f"active weights per b1 step: {w['total'] / 1e6:.1f} MB (top-k experts "
+        f"{w['top_k_experts'] / 1e6:.1f} MB); read bandwidth {result['bandwidth_gb_s']:.1f} "
+        f"GB/s -> floor {result['floor_ms']:.2f} ms; O2 b1 / floor = "
+        + (f"{ratio:.2f}x (target <= 1.5x)" if ratio is not None else "n/a"),
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default=PRESET, help="models.tiny preset (a Qwen3-MoE shape)")
+    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", default=None, help="write the result as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parse_args(argv)
+    result = run(args)
+    print(markdown(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

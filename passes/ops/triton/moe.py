@@ -1,0 +1,170 @@
+"""Grouped-GEMM mixture of experts in Triton (the CUDA kernel of ``piecewise::fused_moe``).
+
+Host side (torch, on the device): the ``T*K`` (token, slot) pairs are sorted by expert and
+each expert's run is padded to a multiple of ``BLOCK_M`` (:func:`align_by_expert`), so every
+``BLOCK_M`` block of the sorted list belongs to one expert. One kernel,
+:func:`_moe_gemm_kernel`, then computes ``C[slot] = A[row(slot)] @ W[e]^T`` for every block
+(program (m, n): block m of the sorted slots, columns n of the output), reading only the
+weights of the experts that are hit:
+
+    stage 1  h1[T*K, 2I] = x[slot // K] @ w13[e]^T          (A rows: tokens)
+             h [T*K, I]  = silu(h1[:, :I]) * h1[:, I:]      (piecewise::silu_and_mul)
+    stage 2  h2[T*K, H]  = (h[slot] @ w2[e]^T) * weight[slot]  (A rows: slots)
+    out[T, H] = sum over the K slots of each token (fp32), cast to x.dtype
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    N,
+    K,
+    num_slots,
+    top_k,
+    s_am,
+    s_ak,
+    s_be,
+    s_bn,
+    s_bk,
+    s_cm,
+    s_cn,
+    A_PER_SLOT: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slots < num_slots
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if A_PER_SLOT:
+        rows = slots
+    else:
+        rows = slots // top_k
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(
+            a_ptr + rows[:, None] * s_am + kk[None, :] * s_ak,
+            mask=valid[:, None] & (kk[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + expert * s_be + kk[:, None] * s_bk + rn[None, :] * s_bn,
+            mask=(kk[:, None] < K) & (rn[None, :] < N),
+            other=0.0,
+        )
+        acc += tl.dot(a, b, out_dtype=tl.float32)
+    if MUL_WEIGHT:
+        w = tl.load(topk_w_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    tl.store(
+        c_ptr + slots[:, None] * s_cm + rn[None, :] * s_cn,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=valid[:, None] & (rn[None, :] < N),
+    )
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted slot ids padded per expert to ``block_m`` with the sentinel ``T*K``, the
+    expert of each ``block_m`` block)."""
+    flat = topk_ids.reshape(-1)
+    num_slots = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded  # first padded position of each expert
+    firsts = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
+    total = int(padded.sum())
+    sorted_ids = torch.full((total,), num_slots, dtype=torch.int32, device=flat.device)
+    experts_sorted = flat[order]
+    rank = torch.arange(num_slots, device=flat.device) - firsts[experts_sorted]
+    sorted_ids[starts[experts_sorted] + rank] = order.to(torch.int32)
+    blocks = padded // block_m
+    expert_ids = torch.repeat_interleave(
+        torch.arange(num_experts, device=flat.device, dtype=torch.int32), blocks
+    )
+    return sorted_ids, expert_ids
+
+
+def moe_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    topk_weights: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    top_k: int,
+    a_per_slot: bool,
+    mul_weight: bool,
+) -> None:
+    """``out[slot] = a[row(slot)] @ w[expert]^T (* weight[slot])`` for every sorted slot;
+    ``w [E, N, K]``, ``out [T*K, N]``."""
+    E, N, K = w.shape
+    grid = (expert_ids.numel(), triton.cdiv(N, BLOCK_N))
+    if grid[0] == 0:
+        return
+    _moe_gemm_kernel[grid](
+        a,
+        w,
+        out,
+        topk_weights,
+        sorted_ids,
+        expert_ids,
+        N,
+        K,
+        out.shape[0],
+        top_k,
+        a.stride(0),
+        a.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        out.stride(1),
+        A_PER_SLOT=a_per_slot,
+        MUL_WEIGHT=mul_weight,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """The ``piecewise::fused_moe`` CUDA kernel (see the module docstring)."""
+    T, top_k = topk_ids.shape
+    E, two_i, H = w13.shape
+    sorted_ids, expert_ids = align_by_expert(topk_ids, E, BLOCK_M)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    h1 = torch.empty((T * top_k, two_i), dtype=x.dtype, device=x.device)
+    moe_gemm(x, w13, h1, weights, sorted_ids, expert_ids, top_k, False, False)
+    h = torch.empty((T * top_k, two_i // 2), dtype=x.dtype, device=x.device)
+    torch.ops.piecewise.silu_and_mul(h, h1)
+    h2 = torch.empty((T * top_k, H), dtype=torch.float32, device=x.device)
+    moe_gemm(h, w2, h2, weights, sorted_ids, expert_ids, top_k, True, True)
+    return h2.view(T, top_k, H).sum(dim=1).to(x.dtype)
