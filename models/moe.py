@@ -136,7 +136,8 @@ class SparseMoeBlock(nn.Module):
         self.cast_weights = cast
         """Round the routing weights to the model dtype before the experts (Qwen), or keep
         them fp32 (Mixtral)."""
-        self.tp_size = get_tp_state().world_size
+        self.tp = get_tp_state()  # the state this block was built with: its all-reduce's group
+        self.tp_size = self.tp.world_size
         self.gate = Linear(config.hidden_size, config.num_experts, bias=False, dtype=dt)
         self.experts = FusedMoE(
             config.num_experts,
@@ -161,7 +162,7 @@ class SparseMoeBlock(nn.Module):
             shared = self.shared_expert(x)  # [T, H]
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         if self.tp_size > 1:
-            out = all_reduce(out)
+            out = all_reduce(out, self.tp)
         return out
 
 

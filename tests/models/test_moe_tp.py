@@ -9,6 +9,7 @@ import torch
 
 from framework.core.parallel_state import TPState, tp_state
 from framework.engine.llm import LLM
+from framework.engine.observers import FirstTokenLogits
 from models.loader import load_model
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -47,7 +48,9 @@ def test_expert_shards_reassemble_the_full_experts(tiny_checkpoint, family):
 def _generate(path, tp: int):
     llm = LLM(str(path), tensor_parallel_size=tp, max_model_len=128, optimization_level=0)
     try:
-        return llm.generate(PROMPTS, max_new_tokens=6), [t.clone() for t in llm.first_token_logits]
+        with FirstTokenLogits.attached(llm) as first:
+            out = llm.generate(PROMPTS, max_new_tokens=6)
+        return out, [t.clone() for t in first.take()]
     finally:
         llm.close()
 
