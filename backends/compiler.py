@@ -29,6 +29,7 @@ from backends.inductor_lean import (
     export_lean,
     load_lean,
 )
+from framework.compat import inductor as compat_inductor
 from framework.core.compile_range import CompileRange
 from framework.core.registry import Registry
 from framework.core.symbolic import concretize_inputs
@@ -115,8 +116,6 @@ class InductorStandalone(CompilerAdaptor):
         return f"{super().compute_hash()}-lean{LEAN_FORMAT}"
 
     def compile(self, graph, example_inputs, compile_range):
-        from torch._inductor import standalone_compile
-
         graph = copy.deepcopy(graph)
         patches = dict(self.inductor_config)
         if self.graph_pass is not None:
@@ -128,7 +127,7 @@ class InductorStandalone(CompilerAdaptor):
         else:
             inputs, dynamic = example_inputs, "from_graph"
         with capture_aot_metadata() as metas:
-            artifact = standalone_compile(
+            artifact = compat_inductor.standalone_compile(
                 graph, inputs, dynamic_shapes=dynamic, options={"config_patches": patches}
             )
         try:
@@ -171,14 +170,15 @@ class InductorStandalone(CompilerAdaptor):
                 for member in sorted(n for n in names if n.startswith(LEAN_KERNEL_DIR + "/")):
                     name = member[len(LEAN_KERNEL_DIR) + 1 : -len(".so")]
                     kernels[name] = _extract_kernel(zf.read(member), Path(path))
-                return load_lean(source, kernels)
+                try:
+                    return load_lean(source, kernels)
+                except LeanUnsupported as e:  # this torch cannot run it: the standard form
+                    logger.info("%s: lean form not loadable (%s)", path, e)
             binary = zf.read(ARTIFACT_MEMBER)
-        # No lean form: Inductor's own loader (imports its compile path; torch 2.13).
-        from torch._inductor import CompiledArtifact
-
+        # No lean form: Inductor's own loader (imports its compile path).
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "artifact.bin").write_bytes(binary)
-            return CompiledArtifact.load(path=str(Path(tmp) / "artifact.bin"), format="binary")
+            return compat_inductor.load_artifact(str(Path(tmp) / "artifact.bin"), "binary")
 
 
 def _register_custom_graph_pass(graph_pass: Any) -> None:
@@ -186,7 +186,7 @@ def _register_custom_graph_pass(graph_pass: Any) -> None:
     ``CustomGraphPass`` (``isinstance``).  The pass manager implements that interface without
     inheriting from it (importing ``torch._inductor`` imports Dynamo, kept off warm starts),
     so it is registered as a virtual subclass here, just before a compile."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+    CustomGraphPass = compat_inductor.custom_graph_pass_base()
 
     if not isinstance(graph_pass, CustomGraphPass):
         if not callable(getattr(graph_pass, "uuid", None)):
@@ -224,9 +224,6 @@ class Eager(CompilerAdaptor):
     def compile(self, graph, example_inputs, compile_range):
         if self.graph_pass is None:
             return graph, None
-        from torch._functorch.aot_autograd import aot_module_simplified
-        from torch._inductor.decomposition import select_decomp_table
-
         if compile_range.is_single_size:
             example_inputs = concretize_inputs(example_inputs, compile_range.start)
         run = getattr(self.graph_pass, "run_on_graph_module", None)
@@ -245,8 +242,11 @@ class Eager(CompilerAdaptor):
         if single:  # AOTAutograd wants tuple outputs
             output.args = ((output.args[0],),)
             graph.recompile()
-        compiled = aot_module_simplified(
-            graph, example_inputs, fw_compiler=fw_compiler, decompositions=select_decomp_table()
+        compiled = compat_inductor.aot_module_simplified(
+            graph,
+            example_inputs,
+            fw_compiler=fw_compiler,
+            decompositions=compat_inductor.decomposition_table(),
         )
         if single:
             return (lambda *args: compiled(*args)[0]), None
