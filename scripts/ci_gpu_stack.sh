@@ -18,15 +18,16 @@ cd "$(dirname "$0")/.."
 START=$(date +%s)
 step() { printf '\n=== gpu-stack: %s (%ss) ===\n' "$1" "$(( $(date +%s) - START ))"; }
 
-find_py312() {
-    if [ -n "${PIECEWISE_PY312:-}" ]; then echo "$PIECEWISE_PY312"; return; fi
-    if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
-    local root
+find_py312() {  # the first candidate that runs (a pyenv shim may exist and refuse)
+    local root c
     root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-    for p in "$root"/versions/3.12*/bin/python3.12; do
-        [ -x "$p" ] && { echo "$p"; return; }
+    for c in ${PIECEWISE_PY312:-} python3.12 "$root"/versions/3.12*/bin/python3.12; do
+        if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+            command -v "$c"
+            return
+        fi
     done
-    echo "error: no Python 3.12 (set PIECEWISE_PY312)" >&2
+    echo "error: no working Python 3.12 (set PIECEWISE_PY312)" >&2
     exit 2
 }
 

@@ -23,8 +23,10 @@ makes graphs hard, so the bugs show up on CPU exactly as they would on a GPU:
 
 Memory traffic differs from a GPU (functional ops compute a fresh result and copy it into the
 recorded output; intermediates stay owned by the tape) but every value a replay produces is
-the one a real graph would produce.  Private torch/triton hooks (named per use below, torch
-2.13 / triton 3.9) are patched only while a capture runs.
+the one a real graph would produce.  Private torch/triton hooks (named per use below; torch's
+through :mod:`framework.compat`; torch 2.11 / 2.13, triton 3.6 / 3.9) are patched only while a
+capture runs.  Where one is missing, a capture records the whole callable as one launch (one
+warning): values stay right, but host values read during capture are no longer frozen.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 
 from framework.compat import inductor as compat_inductor
 from framework.compat import tensors as compat_tensors
+from framework.compat import warn_once
 from framework.compat.ops import OpOverload, TorchDispatchMode, tree_flatten, tree_unflatten
 
 _NO_REPLAY = frozenset(
@@ -190,7 +193,11 @@ def _opaque_hooks(rec: _Recorder) -> contextlib.ExitStack:
         from triton.runtime.jit import JITFunction
     except ImportError:
         return stack
-    # triton 3.9: kernel[grid](...) calls run(*args, grid=..., warmup=..., **kwargs).
+    # triton 3.6, 3.9: kernel[grid](...) calls run(*args, grid=..., warmup=..., **kwargs).
+    if not all("run" in cls.__dict__ for cls in (JITFunction, InterpretedFunction)):
+        warn_once("CUDA-graph emulation hooks", "triton's JITFunction.run is missing")
+        rec.whole_callable = True
+        return stack
     stack.enter_context(_patched(JITFunction, "run", triton_launch))
     stack.enter_context(_patched(InterpretedFunction, "run", triton_launch))
     return stack
