@@ -134,8 +134,6 @@ class PatternFusionPass(GraphPass):
 
     @staticmethod
     def _register(p: FusionPattern, matcher: PatternMatcherPass, fake: bool = False) -> None:
-        register_replacement = compat_inductor.pattern_matcher().register_replacement  # deferred
-
         kwargs: dict[str, Any] = {}
         if p.scalars:
             kwargs["scalar_workaround"] = dict(p.scalars)
@@ -143,7 +141,7 @@ class PatternFusionPass(GraphPass):
         # The example inputs are real tensors (fake ones with ``fake``): trace without
         # autograd, on CPU, once.
         with torch.no_grad(), FakeTensorMode() if fake else contextlib.nullcontext():
-            register_replacement(
+            compat_inductor.register_replacement(
                 p.pattern,
                 p.replacement,
                 p.example_inputs(),

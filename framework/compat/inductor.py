@@ -82,6 +82,17 @@ def pattern_matcher() -> Any:
     return _import("torch._inductor.pattern_matcher")
 
 
+def register_replacement(*args: Any, pattern_name: Optional[str] = None, **kwargs: Any) -> bool:
+    """``torch._inductor.pattern_matcher.register_replacement`` (torch 2.11, 2.13).
+    ``pattern_name`` (a label in Inductor's pattern-matcher logs) exists from torch 2.13 on;
+    torch 2.11 rejects it, so it is passed only where the signature takes it (the patterns
+    and their matches are the same either way)."""
+    fn = pattern_matcher().register_replacement
+    if pattern_name is not None and "pattern_name" in inspect.signature(fn).parameters:
+        kwargs["pattern_name"] = pattern_name
+    return fn(*args, **kwargs)
+
+
 # ------------------------------------------------------------------ configuration
 def inductor_config() -> Any:
     """``torch._inductor.config`` (torch 2.11, 2.13; ``torch.compile(options=...)`` is its

@@ -118,6 +118,25 @@ def test_inductor_helpers():
     assert compat_inductor.compiled_fx_graph_class().__name__ == "CompiledFxGraph"
 
 
+def test_register_replacement_on_this_torch():
+    """``pattern_name`` is passed where the installed torch takes it (2.13), dropped where it
+    does not (2.11); the pattern matches either way."""
+    pm = compat_inductor.pattern_matcher()
+    matcher = pm.PatternMatcherPass(pass_name="compat-test")
+
+    def pattern(x):
+        return torch.ops.aten.mul.Tensor(x, 2.0)
+
+    def replacement(x):
+        return torch.ops.aten.add.Tensor(x, x)
+
+    compat_inductor.register_replacement(
+        pattern, replacement, [torch.randn(4)], pm.fwd_only, matcher, pattern_name="x2"
+    )
+    gm = pm.fwd_only(lambda x: torch.ops.aten.mul.Tensor(x, 2.0) + 1, [torch.randn(4)])
+    assert matcher.apply(gm.graph) == 1
+
+
 def _compile_piece():
     from backends.compiler import CompileRange, make_compiler
 
