@@ -65,10 +65,15 @@ def call_mutating(op: OpOverload, **kwargs: Any) -> tuple[Any, ...]:
 
 def _scalars_are_constants(p: FusionPattern) -> Callable[[Match], bool]:
     """A scalar wildcard must have matched a Python number: a graph that computes ``eps`` as a
-    tensor or symbol (fully dynamic traces can) cannot be passed to an op's ``float`` arg."""
+    tensor or symbol (fully dynamic traces can) cannot be passed to an op's ``float`` arg.
+    A scalar missing from the match was burned into the pattern as a literal by the re-trace
+    with the matched values (torch 2.11's ``register_replacement`` checks that re-traced
+    pattern): it matched a Python number."""
 
     def check(match: Match) -> bool:
         for name in p.scalars:
+            if name not in match.kwargs:
+                continue
             value = match.kwargs.get(name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 return False
