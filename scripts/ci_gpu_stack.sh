@@ -7,8 +7,8 @@
 #   1. scripts/gpu_check.sh --dry-run with that interpreter;
 #   2. a tiny LLM at O2 (cold and warm) gives the O0 tokens (scripts/o2_equals_o0.py);
 #   3. a CPU smoke subset: the compat package, the four dense families at O0 and O2 against
-#      transformers, the warm start and the other cache tests, the Triton-interpreter kernel
-#      tests (they rerun themselves in a child process with TRITON_INTERPRET=1; the GPU
+#      transformers, the warm start and the other cache tests, the add+RMSNorm fusion (the
+#      pattern pass O2 runs on a GPU), the Triton-interpreter kernel tests (they rerun themselves in a child process with TRITON_INTERPRET=1; the GPU
 #      selection never sees it).
 #
 # Environment: PIECEWISE_PY312 (a Python 3.12; default: python3.12 on PATH, else pyenv's),
@@ -81,6 +81,7 @@ T=tests/framework/engine/test_llm.py
     "$T::test_compiled_levels_match_eager[qwen2-2]" \
     "$T::test_compiled_levels_match_eager[qwen3-2]" \
     tests/framework/cache \
+    tests/passes/test_fuse_add_rmsnorm.py \
     tests/passes/ops/test_triton_kernels.py \
     tests/backends/attention/test_triton_paged.py
 
