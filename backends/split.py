@@ -59,7 +59,7 @@ def stable_name(target: Any) -> str:
     """A node target's name that is the same in every process: ``str()`` of a Python function
     or a torch builtin holds its address (``<function embedding at 0x7f...>``).  Op overloads
     and strings print stably; callables get their qualified name (the name FX's code
-    generation uses: ``torch.fx.node._get_qualified_name``, private, torch 2.13)."""
+    generation uses: :func:`framework.compat.ops.qualified_name`)."""
     if isinstance(target, str) or not callable(target):
         return str(target)
     if isinstance(target, (OpOverload, OpOverloadPacket)):
