@@ -111,9 +111,10 @@ EOF_PY
 }
 
 # Every module of the project (what the tests, the TP check and the benchmark import, and
-# more), plus the compile path the real run reaches only when it compiles.
-import_all() {
-    "$PY" - <<'EOF_PY'
+# more), plus the compile path the real run reaches only when it compiles; then, in the same
+# process (one torch start-up less), the pytest collection of the GPU selection.
+import_all_and_collect() {
+    "$PY" - "${TEST_SEL[@]:2}" --collect-only tests <<'EOF_PY'
 import importlib, pkgutil, sys
 names = ["torch._inductor.compile_fx", "triton.language", "experiments.gpu_decode_bench",
          "experiments.bench_tp"]
@@ -130,7 +131,11 @@ for name in names:
 print(f"imported {len(names) - len(failed)} of {len(names)} modules")
 for f in failed:
     print("  import failed:", f)
-sys.exit(1 if failed else 0)
+if failed:
+    sys.exit(3)
+print("\n=== dry run: collect the GPU test selection ===", flush=True)
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
 EOF_PY
 }
 
@@ -195,10 +200,9 @@ if [ $DRY_RUN -eq 1 ]; then
     echo "tensor parallel: timeout $TP_TIMEOUT python ${TP_CMD[*]} (skips below 2 GPUs)"
     echo "benchmark: timeout $BENCH_TIMEOUT python ${BENCH_CMD[*]} ${BENCH_ARGS:-}"
     step "dry run: import every module the real run imports"
-    import_all || die "imports failed"
-    step "dry run: collect the GPU test selection"
-    "$PY" "${TEST_SEL[@]}" --collect-only tests
+    import_all_and_collect
     rc=$?
+    [ $rc -eq 3 ] && die "imports failed"
     [ $rc -eq 0 ] || die "collection failed (rc=$rc)"
     summary "not run (dry run)"
     exit 0
