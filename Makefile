@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install run lint test test-all bench bench-save gpu-check clean
+.PHONY: install run lint test test-all bench bench-save gpu-bundle gpu-check test-gpu-stack clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,8 +41,18 @@ bench: $(STAMP)
 bench-save: $(STAMP)
 	$(BIN)/python -m experiments.bench --save $(ARGS)
 
+# The lent GPU machine (Python 3.12, torch 2.11, no network, no Hydra): `make gpu-bundle`
+# here, with the network, unpacks what that image lacks into .gpu_bundle/; `make gpu-check`
+# there runs the check with the image's python3 (README "On a GPU").
+gpu-bundle:
+	PY=$(PY) bash scripts/gpu_bundle.sh
+
 gpu-check:
 	bash scripts/gpu_check.sh $(ARGS)
+
+# The GPU image's stack on CPU (CI runs it after `make test`; needs a Python 3.12).
+test-gpu-stack:
+	bash scripts/ci_gpu_stack.sh
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

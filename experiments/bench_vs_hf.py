@@ -70,6 +70,7 @@ from experiments.bench_measure import (  # noqa: F401  (agreement, percentile: r
 )
 from experiments.bench_targets import LABELS
 from experiments.contenders import Contender, HFLoop, HFStatic, Piecewise, build_llm, load_hf
+from framework.compat import dynamo as compat_dynamo
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_CONTENDERS = ("hf_eager", "hf_compile", "hf_static")
@@ -395,7 +396,7 @@ def main(argv: Optional[list[str]] = None, framework_import_s: Optional[float] =
     if args.threads:
         torch.set_num_threads(args.threads)
     if "hf_compile" in args.contenders:
-        torch._dynamo.config.recompile_limit = 64  # (b) recompiles per dtype and batch size
+        compat_dynamo.set_recompile_limit(64)  # (b) recompiles per dtype and batch size
     if args.worker:
         print(RESULT_MARK + json.dumps(startup_worker(args, framework_import_s)), flush=True)
         return {}

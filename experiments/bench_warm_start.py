@@ -31,10 +31,10 @@ llm = LLM(sys.argv[1], optimization_level=int(sys.argv[3]), cache_dir=sys.argv[2
           compilation_config=CompilationConfig(progress_bar=False))
 t1 = time.perf_counter()
 out = llm.generate([[5, 6, 7, 8]], 2, ignore_eos=True)
+from framework.compat.dynamo import dynamo_imported, inductor_imported
 print("RESULT" + json.dumps({"construct_s": t1 - t0, "out": out,
       "traces": llm.stats["dynamo_traces"], "compiles": llm.stats["compile_compiles"],
-      "dynamo": "torch._dynamo" in sys.modules,
-      "compile_fx": "torch._inductor.compile_fx" in sys.modules}))
+      "dynamo": dynamo_imported(), "compile_fx": inductor_imported("compile_fx")}))
 """
 
 

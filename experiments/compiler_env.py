@@ -11,6 +11,9 @@ from typing import Optional
 
 import torch
 
+from framework.compat import dynamo as compat_dynamo
+from framework.compat import inductor as compat_inductor
+
 
 @contextmanager
 def compiler_caches_under(cache_dir: Optional[str]):
@@ -25,9 +28,7 @@ def compiler_caches_under(cache_dir: Optional[str]):
     saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(Path(cache_dir).resolve() / "triton")
-    from torch._inductor.utils import clear_inductor_caches
-
-    clear_inductor_caches()
+    compat_inductor.clear_caches()
     try:
         yield
     finally:
@@ -52,8 +53,6 @@ def warm_up_compiler() -> Optional[float]:
         return None
     import tempfile
 
-    from torch._inductor.utils import clear_inductor_caches
-
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, compiler_caches_under(tmp):
         fn = torch.compile(
@@ -62,7 +61,7 @@ def warm_up_compiler() -> Optional[float]:
             fullgraph=True,
         )
         fn(torch.randn(8, 16), torch.randn(16, 16))
-        torch._dynamo.reset()
-        clear_inductor_caches()  # nothing of the throw-away compile may serve the job
+        compat_dynamo.reset()
+        compat_inductor.clear_caches()  # nothing of the throw-away compile may serve the job
     _compiler_warmed_up = True
     return time.perf_counter() - t0

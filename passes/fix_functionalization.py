@@ -34,8 +34,8 @@ import operator
 from typing import Any
 
 import torch
-from torch._higher_order_ops.auto_functionalize import get_mutable_args
 
+from framework.compat.ops import OpOverload, get_mutable_args
 from passes.base import GraphPass
 from passes.fx_utils import (
     AF_TARGETS,
@@ -56,8 +56,8 @@ def _is_fresh_tensor(node: Any) -> bool:
         parent = node.args[0]
         if isinstance(parent, torch.fx.Node) and parent.target in AF_TARGETS:
             return True  # new values of a functionalized op are fresh tensors
-        return _is_fresh_tensor(parent) and isinstance(parent.target, torch._ops.OpOverload)
-    if isinstance(target, torch._ops.OpOverload):
+        return _is_fresh_tensor(parent) and isinstance(parent.target, OpOverload)
+    if isinstance(target, OpOverload):
         return not any(r.alias_info is not None for r in target._schema.returns)
     return False
 

@@ -31,6 +31,7 @@ from typing import Any, Iterable
 import torch
 
 import passes.ops.allreduce_norm  # noqa: F401  (registers piecewise::allreduce_add_rms_norm)
+from framework.compat.ops import c10d_functional
 from framework.core.parallel_state import get_tp_state
 from passes.fusion_patterns import EPS_DUMMY, rms_norm_hf
 from passes.pattern_fusion import FusionPattern, PatternFusionPass, float_dtypes
@@ -39,8 +40,8 @@ from passes.registry import register_pass
 
 def make_pattern(group: str):
     def pattern(x, residual, weight, eps):
-        reduced = torch.ops._c10d_functional.all_reduce.default(x, "sum", group)
-        reduced = torch.ops._c10d_functional.wait_tensor.default(reduced)
+        reduced = c10d_functional().all_reduce.default(x, "sum", group)
+        reduced = c10d_functional().wait_tensor.default(reduced)
         r = residual + reduced
         return rms_norm_hf(r, weight, eps), r
 

@@ -13,7 +13,9 @@ import operator
 from typing import Any, Optional
 
 import torch
-from torch._higher_order_ops.auto_functionalize import (
+
+from framework.compat.ops import (
+    OpOverload,
     auto_functionalized,
     auto_functionalized_v2,
     get_mutable_args,
@@ -51,7 +53,7 @@ def count_op(graph: torch.fx.Graph | torch.fx.GraphModule, op: Any) -> int:
     return sum(1 for n in graph.nodes if n.op == "call_function" and _matches(node_op(n), op))
 
 
-def mutable_arg_offset(op: torch._ops.OpOverload) -> int:
+def mutable_arg_offset(op: OpOverload) -> int:
     """Index of the first mutated tensor in an ``auto_functionalized*`` result tuple."""
     return max(1, len(op._schema.returns))
 
@@ -65,7 +67,7 @@ def af_v1_kwargs(node: torch.fx.Node) -> Optional[dict[str, Any]]:
     return v2_to_v1_kwargs(node.args[0], node.kwargs)
 
 
-def v2_to_v1_kwargs(op: torch._ops.OpOverload, kwargs: dict[str, Any]) -> Optional[dict]:
+def v2_to_v1_kwargs(op: OpOverload, kwargs: dict[str, Any]) -> Optional[dict]:
     """``auto_functionalized_v2`` kwargs (nodes or fake values) as v1 kwargs, or ``None``."""
     names, _ = get_mutable_args(op)
     bases = kwargs["_all_bases"]
@@ -87,7 +89,7 @@ def v2_to_v1_kwargs(op: torch._ops.OpOverload, kwargs: dict[str, Any]) -> Option
     return schema_ordered(op, out)
 
 
-def schema_ordered(op: torch._ops.OpOverload, kwargs: dict[str, Any]) -> dict[str, Any]:
+def schema_ordered(op: OpOverload, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` in the op's schema order: the pattern matcher compares kwargs key by key in
     order, and functionalization emits them in schema order."""
     order = [a.name for a in op._schema.arguments]

@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from framework.compat import onednn
 from framework.core.ops import define_op
-from passes import onednn_layout as onednn
 from passes import small_m_linear as small_m
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -69,7 +69,7 @@ def packed_linear_cpu(
             if not panel:
                 raise RuntimeError(
                     "piecewise::packed_linear: a oneDNN-packed weight but no oneDNN view "
-                    "(this torch build lacks the hooks passes/onednn_layout.py uses)"
+                    "(this torch build lacks the hooks framework/compat/onednn.py uses)"
                 )
             out = F.linear(x2, small_m.unpack(w, n, k), bias)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional
 
 import torch
-from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
+from framework.compat import inductor as compat_inductor
+from framework.compat.ops import FakeTensorMode, OpOverload, auto_functionalized
 from passes.base import GraphPass, PassContext
 from passes.fx_utils import canonicalize_auto_functionalized, mutable_arg_offset, schema_ordered
 
@@ -29,7 +30,7 @@ from passes.fx_utils import canonicalize_auto_functionalized, mutable_arg_offset
 # module is: the pass registry imports every pass module to read its @register_pass metadata
 # (levels, order), and importing the pattern matcher costs seconds (deferred imports below).
 if TYPE_CHECKING:
-    from torch._inductor.pattern_matcher import Match, PatternMatcherPass
+    from framework.compat.inductor import Match, PatternMatcherPass
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -51,7 +52,7 @@ class FusionPattern:
     extra_check: Optional[Callable[[Match], bool]] = None
 
 
-def call_mutating(op: torch._ops.OpOverload, **kwargs: Any) -> tuple[Any, ...]:
+def call_mutating(op: OpOverload, **kwargs: Any) -> tuple[Any, ...]:
     """In a pattern or replacement: the functional form of a mutating op, returning the new
     values of its mutated arguments in schema order (``auto_functionalized`` v1)."""
     result = auto_functionalized(op, **schema_ordered(op, kwargs))
@@ -64,10 +65,15 @@ def call_mutating(op: torch._ops.OpOverload, **kwargs: Any) -> tuple[Any, ...]:
 
 def _scalars_are_constants(p: FusionPattern) -> Callable[[Match], bool]:
     """A scalar wildcard must have matched a Python number: a graph that computes ``eps`` as a
-    tensor or symbol (fully dynamic traces can) cannot be passed to an op's ``float`` arg."""
+    tensor or symbol (fully dynamic traces can) cannot be passed to an op's ``float`` arg.
+    A scalar missing from the match was burned into the pattern as a literal by the re-trace
+    with the matched values (torch 2.11's ``register_replacement`` checks that re-traced
+    pattern): it matched a Python number."""
 
     def check(match: Match) -> bool:
         for name in p.scalars:
+            if name not in match.kwargs:
+                continue
             value = match.kwargs.get(name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 return False
@@ -85,7 +91,7 @@ def views_to_reshapes(graph: torch.fx.Graph) -> None:
 
 def trace_pattern(fn: Callable[..., Any], args: Any, **kwargs: Any) -> torch.fx.GraphModule:
     """``fwd_only`` followed by the same view canonicalization the post-grad graph got."""
-    from torch._inductor.pattern_matcher import fwd_only  # deferred: see the imports
+    fwd_only = compat_inductor.pattern_matcher().fwd_only  # deferred: see the imports
 
     gm = fwd_only(fn, args, **kwargs)
     views_to_reshapes(gm.graph)
@@ -123,7 +129,7 @@ class PatternFusionPass(GraphPass):
         key = (type(self), repr(sorted(self.config_factors().items())))
         matcher = PatternFusionPass._matchers.get(key)
         if matcher is None:
-            from torch._inductor.pattern_matcher import PatternMatcherPass  # deferred: see top
+            PatternMatcherPass = compat_inductor.pattern_matcher().PatternMatcherPass  # deferred
 
             matcher = PatternMatcherPass(pass_name=self.name or type(self).__name__)
             for p in self.patterns():
@@ -133,9 +139,6 @@ class PatternFusionPass(GraphPass):
 
     @staticmethod
     def _register(p: FusionPattern, matcher: PatternMatcherPass, fake: bool = False) -> None:
-        from torch._inductor.pattern_matcher import register_replacement  # deferred: see top
-        from torch._subclasses.fake_tensor import FakeTensorMode  # deferred: see top
-
         kwargs: dict[str, Any] = {}
         if p.scalars:
             kwargs["scalar_workaround"] = dict(p.scalars)
@@ -143,7 +146,7 @@ class PatternFusionPass(GraphPass):
         # The example inputs are real tensors (fake ones with ``fake``): trace without
         # autograd, on CPU, once.
         with torch.no_grad(), FakeTensorMode() if fake else contextlib.nullcontext():
-            register_replacement(
+            compat_inductor.register_replacement(
                 p.pattern,
                 p.replacement,
                 p.example_inputs(),
@@ -161,7 +164,7 @@ class PatternFusionPass(GraphPass):
         if self.match_count:
             # A replacement is inserted at the pattern's last output, which can precede an
             # input defined later in the graph (e.g. the quant's ``empty`` out buffer).
-            from torch._inductor.pattern_matcher import stable_topological_sort  # deferred
+            stable_topological_sort = compat_inductor.pattern_matcher().stable_topological_sort
 
             stable_topological_sort(graph)
             graph.eliminate_dead_code()

@@ -38,6 +38,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from framework.compat.ops import c10d_functional
 from framework.core.parallel_state import get_tp_state
 from passes.base import CompileRange
 from passes.fuse_allreduce_rmsnorm import make_pattern
@@ -45,7 +46,7 @@ from passes.fusion_patterns import EPS_DUMMY, rms_norm_hf
 from passes.pattern_fusion import FusionPattern, PatternFusionPass, float_dtypes
 from passes.registry import register_pass
 
-_C10D = torch.ops._c10d_functional
+_C10D = c10d_functional()
 
 
 def make_sp_replacement(group: str, rank: int, world: int):

@@ -28,9 +28,8 @@ from typing import Any, Optional
 
 import torch
 import torch.fx
-from torch._dispatch.python import no_python_dispatcher
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from framework.compat.ops import no_python_dispatcher, unset_fake_temporarily
 from framework.core.compile_range import CompileRange
 from passes.verify_inputs import (  # noqa: F401
     _FP8,
@@ -185,7 +184,7 @@ class PassVerifier:
         # hands that thread-local state to the process group's worker thread (gloo), whose
         # own ops (``narrow`` of the gathered buffer) then need the GIL, which this thread
         # holds while it blocks in ``wait_tensor``: a deadlock.  Real tensors need no
-        # Python dispatcher.  (torch._dispatch.python is private; torch 2.13.)
+        # Python dispatcher.
         with torch.no_grad(), no_python_dispatcher():
             outs = rec.run(*[_clone(x) for x in self._inputs])
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]

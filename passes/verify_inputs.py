@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.fx
 
+from framework.compat.ops import HigherOrderOperator, OpOverload, c10d_functional
 from framework.core.attention_metadata import AttentionMetadata
 from framework.core.compile_range import CompileRange
 from framework.core.errors import CompileStepError
@@ -110,7 +111,7 @@ def _aliases_first_arg(node: torch.fx.Node) -> bool:
     target = node.target
     if target in _VIEW_OPS:
         return True
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     returns = target._schema.returns
     return (
@@ -150,9 +151,9 @@ def undefined_nodes(graph: torch.fx.Graph) -> set[str]:
 
 
 ASYNC_COLLECTIVES = {
-    torch.ops._c10d_functional.all_reduce.default,
-    torch.ops._c10d_functional.all_gather_into_tensor.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    c10d_functional().all_reduce.default,
+    c10d_functional().all_gather_into_tensor.default,
+    c10d_functional().reduce_scatter_tensor.default,
 }
 
 
@@ -161,7 +162,7 @@ def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     ``auto_functionalized`` node writes nothing: it returns new values, read through
     ``getitem``; ``fix_functionalization`` turns it into the in-place call.)"""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+    if isinstance(target, OpOverload) and target._schema.is_mutable:
         args = target._schema.arguments
         bound = dict(zip((a.name for a in args), node.args), **node.kwargs)
         return [
@@ -190,7 +191,7 @@ def attention_calls(graph: torch.fx.Graph) -> list[dict[str, Any]]:
         elif (
             node.args
             and node.args[0] is op.default
-            and isinstance(node.target, torch._ops.HigherOrderOperator)
+            and isinstance(node.target, HigherOrderOperator)
         ):
             calls.append(dict(node.kwargs))
     return calls

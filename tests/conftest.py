@@ -14,7 +14,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from checkpoints import FAMILIES, MOE_FAMILIES, build_family_checkpoint  # noqa: E402
-from triton_interpreter import KERNEL_MARK, language_is_interpreted  # noqa: E402
+from triton_interpreter import (  # noqa: E402
+    KERNEL_MARK,
+    fix_interpreter_scalar_index,
+    language_is_interpreted,
+)
+
+fix_interpreter_scalar_index()  # only under TRITON_INTERPRET=1 (a CPU kernel-test child)
 
 GPU_CHECK_ENV = "PIECEWISE_GPU_CHECK"
 """Set by scripts/gpu_check.sh: the collection guard below then reports what it checked."""

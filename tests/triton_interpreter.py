@@ -37,6 +37,32 @@ def language_is_interpreted() -> bool:
     return isinstance(tl.sum, InterpretedFunction)
 
 
+def fix_interpreter_scalar_index() -> bool:
+    """Triton 3.6's interpreter (the GPU image's Triton, on CPU) turns a scalar -- a 1-element
+    array there -- into a Python int with ``int(array)``, which NumPy >= 2.5 refuses ("only
+    0-dimensional arrays can be converted to Python scalars"): every kernel whose loop bounds
+    are computed values fails.  Triton 3.9 squeezes the array first; this gives 3.6 the same
+    ``__index__``.  Interpreter only (compiled kernels never run this code); returns whether
+    it patched."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton.runtime.interpreter as interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "squeezes_index", False):
+        return False
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.squeezes_index = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
 ON_GPU = torch.cuda.is_available()
 KERNELS_RUN_HERE = ON_GPU or language_is_interpreted()
 """Kernel tests run in this process: compiled on CUDA, or in an interpreter process."""

@@ -29,6 +29,7 @@ from backends.piecewise.inductor_lean import (
     load_lean,
 )
 from backends.piecewise.protocols import PieceGraphPass
+from framework.compat import inductor as compat_inductor
 from framework.core.compile_range import CompileRange
 from framework.core.files import atomic_write_bytes, content_file_name, sweep_stale_temps
 from framework.core.registry import Registry
@@ -116,8 +117,6 @@ class InductorStandalone(CompilerAdaptor):
         return f"{super().compute_hash()}-lean{LEAN_FORMAT}"
 
     def compile(self, graph, example_inputs, compile_range):
-        from torch._inductor import standalone_compile
-
         graph = copy.deepcopy(graph)
         patches = dict(self.inductor_config)
         if self.graph_pass is not None:
@@ -129,7 +128,7 @@ class InductorStandalone(CompilerAdaptor):
         else:
             inputs, dynamic = example_inputs, "from_graph"
         with capture_aot_metadata() as metas:
-            artifact = standalone_compile(
+            artifact = compat_inductor.standalone_compile(
                 graph, inputs, dynamic_shapes=dynamic, options={"config_patches": patches}
             )
         try:
@@ -172,14 +171,15 @@ class InductorStandalone(CompilerAdaptor):
                 for member in sorted(n for n in names if n.startswith(LEAN_KERNEL_DIR + "/")):
                     name = member[len(LEAN_KERNEL_DIR) + 1 : -len(".so")]
                     kernels[name] = _extract_kernel(zf.read(member), Path(path))
-                return load_lean(source, kernels)
+                try:
+                    return load_lean(source, kernels)
+                except LeanUnsupported as e:  # this torch cannot run it: the standard form
+                    logger.info("%s: lean form not loadable (%s)", path, e)
             binary = zf.read(ARTIFACT_MEMBER)
-        # No lean form: Inductor's own loader (imports its compile path; torch 2.13).
-        from torch._inductor import CompiledArtifact
-
+        # No lean form: Inductor's own loader (imports its compile path).
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "artifact.bin").write_bytes(binary)
-            return CompiledArtifact.load(path=str(Path(tmp) / "artifact.bin"), format="binary")
+            return compat_inductor.load_artifact(str(Path(tmp) / "artifact.bin"), "binary")
 
 
 def _register_custom_graph_pass(graph_pass: PieceGraphPass) -> None:
@@ -187,7 +187,7 @@ def _register_custom_graph_pass(graph_pass: PieceGraphPass) -> None:
     ``CustomGraphPass`` (``isinstance``).  The pass manager implements that interface without
     inheriting from it (importing ``torch._inductor`` imports Dynamo, kept off warm starts),
     so it is registered as a virtual subclass here, just before a compile."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+    CustomGraphPass = compat_inductor.custom_graph_pass_base()
 
     if not isinstance(graph_pass, CustomGraphPass):
         CustomGraphPass.register(type(graph_pass))
@@ -229,9 +229,6 @@ class Eager(CompilerAdaptor):
     def compile(self, graph, example_inputs, compile_range):
         if self.graph_pass is None:
             return graph, None
-        from torch._functorch.aot_autograd import aot_module_simplified
-        from torch._inductor.decomposition import select_decomp_table
-
         if compile_range.is_single_size:
             example_inputs = concretize_inputs(example_inputs, compile_range.start)
         run = self.graph_pass.run_on_graph_module
@@ -245,8 +242,11 @@ class Eager(CompilerAdaptor):
         if single:  # AOTAutograd wants tuple outputs
             output.args = ((output.args[0],),)
             graph.recompile()
-        compiled = aot_module_simplified(
-            graph, example_inputs, fw_compiler=fw_compiler, decompositions=select_decomp_table()
+        compiled = compat_inductor.aot_module_simplified(
+            graph,
+            example_inputs,
+            fw_compiler=fw_compiler,
+            decompositions=compat_inductor.decomposition_table(),
         )
         if single:
             return (lambda *args: compiled(*args)[0]), None

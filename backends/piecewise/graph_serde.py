@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from framework.compat.ops import OpOverload, OpOverloadPacket
+
 
 class NotSerializable(Exception):
     pass
@@ -22,9 +24,9 @@ class NotSerializable(Exception):
 
 def op_name(target: Any) -> str | None:
     """``ns::name`` (plus ``.overload`` when not default) of a torch.ops target, else None."""
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         return target._qualified_op_name
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         base = target._schema.name
         return base if target._overloadname == "default" else f"{base}.{target._overloadname}"
     return None

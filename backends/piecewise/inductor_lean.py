@@ -16,7 +16,9 @@ standard artifact.  The facts the kernels were built for (CPU ISA, compiler, tor
 are in the cache key (``framework.cache.key``), so a hit may skip the probing.
 
 Everything that reads Inductor or AOTAutograd internals is in :func:`export_lean` (runs only
-after a compile, when those modules are loaded anyway); written against torch 2.13.
+after a compile, when those modules are loaded anyway), through :mod:`framework.compat.inductor`
+(checked on torch 2.11 and 2.13).  Where this torch lacks one of them, the lean path is off
+(one warning) and pieces keep the standard artifact; a cold compile never depends on it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+
+from framework.compat import inductor as compat_inductor
+from framework.compat import warn_once
 
 LEAN_FORMAT = 1
 ALIGN_BYTES = 64  # torch._inductor.utils.ALIGN_BYTES (torch 2.13); checked by export_lean
@@ -98,10 +103,11 @@ class AsyncCompile:
 
 def _load_extension(path: Path, module_name: str) -> Callable:
     # The kernels resolve tensor data pointers through a function torch exports to them by
-    # address (as CppPythonBindingsCodeCache._load_library_inner does, torch 2.13).
-    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
-        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr
-    )
+    # address (as CppPythonBindingsCodeCache._load_library_inner does).
+    address = compat_inductor.tensor_data_ptr_address()
+    if address is None:
+        raise LeanUnsupported("this torch exports no tensor data-pointer function to kernels")
+    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(address)
     if module_name in sys.modules:
         return sys.modules[module_name].kernel
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -179,32 +185,19 @@ class LeanUnsupported(Exception):
     """The compiled artifact has no lean form; the reason says what it needs."""
 
 
-@contextlib.contextmanager
-def capture_aot_metadata():
+def capture_aot_metadata() -> contextlib.AbstractContextManager[Optional[list]]:
     """Collects the AOTAutograd runtime metadata (ViewAndMutationMeta) of the compiles run
-    inside; torch 2.13 keeps it only inside generated wrapper code, so this spies on
-    ``runtime_wrappers._create_runtime_wrapper`` for the duration (single-threaded compile)."""
-    from torch._functorch._aot_autograd import runtime_wrappers
-
-    seen: list = []
-    original = runtime_wrappers._create_runtime_wrapper
-
-    def spy(compiled_fn, *, runtime_metadata, **kwargs):
-        seen.append(runtime_metadata)
-        return original(compiled_fn, runtime_metadata=runtime_metadata, **kwargs)
-
-    runtime_wrappers._create_runtime_wrapper = spy
-    try:
-        yield seen
-    finally:
-        runtime_wrappers._create_runtime_wrapper = original
+    inside (:func:`framework.compat.inductor.aot_metadata_spy`); yields None, with one
+    warning, where this torch has no such hook: the pieces then get no lean form, and the
+    compile itself is untouched."""
+    return compat_inductor.aot_metadata_spy()
 
 
-def _find_compiled_graphs(obj: Any, depth: int = 0, seen: Optional[set] = None) -> list:
+def _find_compiled_graphs(
+    obj: Any, CompiledFxGraph: type, depth: int = 0, seen: Optional[set] = None
+) -> list:
     """CompiledFxGraph objects reachable from the artifact's callable through closures and
     attributes (torch 2.13: AOT wrapper -> SerializableCompiledFunction -> CompiledFxGraph)."""
-    from torch._inductor.output_code import CompiledFxGraph
-
     seen = set() if seen is None else seen
     if id(obj) in seen or depth > 12:
         return []
@@ -216,7 +209,7 @@ def _find_compiled_graphs(obj: Any, depth: int = 0, seen: Optional[set] = None) 
         children += [v for v in vars(obj).values() if callable(v)]
     found = []
     for c in children:
-        found += _find_compiled_graphs(c, depth + 1, seen)
+        found += _find_compiled_graphs(c, CompiledFxGraph, depth + 1, seen)
     return found
 
 
@@ -228,15 +221,35 @@ def _full(cell: Any) -> bool:
         return False
 
 
-def export_lean(artifact: Any, metas: list) -> tuple[str, dict[str, Path]]:
+def export_lean(artifact: Any, metas: Optional[list]) -> tuple[str, dict[str, Path]]:
     """The rewritten source and kernel files of a fresh ``standalone_compile`` artifact;
-    raises :class:`LeanUnsupported` with the reason when there is no faithful lean form."""
-    # torch 2.13 internals: ``metas`` from capture_aot_metadata around the compile.
-    from torch._functorch._aot_autograd.schemas import OutputType
-    from torch._inductor import utils as inductor_utils
-    from torch._inductor.select_algorithm import extern_kernels as inductor_extern
+    raises :class:`LeanUnsupported` with the reason when there is no faithful lean form.
 
-    graphs = _find_compiled_graphs(getattr(artifact, "_compiled_fn", artifact))
+    Only ever raises :class:`LeanUnsupported`: a change in the internals it reads (a renamed
+    field, say) disables the lean path with one warning and never fails the compile."""
+    try:
+        return _export_lean(artifact, metas)
+    except LeanUnsupported:
+        raise
+    except Exception as e:
+        warn_once(compat_inductor.LEAN_FEATURE, f"export failed ({type(e).__name__}: {e})")
+        raise LeanUnsupported(f"export failed ({type(e).__name__}: {e})") from e
+
+
+def _export_lean(artifact: Any, metas: Optional[list]) -> tuple[str, dict[str, Path]]:
+    # ``metas`` from capture_aot_metadata around the compile (None: no hook on this torch).
+    if metas is None:
+        raise LeanUnsupported("this torch has no AOTAutograd metadata hook")
+    facts = compat_inductor.lean_export_facts()
+    if facts is None:
+        raise LeanUnsupported("this torch lacks an Inductor fact the lean export checks")
+    graphs = _find_compiled_graphs(
+        getattr(artifact, "_compiled_fn", artifact), facts.compiled_fx_graph
+    )
+    if graphs and not metas:
+        warn_once(compat_inductor.LEAN_FEATURE, "the AOTAutograd hook saw no compile")
+    if any(m is None for m in metas):
+        raise LeanUnsupported("the AOTAutograd hook got no runtime metadata")
     if len(graphs) != 1 or len(metas) != 1:
         raise LeanUnsupported(f"found {len(graphs)} compiled graphs, {len(metas)} AOT metadata")
     graph, meta = graphs[0], metas[0]
@@ -248,20 +261,20 @@ def export_lean(artifact: Any, metas: list) -> tuple[str, dict[str, Path]]:
     if meta.num_unsafe_view_outputs:
         raise LeanUnsupported("unsafe-view outputs")
     kinds = {o.output_type for o in meta.output_info}
-    if not kinds <= {OutputType.non_alias}:
+    if not kinds <= {facts.non_alias_output}:
         raise LeanUnsupported(f"outputs alias inputs or each other ({sorted(map(str, kinds))})")
     module = sys.modules.get(getattr(graph.current_callable, "__module__", ""), None)
     call = getattr(module, "call", None)
     if module is None or graph.current_callable != call:
         raise LeanUnsupported("the compiled callable is wrapped (input alignment, cudagraphs)")
-    if inductor_utils.ALIGN_BYTES != ALIGN_BYTES:
-        raise LeanUnsupported(f"Inductor aligns to {inductor_utils.ALIGN_BYTES} bytes")
+    if facts.align_bytes != ALIGN_BYTES:
+        raise LeanUnsupported(f"Inductor aligns to {facts.align_bytes} bytes")
     source = Path(module.__file__).read_text()
     unknown = set(_ASYNC_USE.findall(source)) - {"cpp_pybinding", "wait"}
     if unknown:
         raise LeanUnsupported(f"kernels of kinds {sorted(unknown)}")
     for name in set(_EXTERN_USE.findall(source)):
-        if getattr(inductor_extern, name, None) is not getattr(torch, name, object()):
+        if getattr(facts.extern_kernels, name, None) is not getattr(torch, name, object()):
             raise LeanUnsupported(f"extern kernel {name} is not torch.{name}")
     kernels = {}
     for name in _KERNEL_DEF.findall(source):
@@ -271,7 +284,7 @@ def export_lean(artifact: Any, metas: list) -> tuple[str, dict[str, Path]]:
             raise LeanUnsupported(f"kernel {name} is not a loaded extension module")
         kernels[name] = Path(so)
     lean = rewrite_source(_executed_part(source))
-    for banned in ("torch._inductor", "torch._dynamo", "import triton"):
+    for banned in (*compat_inductor.PRIVATE_MODULE_PREFIXES, "import triton"):
         if banned in lean:
             raise LeanUnsupported(f"the module still refers to {banned}")
     try:  # the lean form must at least load here, or warm starts would discard it

@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from backends.piecewise.graph_serde import op_name
+from framework.compat.ops import FakeTensor, OpOverload, OpOverloadPacket, qualified_name
 
 _STACK_FILE = re.compile(r'File "([^"]+)", line')
 
@@ -58,13 +59,13 @@ def stable_name(target: Any) -> str:
     """A node target's name that is the same in every process: ``str()`` of a Python function
     or a torch builtin holds its address (``<function embedding at 0x7f...>``).  Op overloads
     and strings print stably; callables get their qualified name (the name FX's code
-    generation uses: ``torch.fx.node._get_qualified_name``, private, torch 2.13)."""
+    generation uses: :func:`framework.compat.ops.qualified_name`)."""
     if isinstance(target, str) or not callable(target):
         return str(target)
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(target, (OpOverload, OpOverloadPacket)):
         return str(target)
     try:
-        return fx.node._get_qualified_name(target)
+        return qualified_name(target)
     except Exception:  # a callable FX cannot name (a bound method, a partial): its type
         return f"{type(target).__module__}.{type(target).__qualname__}"
 
@@ -132,7 +133,7 @@ def static_piece_inputs(
         n.name: x
         for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)
         if isinstance(x, torch.Tensor)
-        and not isinstance(x, torch._subclasses.FakeTensor)
+        and not isinstance(x, FakeTensor)
         and all(isinstance(s, int) for s in x.shape)
     }
     out: dict[str, dict[int, torch.Tensor]] = {}

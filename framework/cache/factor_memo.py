@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.cache.key import _cpp_compiler_identity, inductor_factors
+from framework.compat.dynamo import inductor_imported
 from framework.core.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def inductor_side_factors(memo_root: str | Path | None) -> dict[str, Any]:
     def compute() -> dict[str, Any]:
         return {"cpp_compiler": _cpp_compiler_identity(), "inductor": inductor_factors()}
 
-    if memo_root is None or "torch._inductor" in sys.modules:
+    if memo_root is None or inductor_imported():
         return compute()
     path = Path(memo_root) / MEMO_DIR / f"{_memo_name()}.json"
     try:

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from framework.compat import inductor as compat_inductor
 from framework.core.parallel_state import get_tp_state
 
 KEY_LENGTH = 16
@@ -128,10 +129,7 @@ def _callable_identity(fn: Any) -> dict:
 def _cpp_compiler_identity() -> dict[str, str]:
     """Inductor's C++ compiler and its version line (CPU codegen builds with it)."""
     try:
-        from torch._inductor import cpp_builder
-
-        compiler = cpp_builder.get_cpp_compiler()
-        info = cpp_builder.get_compiler_version_info(compiler)
+        compiler, info = compat_inductor.cpp_compiler_identity()
     except Exception as e:  # no compiler installed: Inductor CPU would fail anyway
         return {"compiler": "unavailable", "error": type(e).__name__}
     match = re.search(r"(?:gcc|clang|icx|icpx)[^_]*? version [^_]+", info)
@@ -226,8 +224,8 @@ def inductor_factors() -> dict[str, Any]:
     Each group is reduced to a hash (the full dump has ~600 entries) next to the values that
     differ from torch's defaults, so ``explain`` can still name the changed setting.
     """
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
+    functorch_config = compat_inductor.functorch_config()
+    inductor_config = compat_inductor.inductor_config()
 
     out: dict[str, Any] = {}
     for group, module in (("inductor", inductor_config), ("functorch", functorch_config)):

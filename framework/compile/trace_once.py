@@ -26,7 +26,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from framework.compile.torch_compat import forget_dynamo_cache
+from framework.compat import dynamo as compat_dynamo
+from framework.compat.dynamo import forget_code_cache as forget_dynamo_cache
 from framework.core.errors import find_compile_step_error
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def _binding_from_graph(
     gm: torch.fx.GraphModule, module: torch.nn.Module, arg_names: list[str], example_inputs: list
 ) -> Optional[ArgBinding]:
     """Derive the binding from Dynamo's placeholder sources; None if one is not understood."""
-    from torch._dynamo.source import LocalSource, TensorPropertySource
+    LocalSource, TensorPropertySource = compat_dynamo.placeholder_source_types()
 
     by_id = {id(t): n for n, t in module.named_parameters(remove_duplicate=False)}
     by_id.update({id(t): n for n, t in module.named_buffers(remove_duplicate=False)})
@@ -222,7 +223,7 @@ class TraceOnce:
         for name, dim in self.dynamic_arg_dims.items():
             idx = self.arg_names.index(name)
             if idx < len(args) and isinstance(args[idx], torch.Tensor):
-                torch._dynamo.mark_dynamic(args[idx], dim)
+                compat_dynamo.mark_dynamic(args[idx], dim)
         fn = torch.compile(
             self.module.forward,
             fullgraph=True,

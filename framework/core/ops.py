@@ -37,6 +37,8 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from framework.compat.ops import OpOverload
+
 NAMESPACE = "piecewise"
 KernelRef = Union[Callable, str]
 """A callable, or ``"package.module:function"`` imported on first call."""
@@ -100,12 +102,12 @@ def define_op(
     default_key: str = "default",
     cpu: Optional[KernelRef] = None,
     cuda: Optional[KernelRef] = None,
-) -> Callable[[Callable], torch._ops.OpOverload]:
+) -> Callable[[Callable], OpOverload]:
     """Decorator: define ``qualname`` with the decorated function as its ``default_key``
     kernel; returns the op's default overload (``torch.ops.piecewise.<name>.default``)."""
     name = _split(qualname)
 
-    def deco(fn: Callable) -> torch._ops.OpOverload:
+    def deco(fn: Callable) -> OpOverload:
         sig = schema or torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
         _LIB.define(name + sig)
         torch.library.register_fake(qualname, fake, lib=_LIB)

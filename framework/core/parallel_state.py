@@ -20,6 +20,8 @@ from typing import Iterator
 
 import torch
 
+from framework.compat.ops import c10d_functional
+
 
 @dataclass(frozen=True)
 class TPState:
@@ -80,8 +82,8 @@ def all_reduce(x: torch.Tensor, st: TPState) -> torch.Tensor:
     layer passes the state it was built with (no lookup at run time)."""
     if st.world_size == 1:
         return x
-    out = torch.ops._c10d_functional.all_reduce(x, "sum", st.group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    out = c10d_functional().all_reduce(x, "sum", st.group_name)
+    return c10d_functional().wait_tensor(out)
 
 
 def all_gather_last_dim(x: torch.Tensor, st: TPState) -> torch.Tensor:
@@ -89,6 +91,6 @@ def all_gather_last_dim(x: torch.Tensor, st: TPState) -> torch.Tensor:
     if st.world_size == 1:
         return x
     n = st.world_size
-    out = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), n, st.group_name)
-    out = torch.ops._c10d_functional.wait_tensor(out)  # [world * N, C]
+    out = c10d_functional().all_gather_into_tensor(x.contiguous(), n, st.group_name)
+    out = c10d_functional().wait_tensor(out)  # [world * N, C]
     return out.view(n, x.shape[0], x.shape[1]).permute(1, 0, 2).reshape(x.shape[0], -1)

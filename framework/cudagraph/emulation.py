@@ -23,8 +23,10 @@ makes graphs hard, so the bugs show up on CPU exactly as they would on a GPU:
 
 Memory traffic differs from a GPU (functional ops compute a fresh result and copy it into the
 recorded output; intermediates stay owned by the tape) but every value a replay produces is
-the one a real graph would produce.  Private torch/triton hooks (named per use below, torch
-2.13 / triton 3.9) are patched only while a capture runs.
+the one a real graph would produce.  Private torch/triton hooks (named per use below; torch's
+through :mod:`framework.compat`; torch 2.11 / 2.13, triton 3.6 / 3.9) are patched only while a
+capture runs.  Where one is missing, a capture records the whole callable as one launch (one
+warning): values stay right, but host values read during capture are no longer frozen.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from framework.compat import inductor as compat_inductor
+from framework.compat import tensors as compat_tensors
+from framework.compat import warn_once
+from framework.compat.ops import OpOverload, TorchDispatchMode, tree_flatten, tree_unflatten
 
 _NO_REPLAY = frozenset(
     getattr(torch.ops.aten, name)
@@ -51,10 +56,9 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
-def _use_count(t: torch.Tensor) -> int:
-    """Tensors sharing ``t``'s storage (not counting the temporary storage object this
-    call creates).  torch 2.13: no public API counts them."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+def _use_count(t: torch.Tensor) -> Optional[int]:
+    """Tensors sharing ``t``'s storage (None where torch cannot count them: never reused)."""
+    return compat_tensors.storage_use_count(t)
 
 
 class _Launch:
@@ -76,7 +80,7 @@ class _Launch:
                 dst.copy_(src)
 
 
-def _is_functional(func: torch._ops.OpOverload) -> bool:
+def _is_functional(func: OpOverload) -> bool:
     schema = func._schema
     writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
     aliases = any(r.alias_info is not None for r in schema.returns)
@@ -96,6 +100,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.tape: list[_Launch] = []
         self.opaque_depth = 0
+        self.whole_callable = False  # no Inductor hook: replay re-runs the callable
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -173,19 +178,26 @@ def _opaque_hooks(rec: _Recorder) -> contextlib.ExitStack:
 
         return run
 
-    # torch 2.13: every Inductor-compiled graph runs through CompiledFxGraph.__call__.
-    from torch._inductor.output_code import CompiledFxGraph
+    # Every Inductor-compiled graph runs through CompiledFxGraph.__call__ (None: not hookable).
+    CompiledFxGraph = compat_inductor.compiled_fx_graph_class()
 
     from backends.piecewise.inductor_lean import LeanGraph  # a warm start's Inductor graphs
 
-    stack.enter_context(_patched(CompiledFxGraph, "__call__", inductor))
+    if CompiledFxGraph is not None:
+        stack.enter_context(_patched(CompiledFxGraph, "__call__", inductor))
+    else:
+        rec.whole_callable = True
     stack.enter_context(_patched(LeanGraph, "__call__", inductor))
     try:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
     except ImportError:
         return stack
-    # triton 3.9: kernel[grid](...) calls run(*args, grid=..., warmup=..., **kwargs).
+    # triton 3.6, 3.9: kernel[grid](...) calls run(*args, grid=..., warmup=..., **kwargs).
+    if not all("run" in cls.__dict__ for cls in (JITFunction, InterpretedFunction)):
+        warn_once("CUDA-graph emulation hooks", "triton's JITFunction.run is missing")
+        rec.whole_callable = True
+        return stack
     stack.enter_context(_patched(JITFunction, "run", triton_launch))
     stack.enter_context(_patched(InterpretedFunction, "run", triton_launch))
     return stack
@@ -281,6 +293,9 @@ class EmulatedGraphOps:
         rec = _Recorder()
         with _opaque_hooks(rec), rec:
             output = fn()
+        if rec.whole_callable:  # values stay right; capture-time host values do not stick
+            outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+            rec.tape = [_Launch("callable (emulation hooks unavailable)", fn, outs)]
         graph = _EmulatedGraph(rec.tape)
         return graph, self._into_pool(graph, output, pool)
 

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Protocol
 
 import torch
-from torch.utils._pytree import tree_map_only
 
+from framework.compat import tensors as compat_tensors
+from framework.compat.ops import tree_map_only
 from framework.core.forward_context import (
     BatchDescriptor,
     CUDAGraphMode,
@@ -154,13 +155,7 @@ def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
     The memory stays valid while the graph pool keeps it: after a capture the pool, not the
     Python tensor, is what holds a graph's output buffer.
     """
-    storage = t.untyped_storage()
-    raw = torch._C._construct_storage_from_data_pointer(
-        storage.data_ptr(), t.device, storage.nbytes()
-    )
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        raw, t.storage_offset(), t.size(), t.stride()
-    )
+    return compat_tensors.weak_ref_tensor(t)
 
 
 def weak_ref_tensors(obj: Any) -> Any:

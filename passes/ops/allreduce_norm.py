@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from framework.compat.ops import c10d_functional
 from passes.fusion_patterns import rms_norm_hf
 
 
@@ -24,8 +25,8 @@ from passes.fusion_patterns import rms_norm_hf
 def allreduce_add_rms_norm(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str
 ) -> tuple[Tensor, Tensor]:
-    reduced = torch.ops._c10d_functional.all_reduce(x, "sum", group_name)
-    reduced = torch.ops._c10d_functional.wait_tensor(reduced)
+    reduced = c10d_functional().all_reduce(x, "sum", group_name)
+    reduced = c10d_functional().wait_tensor(reduced)
     new_residual = residual + reduced
     return rms_norm_hf(new_residual, weight, eps), new_residual
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from framework.compat.ops import int_mm
 from framework.core.ops import define_op, if_installed
 
 _TRITON = "passes.ops.triton.scaled_mm"
@@ -63,7 +64,7 @@ def int8_scaled_mm_torch(
 ) -> Tensor:
     """``(x_q @ w_q) * x_scale * w_scale + bias`` for int8 ``x_q [T,K]``, ``w_q [K,N]``."""
     if x_q.device.type == "cpu":
-        acc = torch._int_mm(x_q, w_q)
+        acc = int_mm(x_q, w_q)
     else:  # oracle on devices without a kernel: exact in fp64 for K < 2**37 / 127**2
         acc = x_q.double() @ w_q.double()
     return _epilogue(acc, x_scale, w_scale, bias, out_dtype)

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import passes.ops_prepack as P
+from framework.compat import onednn as onednn_layout
 from framework.core.config import CompilationConfig, KernelConfig, PassConfig
 from framework.engine.model_prep import process_weights
 from models.layers import Linear
-from passes import onednn_layout
 from passes import small_m_linear as small_m
 
 pytestmark = pytest.mark.skipif(not P.mkldnn_available(), reason="needs oneDNN (mkldnn)")

@@ -16,7 +16,9 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 def clean_env(**extra):
     env = {
-        k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PIECEWISE_GPU_CHECK")
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "PIECEWISE_GPU_CHECK", "OUT", "GPU_CHECK_OUT")
     }
     env.update(PYTHON=sys.executable, PYTHONPATH=str(ROOT), **extra)
     return env
@@ -34,9 +36,22 @@ def run(*args, env, timeout=600):
 
 
 def test_dry_run_collects_the_gpu_selection_with_compiled_triton(tmp_path):
-    proc = run("--dry-run", env=clean_env(GPU_CHECK_OUT=str(tmp_path)))
+    # $OUT (the device tool's folder that comes back) receives the table and the logs
+    proc = run("--dry-run", env=clean_env(OUT=str(tmp_path)))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
+    # one line with what it found, from the interpreter PYTHON names
+    env_line = re.search(
+        r"^gpu-check env: python (\S+) \((\S+)\), torch (\S+), CUDA .*, "
+        r"GPU none \(dry run\), triton (\S+)$",
+        proc.stdout,
+        re.M,
+    )
+    assert env_line and env_line.group(2) == sys.executable, out[-4000:]
+    imported = re.search(r"^imported (\d+) of (\d+) modules$", proc.stdout, re.M)
+    assert imported and imported.group(1) == imported.group(2) and int(imported.group(1)) > 100
+    assert (tmp_path / "env.txt").read_text().startswith("gpu-check env: python")
+    assert "| check | result | detail |" in (tmp_path / "table.md").read_text()
     guard = re.search(
         r"gpu-check collection: (\d+) tests selected, TRITON_INTERPRET unset, "
         r"triton compiled: ok",
@@ -58,11 +73,12 @@ def test_dry_run_collects_the_gpu_selection_with_compiled_triton(tmp_path):
     # ... and none of the CPU-only ones (the interpreter reruns, the AOT compiles).
     assert not any("test_in_interpreter" in i or "sm90" in i for i in ids)
     assert (
-        "tests: timeout 180 python -m pytest -q -p no:cacheprovider -m gpu or triton_kernel" in out
+        "tests: timeout 170 python -m pytest -q -p no:cacheprovider -m gpu or triton_kernel" in out
     )
     table = out[out.index("----- README table") : out.index("----- end README table")]
     assert "| check | result | detail |" in table
     assert '| pytest -m "gpu or triton_kernel" | not run (dry run) |  |' in table
+    assert "| tensor parallel TP=2 vs TP=1 (O2) | not run (dry run) |  |" in table
     assert "| decode benchmark (bf16, bs 1/8/32) | not run (dry run) |  |" in table
 
 
@@ -116,11 +132,11 @@ def test_collection_guard_catches_a_module_that_sets_the_interpreter(tmp_path):
     shutil.which("nvidia-smi") is not None or os.path.exists("/dev/nvidiactl"),
     reason="checks the no-GPU refusal",
 )
-def test_real_run_without_a_gpu_installs_nothing(tmp_path):
-    venv = tmp_path / "venv"
-    proc = run(
-        env=clean_env(GPU_CHECK_OUT=str(tmp_path / "out"), PIECEWISE_GPU_VENV=str(venv)), timeout=60
-    )
-    assert proc.returncode == 2
-    assert "no NVIDIA GPU visible" in proc.stderr
-    assert not venv.exists()
+def test_real_run_without_a_gpu_stops_and_installs_nothing(tmp_path):
+    before = sorted(p.name for p in Path(sys.prefix, "lib").rglob("*.dist-info"))
+    proc = run(env=clean_env(GPU_CHECK_OUT=str(tmp_path / "out")), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot run the check" in proc.stderr and "nothing is installed" in proc.stderr
+    assert re.search(r"CPU-only build|sees no GPU", proc.stdout)
+    assert not (tmp_path / "out" / "tests.xml").exists()
+    assert sorted(p.name for p in Path(sys.prefix, "lib").rglob("*.dist-info")) == before

@@ -16,9 +16,11 @@ and the caller compares them with its own layout before trusting that; where the
 (other shapes, other ISAs) there is no descriptor and larger batches unpack the weight per
 call (``F.linear``).
 
-Every private torch API this needs is here, each failing closed (``None``): without them the
-packed op runs the public path (``F.linear`` on the weight unpacked per call).  Checked on
-torch 2.13.0+cpu.
+Every private torch API this needs is here (the compat package), each failing closed
+(``None``): without them the packed op runs the public path (``F.linear`` on the weight
+unpacked per call).  Checked on torch 2.13.0+cpu; on another version a hook that is missing
+returns None, and the caller's byte comparison (oneDNN's layout against its own) still decides
+whether a descriptor is trusted.
 """
 
 from __future__ import annotations
