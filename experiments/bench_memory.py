@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from framework.core.files import publish_dir, tmp_path
 
 TARGET_EXTRA_BYTES = 600 * 10**6
 """Allowed peak RSS beyond the checkpoint's bytes."""
@@ -87,8 +88,9 @@ def ensure_checkpoint(
     folder = (root or cache_root()) / f"llama-{layers}l-2048h-bf16-r{RECIPE}"
     if (folder / "model.safetensors").is_file():
         return folder
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(folder.parent, folder.name)
+    tmp.mkdir()
     specs = _tensors(shape)
     header: dict[str, Any] = {}
     offset = 0
@@ -120,12 +122,7 @@ def ensure_checkpoint(
         "eos_token_id": 2,
     }
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process won the race
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish_dir(tmp, folder)  # another process may have won the race: then its folder stays
     return folder
 
 

@@ -145,7 +145,7 @@ def expected_checkpoint_tensors(model: nn.Module) -> dict[str, Target]:
             for i, part in enumerate(packed[leaf]):
                 expected[f"{parent}.{part}.{attr}"] = (name, i, None)
         else:
-            expected[f"{hf_path}.{attr}"] = (name, None, None)
+            expected[f"{hf_path}.{attr}" if hf_path else attr] = (name, None, None)
     return expected
 
 

@@ -22,6 +22,15 @@ from triton_interpreter import (  # noqa: E402
 
 fix_interpreter_scalar_index()  # only under TRITON_INTERPRET=1 (a CPU kernel-test child)
 
+# The server's tests need its stack (the `serve` extra: fastapi, uvicorn, openai), which the
+# GPU image lacks: there they are not collected (what the GPU check collects, the dry run too).
+try:
+    import fastapi  # noqa: F401
+    import openai  # noqa: F401
+    import uvicorn  # noqa: F401
+except ImportError:
+    collect_ignore = ["framework/serve"]
+
 GPU_CHECK_ENV = "PIECEWISE_GPU_CHECK"
 """Set by scripts/gpu_check.sh: the collection guard below then reports what it checked."""
 _INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")

@@ -193,8 +193,20 @@ def ablate_passes_baseline(tmp_path_factory):
     return run_job_in_process(["experiment=ablate_passes", *ABLATE_FAST, "toggle_passes=[]"], out)
 
 
+FAST_TOGGLES = ("noop_elimination", "prepack_linear")
+"""The toggles ``make test`` runs (a pass O2 runs, and the one that changes the most); every
+other registered pass's job (about 12 s each) runs under ``make test-all``."""
+
+
+def _toggle_param(toggles: list[str]):
+    fast = any(f"[{name}]" in toggles[0] for name in FAST_TOGGLES)
+    marks = () if fast else (pytest.mark.slow(reason="one ablate_passes job each (~12 s)"),)
+    return pytest.param(toggles, marks=marks, id=str(toggles))
+
+
 @pytest.mark.parametrize(
-    "toggles", [t for t in sweep_jobs("ablate_passes") if t != ["toggle_passes=[]"]], ids=str
+    "toggles",
+    [_toggle_param(t) for t in sweep_jobs("ablate_passes") if t != ["toggle_passes=[]"]],
 )
 def test_ablate_passes_each_toggle_changes_that_pass_record(
     toggles, ablate_passes_baseline, tmp_path

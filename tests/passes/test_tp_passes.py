@@ -134,6 +134,7 @@ def _by_range(stats):
     return out
 
 
+@pytest.mark.slow(reason="two TP=2 O2 builds with Inductor compiles (~16 s)")
 def test_tp2_o2_with_both_passes(mqa_checkpoint, tmp_path):
     from framework.engine.llm import LLM
 

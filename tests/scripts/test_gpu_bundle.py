@@ -17,6 +17,10 @@ SOURCES = ("framework", "backends", "passes", "models", "experiments", "tests", 
 OPTIONAL = {"mlflow", "submitit", "hydra_plugins.hydra_submitit_launcher", "importlinter"}
 """Imported only where present (``pytest.importorskip`` or a guarded import): CPU-side extras
 (experiment tracking, the Slurm launcher) that the GPU check never reaches."""
+SERVING = {"fastapi", "starlette", "uvicorn", "openai"}
+"""The OpenAI-compatible server's stack (the ``serve`` extra): framework/serve,
+experiments/bench_serve.py and tests/framework/serve only; the GPU check skips them (its dry
+run does not import ``framework.serve``)."""
 
 GPU_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3", "extra": ""}
 
@@ -54,7 +58,7 @@ def test_every_imported_package_is_on_the_image_or_in_the_bundle():
     dists = importlib.metadata.packages_distributions()
     missing = {}
     for module in sorted(_imported_modules()):
-        if any(module == o or module.startswith(o + ".") for o in OPTIONAL):
+        if any(module == o or module.startswith(o + ".") for o in OPTIONAL | SERVING):
             continue
         parts = module.split(".")
         if parts[0] == "hydra_plugins" and len(parts) > 1:  # a namespace: the plugin's own

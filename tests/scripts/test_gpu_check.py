@@ -35,6 +35,7 @@ def run(*args, env, timeout=600):
     )
 
 
+@pytest.mark.slow(reason="~17 s; the CI gpu-stack stage runs the same dry run on the image's stack")
 def test_dry_run_collects_the_gpu_selection_with_compiled_triton(tmp_path):
     # $OUT (the device tool's folder that comes back) receives the table and the logs
     proc = run("--dry-run", env=clean_env(OUT=str(tmp_path)))
