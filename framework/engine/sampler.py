@@ -13,6 +13,7 @@ exponential race (argmax of p / E with E ~ Exp(1)), which picks token i with pro
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -157,10 +158,12 @@ class Sampler:
             # argmax over fp32: exact for bf16/fp16 values, and ~3.5x faster than the bf16
             # argmax kernel on these CPUs (32000-way row: 32 us vs 115 us, side by side).
             # max() propagates NaN, so its values also tell which rows are not finite.
+            # The check reads the row maxima as Python floats: torch.isfinite on a batch-sized
+            # vector is several dispatches (~50 us a decode step here), per step.
             values, indices = x.max(dim=-1)
             tokens: list[Optional[int]] = indices.tolist()
-            if not bool(torch.isfinite(values).all()):
-                for i in (~torch.isfinite(values)).nonzero()[:, 0].tolist():
+            for i, v in enumerate(values.tolist()):
+                if not math.isfinite(v):
                     reqs[i].fail(NON_FINITE)
                     tokens[i] = None
             return tokens, None
