@@ -19,7 +19,8 @@ Rules (also in experiments/README.md):
   delta against its baseline has a paired 95% interval (builds a random effect) and the
   verdict **significant** (Benjamini-Hochberg q < 5% over every row x measure of the report)
   or **within noise**; a delta whose steps ran the baseline's code says it measures noise.
-* **Best** row (★): the best decode median (or the ``--metric`` chosen) among the jobs whose
+* **Best** row (★): the largest improvement in decode median (or the ``--metric`` chosen), as
+  the geometric mean of the paired per-round ratios to the baseline, among the jobs whose
   change against their baseline is a *significant* improvement, whose code for that measure
   differs from the baseline's and whose outputs equal the baseline's; none qualifying, no ★.
 * **Outputs changed**: against the sweep's baseline (``agreement_baseline``) when measured,
@@ -494,10 +495,11 @@ def build_report(
         "",
         f'Baseline of a sweep: the first job with `"baseline": true` in results.json, '
         f"else the first job; deltas are relative to it, outputs are compared with its outputs. "
-        f"★ best: {'lowest' if best_metric.lower_is_better else 'highest'} "
-        f"{best_metric.header} among configurations whose change is a significant "
-        f"improvement, whose outputs equal the baseline's and whose compiled code differs "
-        f"from the baseline's (equal code: the delta can only be noise).",
+        f"★ best: the largest improvement in {best_metric.header} (the geometric mean of "
+        f"its per-round ratios to the baseline, not the raw median) among configurations "
+        f"whose change is a significant improvement, whose outputs equal the baseline's and "
+        f"whose compiled code differs from the baseline's (equal code: the delta can only be "
+        f"noise).",
         "",
     ]
     if num_changed:

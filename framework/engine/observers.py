@@ -12,11 +12,19 @@ does that work::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Protocol
 
 import torch
 
 from framework.engine.request import ScheduledChunk
+
+
+class Observable(Protocol):
+    """What an observer attaches to: an ``LLM`` or an engine core."""
+
+    def add_observer(self, observer) -> None: ...
+
+    def remove_observer(self, observer) -> None: ...
 
 
 class FirstTokenLogits:
@@ -52,7 +60,7 @@ class FirstTokenLogits:
 
     @classmethod
     @contextlib.contextmanager
-    def attached(cls, llm: Any) -> Iterator["FirstTokenLogits"]:
+    def attached(cls, llm: Observable) -> Iterator["FirstTokenLogits"]:
         """Attach a new recorder to ``llm`` (an ``LLM`` or engine core) for the block."""
         rec = cls()
         llm.add_observer(rec)

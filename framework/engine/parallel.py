@@ -62,7 +62,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing import resource_tracker as mp_resource_tracker
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,9 @@ import torch.multiprocessing as mp
 from framework.core.parallel_state import TPState, divide, kv_head_layout
 from framework.engine.tp_messages import chunk_from_msg, chunk_msg
 from models.config import ModelConfig, read_hf_config
+
+if TYPE_CHECKING:
+    from framework.engine.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +308,7 @@ class _Stopped(SystemExit):
     """A torchrun rank > 0 served until rank 0 closed: its process ends here (status 0)."""
 
 
-def run_torchrun_worker(group: "TPGroup", worker: Any) -> None:
+def run_torchrun_worker(group: "TPGroup", worker: "Worker") -> None:
     """A torchrun rank other than 0 (every rank runs the user's script): run the worker
     loop until rank 0 closes, leave the group and end the process (status 0), so the code
     after ``LLM(...)`` runs on rank 0 only."""

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+    from framework.compile.build import CompiledForward
 
 
 @dataclass
@@ -51,7 +56,7 @@ def step_time_stats(step_times: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
-def compile_stats(c: Any) -> dict[str, Any]:
+def compile_stats(c: "CompiledForward") -> dict[str, Any]:
     """What building the compiled forward (a ``CompiledForward``) took: Dynamo, the
     backend's compiles and loads, the artifact cache, the passes."""
     out: dict[str, Any] = {}
@@ -97,7 +102,9 @@ def process_memory() -> dict[str, int]:
     return out
 
 
-def memory_stats(model: Any, kv_caches: dict[str, Any], packed_layers: list[str]) -> dict[str, int]:
+def memory_stats(
+    model: torch.nn.Module, kv_caches: dict[str, torch.Tensor], packed_layers: list[str]
+) -> dict[str, int]:
     """What the engine holds, counted from the tensors themselves: ``weights_bytes`` (every
     parameter and buffer of the model, each storage once; packed weights are the model's own
     tensors, so they are in it, and nothing is held beside it), ``packed_weight_bytes`` (the

@@ -9,11 +9,14 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from framework.engine.tokenizer import load_tokenizer
 from framework.serve.app import API_KEY_ENV, OpenAIServer, ServerConfig
 from framework.serve.engine_loop import EngineLoop
+
+if TYPE_CHECKING:
+    from framework.engine.llm import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ def compose_run_config(overrides: Sequence[str]) -> Any:
         return compose("config", overrides=list(overrides))
 
 
-def build_llm(model_dir: str, overrides: Sequence[str] = ()) -> Any:
+def build_llm(model_dir: str, overrides: Sequence[str] = ()) -> "LLM":
     """The ``LLM`` a Hydra job with these overrides would build for ``model_dir``."""
     import torch
 
@@ -64,14 +67,14 @@ class RunningServer:
         self.loop.stop()
 
 
-def make_app(llm: Any, config: ServerConfig, model_dir: str | Path) -> tuple[Any, EngineLoop]:
+def make_app(llm: "LLM", config: ServerConfig, model_dir: str | Path) -> tuple[Any, EngineLoop]:
     loop = EngineLoop(llm)
     app = OpenAIServer(loop, load_tokenizer(model_dir), config).build()
     return app, loop
 
 
 def serve_in_thread(
-    llm: Any, config: ServerConfig, model_dir: str | Path, host: str = "127.0.0.1", port: int = 0
+    llm: "LLM", config: ServerConfig, model_dir: str | Path, host: str = "127.0.0.1", port: int = 0
 ) -> RunningServer:
     """Start the engine loop and uvicorn on a thread; ``port`` 0 picks a free one."""
     import uvicorn
