@@ -81,7 +81,7 @@ ProposerFactory = Callable[[SpeculativeConfig, ProposerContext], Proposer]
 
 PROPOSERS: Registry[ProposerFactory] = Registry(
     "speculative proposer",
-    builtin_modules=("framework.engine.spec.ngram",),
+    builtin_modules=("framework.engine.spec.ngram", "framework.engine.spec.draft"),
     entry_point_group="piecewise.proposers",
 )
 """``SpeculativeConfig.method`` -> a factory ``(config, context) -> Proposer``."""
