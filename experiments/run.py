@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.compiler_env import compiler_caches_under, warm_up_compiler
 from experiments.job_inputs import job_prompts, resolve_model_path, text_examples
@@ -73,7 +73,26 @@ def check_job_settings(cfg: DictConfig) -> None:
 def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
     from framework.engine.llm import LLM
 
-    return LLM(model_path, **llm_kwargs(cfg, cc))
+    return LLM(model_path, **llm_kwargs(speculation_off_at_k0(cfg), cc))
+
+
+def speculation_off_at_k0(cfg: DictConfig) -> DictConfig:
+    """``speculative.num_speculative_tokens=0`` is speculation off: the k = 0 row of a sweep
+    over k (conf/experiment/ablate_spec.yaml) is the plain engine of that method's cell."""
+    spec = cfg.get("speculative")
+    if spec is None or OmegaConf.select(cfg, "speculative.num_speculative_tokens") != 0:
+        return cfg
+    return without_speculation(cfg)
+
+
+def without_speculation(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with speculative decoding off (``speculative=none``)."""
+    if cfg.get("speculative") is None:
+        return cfg
+    out = cfg.copy()
+    with open_dict(out):
+        out.speculative = None
+    return out
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
@@ -128,9 +147,9 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
         if llm.config.level == 0 and not cfg.quantization:
             agree = {"token_agreement": 1.0, "max_logit_diff": 0.0, "outputs_equal": True}
         else:
-            ref_llm = build_llm(
-                OmegaConf.merge(cfg, {"quantization": None}), model_path, CompilationConfig(level=0)
-            )
+            # The reference of correctness: eager, unquantized, no speculation.
+            ref_cfg = without_speculation(OmegaConf.merge(cfg, {"quantization": None}))
+            ref_llm = build_llm(ref_cfg, model_path, CompilationConfig(level=0))
             with FirstTokenLogits.attached(ref_llm) as ref_first:
                 ref_out = ref_llm.generate(
                     prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos
@@ -376,7 +395,8 @@ def _ranges_used(llm: Any, trace: list[dict]) -> Optional[dict[str, list[str]]]:
 def register_resolvers() -> None:
     """``${eq:a,b}`` -> ``a == b``: experiment files mark their baseline job with it, e.g.
     ``baseline: ${eq:${compile.level},0}`` (containers compare as plain lists/dicts).
-    ``${pass_toggles:}``: see :func:`pass_toggle_sweep`."""
+    ``${pass_toggles:}``: see :func:`pass_toggle_sweep`.  ``${synthetic_model:name}``: see
+    :func:`synthetic_model_path`."""
 
     def eq(a: Any, b: Any) -> bool:
         plain = [
@@ -385,9 +405,20 @@ def register_resolvers() -> None:
         return plain[0] == plain[1]
 
     OmegaConf.register_new_resolver("eq", eq, replace=True)
+    # ${synthetic_model:addition-draft} -> the folder models/synthetic/addition-draft (a
+    # draft model's path for speculative.model, wherever the job is launched from).
+    OmegaConf.register_new_resolver("synthetic_model", synthetic_model_path, replace=True)
     # ${pass_toggles:} -> "[],[noop_elimination],...": the ablate_passes sweep, one job per
     # registered pass (passes.registry.canonical_order) plus the baseline job.
     OmegaConf.register_new_resolver("pass_toggles", pass_toggle_sweep, replace=True)
+
+
+def synthetic_model_path(name: str) -> str:
+    """The checkpoint folder ``models/synthetic/<name>`` (a ``ValueError`` naming it when
+    missing)."""
+    from experiments.job_inputs import resolve_model_path
+
+    return resolve_model_path(OmegaConf.create({"source": "synthetic", "name": name}))
 
 
 def pass_toggle_sweep() -> str:

@@ -285,7 +285,9 @@ class DraftModelProposer:
         config.validate_for(context.model_config, context.max_model_len, draft_mc)
         dtype = parse_dtype(config.draft_dtype) if config.draft_dtype else context.dtype
         self.draft_hash = draft_identity(self.model_dir, dtype)
-        config.draft_hash = self.draft_hash
+        """The draft's identity (:func:`draft_identity`).  Not written into ``config``: the
+        target is compiled before its proposer is built, and its compiled code does not
+        depend on the draft (the draft's own cache key covers the draft)."""
         self.max_len = context.max_model_len
         """Positions the draft may hold (the target's max_model_len: drafts never go past it)."""
         target_cc = context.compilation_config
@@ -373,6 +375,7 @@ class DraftModelProposer:
             str(self.worker.compiled.store.dir) if self.worker.compiled.store is not None else None
         )
         out["draft_startup_s"] = self.build_s
+        out["draft_identity"] = self.draft_hash
         out["draft_tracked_requests"] = len(self._seqs)
         return out
 

@@ -1,0 +1,361 @@
+"""Speculative decoding against plain decoding, side by side: tokens/s at batch 1 and 8.
+
+    python -m experiments.bench_spec                       # bf16, O2, 5 rounds
+    python -m experiments.bench_spec --rounds 9 --out benchmarks/spec_bench_cpu.json
+
+Three comparisons, every engine built once (O2, bf16) and timed in alternated rounds (round r
+runs the engines in an order rotated by r), medians over the rounds and the paired per-round
+ratios (``experiments.stats.compare``: geometric mean and 95% interval):
+
+* ``ngram_copy`` -- prompt-lookup drafts (``method=ngram``, k) on the default tiny model with
+  copy-heavy prompts (``copy_prompts``: each prompt ends with text the model's greedy
+  continuation then repeats), against the same engine without speculation.  Same tokens
+  required.  Target: >= 2x tokens/s at batch 1.
+* ``draft_addition`` -- the trained draft ``models/synthetic/addition-draft`` drafting for
+  ``models/synthetic/addition`` on held-out addition prompts (the answer and its EOS).
+  Acceptance (per position, mean accepted length) and the speed-up.  Target: >= 1.5x at
+  batch 1 when acceptance >= 0.7.
+* ``verify_step`` -- the cost of one verify step of 1 + k tokens per request against one plain
+  decode step (k = 4, default model): median ``step_times["verify"]`` of an engine whose
+  proposer always proposes k tokens (``fixed``) over median ``step_times["decode"]`` of the
+  plain engine.  Target: <= 1.3x.
+
+Batch 1 runs the prompts one ``generate`` call at a time; batch 8 runs them in one call with
+``max_num_seqs=8``.  The machine's load average is recorded next to the numbers: on a loaded
+machine the ratios are noisy; rerun on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from experiments.stats import compare
+from framework import LLM
+from framework.engine.spec.config import SpeculativeConfig
+from framework.engine.spec.proposer import ProposerContext, register_proposer
+
+REPO = Path(__file__).resolve().parent.parent
+ADDITION = REPO / "models" / "synthetic" / "addition"
+ADDITION_DRAFT = REPO / "models" / "synthetic" / "addition-draft"
+
+
+@register_proposer("fixed")
+class FixedProposer:
+    """k copies of the request's last token, always (the verify-step benchmark needs verify
+    chunks of exactly 1 + k tokens; acceptance is irrelevant there)."""
+
+    def __init__(self, config: SpeculativeConfig, context: Optional[ProposerContext] = None):
+        self.num_speculative_tokens = config.num_speculative_tokens
+
+    def propose(self, reqs):
+        k = self.num_speculative_tokens
+        return [[r.all_tokens()[-1]] * min(k, r.max_new_tokens - len(r.output) - 1) for r in reqs]
+
+    def draft_probs(self):
+        return None
+
+    def release(self, req_id: int) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def copy_prompts(llm: LLM, n: int, seed_len: int, echo_len: int, seed: int = 0) -> list[list[int]]:
+    """Copy-heavy prompts for ``llm``'s model: a random seed text, then the model's own greedy
+    continuation of it (``echo_len`` tokens) written *twice*.  The greedy continuation of such
+    a prompt repeats the echoed text for a model that continues a repeated passage by copying
+    it, which real LMs do; the benchmark reports how much of the continuation is found earlier
+    in its prompt (``copy_fraction``) so a model that does not copy shows up as such."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = llm.model_config.vocab_size
+    seeds = [[rng.randrange(vocab) for _ in range(seed_len)] for _ in range(n)]
+    echoes = llm.generate(seeds, echo_len, ignore_eos=True)
+    return [s + e + e for s, e in zip(seeds, echoes)]
+
+
+def copy_fraction(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], n: int = 3):
+    """Fraction of output tokens whose preceding n-gram occurs earlier in prompt + output and
+    is followed there by that token (what an n-gram lookup of length n would have drafted)."""
+    hit = total = 0
+    for p, o in zip(prompts, outputs):
+        seq = list(p) + list(o)
+        for i in range(len(p), len(seq)):
+            total += 1
+            gram = tuple(seq[i - n : i])
+            for j in range(i - 1, n - 1, -1):
+                if tuple(seq[j - n : j]) == gram:
+                    hit += seq[j] == seq[i]
+                    break
+    return hit / total if total else None
+
+
+@dataclass
+class Contender:
+    """One engine and the workload it times."""
+
+    name: str
+    llm: LLM
+    prompts: list[list[int]]
+    max_new_tokens: int
+    ignore_eos: bool
+    batch: int
+    tokens_per_s: list[float] = field(default_factory=list)
+    step_ms: dict[str, list[float]] = field(default_factory=dict)
+    outputs: Optional[list[list[int]]] = None
+
+    def run(self) -> None:
+        for t in self.llm.runner.step_times.values():
+            t.clear()
+        t0 = time.perf_counter()
+        outs: list[list[int]] = []
+        for i in range(0, len(self.prompts), self.batch):
+            outs += self.llm.generate(
+                self.prompts[i : i + self.batch], self.max_new_tokens, ignore_eos=self.ignore_eos
+            )
+        elapsed = time.perf_counter() - t0
+        self.tokens_per_s.append(sum(len(o) for o in outs) / elapsed)
+        for kind, times in self.llm.runner.step_times.items():
+            if times:
+                self.step_ms.setdefault(kind, []).append(1e3 * statistics.median(times))
+        if self.outputs is None:
+            self.outputs = outs
+        elif outs != self.outputs:
+            raise RuntimeError(f"{self.name}: outputs changed between rounds")
+
+
+def _spec_stats(llm: LLM) -> dict[str, Any]:
+    return {k: v for k, v in llm.stats.items() if k.startswith("spec_")}
+
+
+def _ratio(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
+    c = compare(a, b)
+    return {
+        "ratio": c.ratio if c else statistics.median(a) / statistics.median(b),
+        "ci95": [c.lo, c.hi] if c else None,
+        "median_of_round_ratios": c.median_ratio if c else None,
+        "ratio_of_medians": statistics.median(a) / statistics.median(b),
+    }
+
+
+def build(model: str, *, spec: Optional[dict], dtype: str, level: int, seqs: int, **kw) -> LLM:
+    return LLM(
+        model,
+        dtype=dtype,
+        optimization_level=level,
+        max_num_seqs=seqs,
+        speculative_config=spec,
+        **kw,
+    )
+
+
+def run(
+    *,
+    rounds: int,
+    k: int,
+    dtype: str,
+    level: int,
+    batches: Sequence[int],
+    cache_dir: Optional[str],
+    num_prompts: int,
+    new_tokens: int,
+    scenarios: Sequence[str],
+    log=print,
+) -> dict[str, Any]:
+    from experiments.synthetic_task import get_task
+    from models.tiny import ensure_tiny_model
+
+    common = dict(dtype=dtype, level=level, seqs=max(batches), cache_dir=cache_dir)
+    pairs: dict[str, tuple[str, str]] = {}  # (scenario, batch) -> (baseline, spec)
+    contenders: list[Contender] = []
+    extra: dict[str, Any] = {}
+    default_model = str(ensure_tiny_model())
+
+    if "ngram_copy" in scenarios or "verify_step" in scenarios:
+        log(f"building the default model (plain, {dtype}, O{level})")
+        plain = build(default_model, spec=None, max_model_len=512, **common)
+    if "ngram_copy" in scenarios:
+        log(f"building the default model with n-gram speculation (k={k})")
+        ngram = build(
+            default_model,
+            spec={"method": "ngram", "num_speculative_tokens": k},
+            max_model_len=512,
+            **common,
+        )
+        prompts = copy_prompts(plain, num_prompts, seed_len=16, echo_len=48)
+        for b in batches:
+            base = Contender(f"ngram_copy b{b} plain", plain, prompts, new_tokens, True, b)
+            spec = Contender(f"ngram_copy b{b} ngram k={k}", ngram, prompts, new_tokens, True, b)
+            contenders += [base, spec]
+            pairs[f"ngram_copy b{b}"] = (base.name, spec.name)
+        extra["ngram_copy"] = {"llm": ngram, "prompts": prompts}
+    if "draft_addition" in scenarios:
+        task = get_task("addition")
+        keys = task.held_out_keys(num_prompts, 1234)
+        prompts, _ = task.split(task.sequences(keys))
+        log("building the addition target (plain) and with its draft")
+        kw = dict(common, max_model_len=64)
+        target = build(str(ADDITION), spec=None, **kw)
+        drafted = build(
+            str(ADDITION),
+            spec={
+                "method": "draft_model",
+                "model": str(ADDITION_DRAFT),
+                "num_speculative_tokens": k,
+            },
+            **kw,
+        )
+        for b in batches:
+            n_new = task.answer_len + 1
+            base = Contender(f"draft_addition b{b} plain", target, prompts, n_new, False, b)
+            spec = Contender(f"draft_addition b{b} draft k={k}", drafted, prompts, n_new, False, b)
+            contenders += [base, spec]
+            pairs[f"draft_addition b{b}"] = (base.name, spec.name)
+        extra["draft_addition"] = {"llm": drafted, "prompts": prompts}
+    if "verify_step" in scenarios:
+        log(f"building the default model with fixed k={k} drafts (verify-step cost)")
+        fixed = build(
+            default_model,
+            spec={"method": "fixed", "num_speculative_tokens": k},
+            max_model_len=512,
+            **common,
+        )
+        import random
+
+        rng = random.Random(1)
+        prompts = [[rng.randrange(32000) for _ in range(64)] for _ in range(max(batches))]
+        for b in batches:
+            base = Contender(f"verify_step b{b} decode", plain, prompts[:b], 32, True, b)
+            spec = Contender(f"verify_step b{b} verify k={k}", fixed, prompts[:b], 32, True, b)
+            contenders += [base, spec]
+            pairs[f"verify_step b{b}"] = (base.name, spec.name)
+
+    log(f"untimed round, then {rounds} alternated rounds of {len(contenders)} workloads")
+    for c in contenders:
+        c.run()
+    for c in contenders:
+        c.tokens_per_s.clear()
+        c.step_ms.clear()
+    for r in range(rounds):
+        for i in range(len(contenders)):
+            contenders[(r + i) % len(contenders)].run()
+        log(f"  round {r + 1}/{rounds}")
+
+    by_name = {c.name: c for c in contenders}
+    results: dict[str, Any] = {}
+    for key, (base_name, spec_name) in pairs.items():
+        base, spec = by_name[base_name], by_name[spec_name]
+        entry: dict[str, Any] = {
+            "prompts": len(base.prompts),
+            "batch": base.batch,
+            "same_tokens": base.outputs == spec.outputs,
+        }
+        if key.startswith("verify_step"):
+            dec, ver = base.step_ms.get("decode", []), spec.step_ms.get("verify", [])
+            entry.update(
+                decode_step_ms=statistics.median(dec) if dec else None,
+                verify_step_ms=statistics.median(ver) if ver else None,
+                verify_over_decode=_ratio(ver, dec) if dec and ver else None,
+                target="<= 1.3",
+            )
+        else:
+            entry.update(
+                tokens_per_s={
+                    "plain": statistics.median(base.tokens_per_s),
+                    "spec": statistics.median(spec.tokens_per_s),
+                },
+                speedup=_ratio(spec.tokens_per_s, base.tokens_per_s),
+                step_ms_medians={
+                    "plain": {k2: statistics.median(v) for k2, v in base.step_ms.items()},
+                    "spec": {k2: statistics.median(v) for k2, v in spec.step_ms.items()},
+                },
+            )
+        results[key] = entry
+    if "ngram_copy" in extra:
+        x = extra["ngram_copy"]
+        results["ngram_copy_acceptance"] = _spec_stats(x["llm"])
+        outs = by_name[pairs[f"ngram_copy b{batches[0]}"][0]].outputs
+        results["ngram_copy_copy_fraction"] = copy_fraction(x["prompts"], outs)
+    if "draft_addition" in extra:
+        results["draft_addition_acceptance"] = _spec_stats(extra["draft_addition"]["llm"])
+    return results
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.bench_spec", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("-O", dest="level", type=int, default=2)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per workload")
+    ap.add_argument("--new-tokens", type=int, default=64, help="n-gram workload: new tokens")
+    ap.add_argument(
+        "--scenarios", default="ngram_copy,draft_addition,verify_step", help="comma-separated"
+    )
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="write the JSON here (e.g. benchmarks/spec_bench_cpu.json)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    results = run(
+        rounds=args.rounds,
+        k=args.k,
+        dtype=args.dtype,
+        level=args.level,
+        batches=[int(b) for b in args.batches.split(",")],
+        cache_dir=args.cache_dir,
+        num_prompts=args.prompts,
+        new_tokens=args.new_tokens,
+        scenarios=[s for s in args.scenarios.split(",") if s],
+    )
+    record = {
+        "command": "python -m experiments.bench_spec " + " ".join(argv or sys.argv[1:]),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
+        "settings": {
+            "dtype": args.dtype,
+            "level": args.level,
+            "k": args.k,
+            "rounds": args.rounds,
+            "batches": args.batches,
+            "prompts": args.prompts,
+        },
+        "wall_s": time.perf_counter() - t0,
+        "results": results,
+    }
+    text = json.dumps(record, indent=1, default=str)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
