@@ -8,8 +8,10 @@ runs the engines in an order rotated by r), medians over the rounds and the pair
 ratios (``experiments.stats.compare``: geometric mean and 95% interval):
 
 * ``ngram_copy`` -- prompt-lookup drafts (``method=ngram``, k) on the default tiny model with
-  copy-heavy prompts (``copy_prompts``: each prompt ends with text the model's greedy
-  continuation then repeats), against the same engine without speculation.  Same tokens
+  the copy-heavy prompts of ``workload=copy`` (``experiments.job_inputs.copy_prompts``: a
+  random seed text and the model's own greedy continuation of it, which loops), against the
+  same engine without speculation; ``copy_fraction`` says how much of the continuation an
+  n-gram lookup could draft.  Same tokens
   required.  Target: >= 2x tokens/s at batch 1.
 * ``draft_addition`` -- the trained draft ``models/synthetic/addition-draft`` drafting for
   ``models/synthetic/addition`` on held-out addition prompts (the answer and its EOS).
@@ -40,6 +42,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from experiments.job_inputs import copy_fraction, copy_prompts
 from experiments.stats import compare
 from framework import LLM
 from framework.engine.spec.config import SpeculativeConfig
@@ -72,35 +75,19 @@ class FixedProposer:
         return {}
 
 
-def copy_prompts(llm: LLM, n: int, seed_len: int, echo_len: int, seed: int = 0) -> list[list[int]]:
-    """Copy-heavy prompts for ``llm``'s model: a random seed text, then the model's own greedy
-    continuation of it (``echo_len`` tokens) written *twice*.  The greedy continuation of such
-    a prompt repeats the echoed text for a model that continues a repeated passage by copying
-    it, which real LMs do; the benchmark reports how much of the continuation is found earlier
-    in its prompt (``copy_fraction``) so a model that does not copy shows up as such."""
-    import random
+def copy_workload(plain: LLM, n: int, seed_len: int, echo_len: int) -> list[list[int]]:
+    """The copy-heavy prompts of ``workload=copy`` (``experiments.job_inputs.copy_prompts``),
+    echoed by the plain engine."""
+    from omegaconf import OmegaConf
 
-    rng = random.Random(seed)
-    vocab = llm.model_config.vocab_size
-    seeds = [[rng.randrange(vocab) for _ in range(seed_len)] for _ in range(n)]
-    echoes = llm.generate(seeds, echo_len, ignore_eos=True)
-    return [s + e + e for s, e in zip(seeds, echoes)]
+    workload = OmegaConf.create(
+        dict(num_prompts=n, prompt_len_min=seed_len, prompt_len_max=seed_len, echo_len=echo_len)
+    )
 
+    def echo(prompts, m):
+        return plain.generate(prompts, m, ignore_eos=True)
 
-def copy_fraction(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], n: int = 3):
-    """Fraction of output tokens whose preceding n-gram occurs earlier in prompt + output and
-    is followed there by that token (what an n-gram lookup of length n would have drafted)."""
-    hit = total = 0
-    for p, o in zip(prompts, outputs):
-        seq = list(p) + list(o)
-        for i in range(len(p), len(seq)):
-            total += 1
-            gram = tuple(seq[i - n : i])
-            for j in range(i - 1, n - 1, -1):
-                if tuple(seq[j - n : j]) == gram:
-                    hit += seq[j] == seq[i]
-                    break
-    return hit / total if total else None
+    return copy_prompts(workload, plain.model_config.vocab_size, 0, echo)
 
 
 @dataclass
@@ -195,7 +182,7 @@ def run(
             max_model_len=512,
             **common,
         )
-        prompts = copy_prompts(plain, num_prompts, seed_len=16, echo_len=48)
+        prompts = copy_workload(plain, num_prompts, seed_len=16, echo_len=96)
         for b in batches:
             base = Contender(f"ngram_copy b{b} plain", plain, prompts, new_tokens, True, b)
             spec = Contender(f"ngram_copy b{b} ngram k={k}", ngram, prompts, new_tokens, True, b)

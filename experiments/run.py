@@ -24,7 +24,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.compiler_env import compiler_caches_under, warm_up_compiler
-from experiments.job_inputs import job_prompts, resolve_model_path, text_examples
+from experiments.job_inputs import (
+    copy_fraction,
+    job_prompts,
+    resolve_model_path,
+    text_examples,
+)
 from experiments.job_summary import summary
 from experiments.sweep import (
     Entry,
@@ -74,6 +79,22 @@ def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
     from framework.engine.llm import LLM
 
     return LLM(model_path, **llm_kwargs(speculation_off_at_k0(cfg), cc))
+
+
+def _echo_engine(cfg: DictConfig, model_path: str, cc: CompilationConfig):
+    """``echo(prompts, n)`` for a copy workload (experiments.job_inputs.copy_prompts): the
+    greedy continuations by a plain engine of this job's configuration (built on first use,
+    then dropped), so every k of a sweep over speculation gets the same prompts and the job's
+    own engine's statistics count the workload alone."""
+
+    def echo(prompts: list[list[int]], n: int) -> list[list[int]]:
+        engine = build_llm(without_speculation(cfg), model_path, cc)
+        try:
+            return engine.generate(prompts, n, ignore_eos=True)
+        finally:
+            engine.close()
+
+    return echo
 
 
 def speculation_off_at_k0(cfg: DictConfig) -> DictConfig:
@@ -127,7 +148,7 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
     llm = build_llm(cfg, model_path, cc)
     cold_s = time.perf_counter() - t0
     prompts, max_new_tokens, ignore_eos, answers = job_prompts(
-        cfg, model_path, llm.model_config.vocab_size
+        cfg, model_path, llm.model_config.vocab_size, echo=_echo_engine(cfg, model_path, cc)
     )
     # The first generation (untimed: the rounds time the workload) gives the outputs, the
     # first-token logits and the step trace.
@@ -156,6 +177,9 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
                 )
             agree = agreement(outputs, ref_out, logits, ref_first.take())
             del ref_llm
+    copy = None
+    if (cfg.workload.get("kind") or "random") == "copy":
+        copy = {"copy_fraction": copy_fraction(prompts, outputs)}
     accuracy = None
     if answers is not None:
         from experiments.synthetic_task import exact_match
@@ -212,6 +236,8 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
         "agreement_baseline": None,  # against the sweep's baseline (filled after the rounds)
         "outputs": outputs,
         "accuracy": accuracy,
+        # workload.kind=copy: how much of the outputs an n-gram lookup would have drafted
+        "workload_copy": copy,
         "padding_waste": padding,
         "text_examples": text_examples(llm, model_path, prompts, outputs),
         "capture_sizes": llm.config.cudagraph_capture_sizes,
