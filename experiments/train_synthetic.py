@@ -11,6 +11,12 @@ earlier, once greedy exact match on a validation batch of training-split keys re
 ``--target`` at two consecutive checks -- a step-count rule, never a wall-clock one, so a rerun
 stops at the same step.
 
+A draft model for speculative decoding is trained the same way with fewer layers, and
+``--draft-of`` records its greedy acceptance by the target in metrics.json (``draft``)::
+
+    python -m experiments.train_synthetic --task addition --num-layers 1 \
+        --out models/synthetic/addition-draft --draft-of models/synthetic/addition
+
 Writes ``config.json`` + ``model.safetensors`` (float32) and ``metrics.json``: the recipe,
 training curve, wall time, and exact match through ``framework.LLM`` at O0 on held-out prompts
 (plus each int8 quantization shorthand when ``framework.core.quantization`` is available).  Written

@@ -96,21 +96,31 @@ def draft_compilation_config(
     """The draft's config: the target's (level, mode, backend, passes, kernels, cache
     settings) without the target's sizes -- its compile sizes, ranges, token budget and
     capture sizes are those of verify steps -- and with capture sizes for the draft's own
-    single-token steps (batch sizes up to ``max_num_seqs``); ``overrides`` (the
-    ``draft_compile`` field) replace any field."""
+    single-token steps (batch sizes up to ``max_num_seqs``).  ``overrides`` (the
+    ``draft_compile`` field) replace fields; one naming ``level`` starts from that level's
+    defaults instead of the target's resolved fields (keeping the cache settings)."""
     sizes = sorted(set(default_capture_sizes(max_num_seqs)) | {max_num_seqs})
-    cc = target.replace(
-        compile_sizes=None,
-        compile_ranges_endpoints=None,
-        max_num_tokens=None,
-        cudagraph_capture_sizes=sizes,
-        debug_dump_path=(
-            str(Path(target.debug_dump_path) / "draft") if target.debug_dump_path else None
-        ),
-    )
+    dump = str(Path(target.debug_dump_path) / "draft") if target.debug_dump_path else None
+    overrides = dict(overrides or {})
+    if "level" in overrides:
+        cc = CompilationConfig(
+            use_cache=target.use_cache,
+            cache_dir=target.cache_dir,
+            progress_bar=target.progress_bar,
+            debug_dump_path=dump,
+            cudagraph_capture_sizes=sizes,
+        )
+    else:
+        cc = target.replace(
+            compile_sizes=None,
+            compile_ranges_endpoints=None,
+            max_num_tokens=None,
+            cudagraph_capture_sizes=sizes,
+            debug_dump_path=dump,
+        )
     if overrides:
         data = cc.to_dict()
-        data.update(dict(overrides))
+        data.update(overrides)
         cc = CompilationConfig.from_dict(data, _prefix="SpeculativeConfig.draft_compile")
     return cc
 
