@@ -1,0 +1,249 @@
+"""Speculative decoding through the engine: greedy tokens identical with it on and off (four
+families, O0 and O2, batched prompts of different lengths, prefix caching, preemption), KV
+rollback, EOS / max_tokens inside an accepted run, streaming, stats, the verify batches the
+dispatcher sees, and the sampled distribution (chi-square) on a small-vocabulary model."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from framework import LLM, SamplingParams
+from framework.engine.kv_cache import KVCacheSpec
+from models.config import ModelConfig
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+K = 3
+NGRAM = {"method": "ngram", "num_speculative_tokens": K}
+
+
+def copy_prompts():
+    """Prompts of different lengths whose continuation can copy earlier text."""
+    a = [11, 12, 13, 14, 15]
+    b = [40, 41, 42, 43, 44, 45, 46]
+    c = [90, 91, 92]
+    return [a * 3, b * 4 + [40, 41], c * 2 + [7], [5, 6, 7, 8, 9, 10, 5, 6]]
+
+
+def build(path, spec=None, level=0, cache=None, **kw):
+    kw.setdefault("max_model_len", 128)
+    kw.setdefault("max_num_seqs", 4)
+    return LLM(
+        str(path), optimization_level=level, cache_dir=cache, speculative_config=spec, **kw
+    )
+
+
+def assert_clean(llm):
+    assert llm.allocator.num_free == llm.allocator.num_usable
+    llm.allocator.check()
+    assert not llm.has_unfinished()
+
+
+def check_identical(path, level=0, cache=None, n=24, **kw):
+    ref = build(path, None, level, cache, **kw).generate(copy_prompts(), n, ignore_eos=True)
+    llm = build(path, NGRAM, level, cache, **kw)
+    got = llm.generate(copy_prompts(), n, ignore_eos=True)
+    assert got == ref
+    st = llm.stats
+    # The test means something only when drafts were verified and some were accepted.
+    assert st["spec_verify_steps"] > 0 and st["spec_accepted_tokens"] > 0, st
+    assert_clean(llm)
+    return llm, st
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_identical_with_ngram_at_o0(tiny_checkpoint, family):
+    check_identical(tiny_checkpoint(family))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_identical_with_ngram_at_o2(tiny_checkpoint, family, compile_cache_dir):
+    llm, _ = check_identical(tiny_checkpoint(family), level=2, cache=compile_cache_dir)
+    assert all(s % (1 + K) == 0 for s in llm.config.cudagraph_capture_sizes)
+    assert all(s % (1 + K) == 0 for s in llm.config.compile_sizes)
+
+
+def test_greedy_identical_with_prefix_caching(llama_checkpoint):
+    shared = [11, 12, 13, 14, 15] * 7  # two full blocks shared by every prompt
+    prompts = [shared + p for p in copy_prompts()]
+    kw = dict(enable_prefix_caching=True, max_model_len=160)
+    ref_llm = build(llama_checkpoint, None, **kw)
+    ref = [ref_llm.generate([p], 30, ignore_eos=True)[0] for p in prompts]
+    llm = build(llama_checkpoint, NGRAM, **kw)
+    got = [llm.generate([p], 30, ignore_eos=True)[0] for p in prompts]  # one by one: hits
+    assert got == ref
+    again = llm.generate(prompts, 30, ignore_eos=True)  # all at once, reusing cached blocks
+    assert again == ref
+    st = llm.stats
+    assert st["prefix_cache_hit_tokens"] > 0 and st["spec_accepted_tokens"] > 0
+    assert_clean(llm)
+
+
+def _kv_bytes(path, blocks, block=16):
+    mc = ModelConfig.from_hf_dir(str(path))
+    spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.float32, block)
+    return blocks * spec.bytes_per_block
+
+
+def test_greedy_identical_under_kv_pressure_with_preemption(llama_checkpoint):
+    prompts = copy_prompts()
+    ref = build(llama_checkpoint, None).generate(prompts, 40, ignore_eos=True)
+    llm = build(llama_checkpoint, NGRAM, kv_cache_memory_bytes=_kv_bytes(llama_checkpoint, 12))
+    got = llm.generate(prompts, 40, ignore_eos=True)
+    assert got == ref
+    st = llm.stats
+    assert st["preemptions"] > 0 and st["spec_accepted_tokens"] > 0, st
+    assert_clean(llm)
+
+
+def test_rejected_drafts_roll_back_their_blocks(llama_checkpoint):
+    """After every step a running request holds exactly the blocks of its computed tokens
+    (as after a plain decode step): the slots of rejected drafts are given back."""
+    llm = build(llama_checkpoint, {"method": "ngram", "num_speculative_tokens": 7}, max_num_seqs=2)
+    bs = llm.scheduler.block_size
+    ids = [llm.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in copy_prompts()[:2]]
+    seen_verify = False
+    while llm.has_unfinished():
+        llm.step()
+        for r in llm.scheduler.running:
+            assert r.num_computed == r.num_tokens - 1
+            assert len(r.block_ids) == -(-r.num_computed // bs), (r.num_computed, r.block_ids)
+        seen_verify |= llm.stats.get("spec_verify_steps", 0) > 0
+    assert seen_verify and len(ids) == 2
+    assert_clean(llm)
+
+
+def test_max_tokens_and_eos_inside_an_accepted_run(llama_checkpoint):
+    prompts = copy_prompts()
+    ref_llm = build(llama_checkpoint, None)
+    full = ref_llm.generate(prompts, 30, ignore_eos=True)
+    llm = build(llama_checkpoint, {"method": "ngram", "num_speculative_tokens": 5})
+    for n in (1, 2, 7, 13):
+        assert llm.generate(prompts, n, ignore_eos=True) == [f[:n] for f in full]
+    # A stop token in the middle of the greedy output: the output ends right at it.
+    stop = full[0][9]
+    cut = full[0][: full[0].index(stop) + 1]
+    out = llm.generate(
+        [prompts[0]],
+        sampling_params=SamplingParams(max_tokens=30, stop_token_ids=(stop,), ignore_eos=True),
+        return_outputs=True,
+    )[0]
+    assert out.token_ids == cut and out.finish_reason == "stop"
+    assert_clean(llm)
+
+
+def test_streaming_step_api_and_stats(llama_checkpoint):
+    llm = build(llama_checkpoint, NGRAM)
+    ref = build(llama_checkpoint, None).generate(copy_prompts()[:2], 20, ignore_eos=True)
+    rids = [
+        llm.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True), stream=True)
+        for p in copy_prompts()[:2]
+    ]
+    seen = {r: [] for r in rids}
+    grew_by_more_than_one = False
+    while llm.has_unfinished():
+        for out in llm.step():
+            before = len(seen[out.request_id])
+            assert out.token_ids[:before] == seen[out.request_id]  # only ever grows
+            grew_by_more_than_one |= len(out.token_ids) - before > 1
+            seen[out.request_id] = out.token_ids
+    assert [seen[r] for r in rids] == ref
+    assert grew_by_more_than_one  # a verify step gave several tokens at once
+    st = llm.stats
+    per_pos = st["spec_acceptance_rate_per_position"]
+    assert len(per_pos) == K and all(0.0 <= a <= 1.0 for a in per_pos)
+    assert per_pos[0] >= per_pos[-1]  # a later draft is accepted only after the earlier ones
+    assert st["spec_accepted_tokens"] <= st["spec_draft_tokens"]
+    assert 1.0 <= st["spec_mean_accepted_length"] <= 1 + K
+    assert st["spec_propose_ms_per_step"] > 0 and st["spec_verify_ms_per_step"] > 0
+    assert st["verify_steps"] > 0 and "spec_ngram_hit_rate" in st
+
+
+def test_verify_batches_are_uniform_for_the_dispatcher(llama_checkpoint):
+    llm = build(llama_checkpoint, NGRAM)
+    assert llm.runner.uniform_query_len == 1 + K
+    calls = []
+    real = llm.runner.dispatch
+
+    def record(n, reqs, uniform):
+        calls.append((n, reqs, uniform))
+        return real(n, reqs, uniform)
+
+    llm.runner.dispatch = record
+    prompts = [[11, 12, 13, 14] * 4, [21, 22, 23, 24] * 4]
+    llm.generate(prompts, 20, ignore_eos=True)
+    uniform = [c for c in calls if c[2]]
+    assert uniform and all(n == reqs * (1 + K) for n, reqs, _ in uniform)
+    # A plain decode batch (one token each) is not uniform for a 1 + k dispatcher.
+    assert all(not u for n, reqs, u in calls if n == reqs)
+
+
+def test_penalties_and_logprobs_are_refused(llama_checkpoint):
+    llm = build(llama_checkpoint, NGRAM)
+    with pytest.raises(ValueError, match="repetition_penalty=1.2 is not supported with spec"):
+        llm.add_request([1, 2, 3], SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="prompt 0: SamplingParams.logprobs"):
+        llm.generate([[1, 2, 3]], sampling_params=SamplingParams(logprobs=2))
+    assert not llm.has_unfinished()
+
+
+def test_capture_sizes_rounded_and_loud_warning(llama_checkpoint, caplog):
+    """Graphs emulated on CPU (so the sizes are used): capture sizes become multiples of
+    1 + k, and sizes that cannot hold max_num_seqs x (1 + k) tokens are said loudly."""
+    cc = {"level": 1, "backend": "eager", "cudagraph_capture_sizes": [1, 2, 4, 8], "progress_bar": False}
+    with caplog.at_level(logging.WARNING):
+        llm = build(
+            llama_checkpoint, NGRAM, level=None, compilation_config=cc, emulate_cuda_graphs=True
+        )
+    assert llm.config.cudagraph_capture_sizes == [4, 8]
+    assert llm.graphs.dispatcher.uniform_decode_query_len == 1 + K
+    assert llm.worker.spec_size_warning is not None
+    msg = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
+    assert msg and "[4, 8]" in msg[0] and "16" in msg[0], msg
+    out = llm.generate(copy_prompts()[:2], 12, ignore_eos=True)
+    assert out == build(llama_checkpoint, None).generate(copy_prompts()[:2], 12, ignore_eos=True)
+
+
+# ---------------------------------------------------------------------- distribution
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory):
+    from checkpoints import build_family_checkpoint
+
+    return build_family_checkpoint(
+        tmp_path_factory.mktemp("small-vocab") / "m", "llama", vocab_size=8, seed=5
+    )
+
+
+def _second_tokens(path, spec, n, seed0):
+    """Token 2 and 3 of n seeded requests (the first comes from the prefill, the next from a
+    verify step when speculating)."""
+    llm = build(path, spec, max_num_seqs=64, max_model_len=32)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, seed=seed0 + i, ignore_eos=True)
+        for i in range(n)
+    ]
+    outs = llm.generate([[1, 2, 3, 1, 2, 3, 1, 2]] * n, sampling_params=params)
+    return llm, np.array(outs)
+
+
+def _chi2_p(a, b):
+    from test_spec_rejection import chi_square_p
+
+    return chi_square_p(a, b)
+
+
+def test_sampled_distribution_matches_without_speculation(small_vocab_model, monkeypatch):
+    n = 1500
+    _, ref = _second_tokens(small_vocab_model, None, n, 0)
+    llm, got = _second_tokens(small_vocab_model, NGRAM, n, 10**6)
+    assert llm.stats["spec_accepted_tokens"] > 0
+    codes = lambda x: x[:, 1] * 8 + x[:, 2]  # noqa: E731 - the joint of tokens 2 and 3
+    ref_c, got_c = np.bincount(codes(ref), minlength=64), np.bincount(codes(got), minlength=64)
+    assert _chi2_p(ref_c, got_c) > 1e-3
+    from framework.engine.spec import rejection
+
+    monkeypatch.setattr(rejection, "accept_probability", lambda p, q: torch.ones_like(p))
+    _, wrong = _second_tokens(small_vocab_model, NGRAM, n, 2 * 10**6)
+    assert _chi2_p(ref_c, np.bincount(codes(wrong), minlength=64)) < 1e-6
