@@ -113,11 +113,8 @@ class LLM:
         spec_config = speculative_config_of(speculative_config)
         if spec_config is not None:
             spec_config.validate_for(None, max_model_len)
-            if tensor_parallel_size != 1:
-                raise ValueError(
-                    f"LLM.speculative_config: speculative decoding is not supported with "
-                    f"tensor_parallel_size={tensor_parallel_size}; use tensor_parallel_size=1"
-                )
+            # Every rank builds its worker for 1 + k query tokens (same sizes, same keys);
+            # the proposer and the verification run on rank 0.
             llm_args["speculative_config"] = spec_config
         # Tensor parallelism: None for one process; else this process is rank 0 (or a
         # torchrun rank) of a group this LLM owns, and the other ranks build the same worker.

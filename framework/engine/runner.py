@@ -54,6 +54,7 @@ class ModelRunner:
         record_trace: bool = True,
         sampler: Optional[Callable] = None,
         uniform_query_len: int = 1,
+        verify: Optional[Callable] = None,
     ):
         self.model = model
         self.forward = forward
@@ -91,8 +92,10 @@ class ModelRunner:
         is the same object needs only its new entries written."""
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.sampler = sampler if sampler is not None else Sampler()
-        self.verify = RejectionSampler()
-        """Speculative steps: the kept tokens of each verify chunk (accepted drafts + one)."""
+        self.verify = verify if verify is not None else RejectionSampler()
+        """Speculative steps: ``(logits, reqs, drafts, draft_probs) -> kept tokens`` per
+        verify chunk (accepted drafts + one); a tensor-parallel rank other than 0 gets one that
+        keeps nothing (rank 0 verifies)."""
         """``(logits, reqs) -> (tokens, logprobs)``; a tensor-parallel rank other than 0 gets
         one that samples nothing (rank 0 samples)."""
         self.last_logprobs: Optional[list] = None
@@ -135,7 +138,8 @@ class ModelRunner:
                 pos_np[n : n + k] = p
                 prompt = req.prompt
                 if c.spec:  # a verify chunk: known tokens, then the drafts after them
-                    ids_np[n : n + k] = req.all_tokens()[c.start :] + list(c.spec)
+                    known = [req.token_at(i) for i in range(c.start, req.num_tokens)]
+                    ids_np[n : n + k] = known + list(c.spec)
                 else:
                     ids_np[n : n + k] = (
                         prompt[c.start : c.end]

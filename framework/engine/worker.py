@@ -68,6 +68,11 @@ def _no_sample(logits, reqs):
     return [0] * len(reqs), None
 
 
+def _no_verify(logits, reqs, drafts, draft_probs=None):
+    """A rank other than 0 verifies nothing: rank 0 does, from the all-gathered logits."""
+    return [[0] for _ in reqs]
+
+
 class Worker:
     """Build one rank's model, compile it, warm it up and capture its graphs (the ``LLM``
     arguments, less the engine's own); then :meth:`execute` runs steps."""
@@ -252,6 +257,7 @@ class Worker:
             dispatch=self.graphs.dispatcher.dispatch,
             sampler=None if self.rank == 0 else _no_sample,
             uniform_query_len=self.uniform_query_len,
+            verify=None if self.rank == 0 else _no_verify,
         )
         if self.group is not None:
             self.group.handshake()

@@ -102,12 +102,3 @@ def test_hydra_group_composes_to_the_config():
     assert speculative_config(on) == SpeculativeConfig(num_speculative_tokens=2)
 
 
-def test_tensor_parallel_with_speculation_is_refused(llama_checkpoint):
-    from framework import LLM
-
-    with pytest.raises(ValueError, match="LLM.speculative_config: .*tensor_parallel_size=2"):
-        LLM(
-            str(llama_checkpoint),
-            tensor_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-        )

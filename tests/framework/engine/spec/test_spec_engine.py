@@ -219,7 +219,7 @@ def small_vocab_model(tmp_path_factory):
 def _second_tokens(path, spec, n, seed0):
     """Token 2 and 3 of n seeded requests (the first comes from the prefill, the next from a
     verify step when speculating)."""
-    llm = build(path, spec, max_num_seqs=64, max_model_len=32)
+    llm = build(path, spec, max_num_seqs=64, max_model_len=32, max_num_batched_tokens=512)
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, seed=seed0 + i, ignore_eos=True)
         for i in range(n)
@@ -247,3 +247,17 @@ def test_sampled_distribution_matches_without_speculation(small_vocab_model, mon
     monkeypatch.setattr(rejection, "accept_probability", lambda p, q: torch.ones_like(p))
     _, wrong = _second_tokens(small_vocab_model, NGRAM, n, 2 * 10**6)
     assert _chi2_p(ref_c, np.bincount(codes(wrong), minlength=64)) < 1e-6
+
+
+@pytest.mark.slow  # reason: a TP=2 start-up (spawns a gloo worker process, ~10 s)
+def test_tensor_parallel_target_with_speculation(llama_checkpoint):
+    torch.set_num_threads(1)
+    ref = build(llama_checkpoint, None).generate(copy_prompts(), 20, ignore_eos=True)
+    llm = build(llama_checkpoint, NGRAM, tensor_parallel_size=2)
+    try:
+        got = llm.generate(copy_prompts(), 20, ignore_eos=True)
+        st = llm.stats
+    finally:
+        llm.close()
+    assert got == ref
+    assert st["spec_accepted_tokens"] > 0

@@ -48,6 +48,9 @@ def chi_square_p(counts_a, counts_b) -> float:
     (a 2 x m contingency table; the upper regularized incomplete gamma gives the tail)."""
     table = np.array([counts_a, counts_b], dtype=np.float64)
     table = table[:, table.sum(axis=0) > 0]
+    rare = table.sum(axis=0) < 10  # pooled into one cell: the approximation needs counts
+    if rare.any():
+        table = np.concatenate([table[:, ~rare], table[:, rare].sum(axis=1, keepdims=True)], 1)
     expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0, keepdims=True) / table.sum()
     stat = float(((table - expected) ** 2 / expected).sum())
     df = table.shape[1] - 1
