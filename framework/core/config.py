@@ -325,7 +325,9 @@ def round_sizes_to_query_len(
     steps above the largest size would run without graphs), the warning to show, with the
     sizes.  ``query_len`` 1: the config unchanged."""
     if isinstance(query_len, bool) or not isinstance(query_len, int) or query_len < 1:
-        raise ValueError(f"round_sizes_to_query_len: query_len must be an int >= 1, got {query_len!r}")
+        raise ValueError(
+            f"round_sizes_to_query_len: query_len must be an int >= 1, got {query_len!r}"
+        )
     if query_len == 1:
         return config, None
     upper = config.max_num_tokens

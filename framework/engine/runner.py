@@ -92,12 +92,12 @@ class ModelRunner:
         is the same object needs only its new entries written."""
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.sampler = sampler if sampler is not None else Sampler()
+        """``(logits, reqs) -> (tokens, logprobs)``; a tensor-parallel rank other than 0 gets
+        one that samples nothing (rank 0 samples)."""
         self.verify = verify if verify is not None else RejectionSampler()
         """Speculative steps: ``(logits, reqs, drafts, draft_probs) -> kept tokens`` per
         verify chunk (accepted drafts + one); a tensor-parallel rank other than 0 gets one that
         keeps nothing (rank 0 verifies)."""
-        """``(logits, reqs) -> (tokens, logprobs)``; a tensor-parallel rank other than 0 gets
-        one that samples nothing (rank 0 samples)."""
         self.last_logprobs: Optional[list] = None
         """Per sampling chunk of the last step: {token: logprob} when its request asked."""
         self.trace: Optional[list[dict]] = [] if record_trace else None

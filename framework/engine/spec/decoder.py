@@ -150,6 +150,8 @@ class SpecDecoder:
             "spec_acceptance_rate_per_position": [
                 a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)
             ],
+            "spec_drafted_per_position": list(self.drafted),
+            "spec_accepted_per_position": list(self.accepted),
             "spec_mean_accepted_length": (
                 self.kept_tokens / self.verify_chunks if self.verify_chunks else 0.0
             ),

@@ -154,7 +154,11 @@ def test_streaming_step_api_and_stats(llama_checkpoint):
     st = llm.stats
     per_pos = st["spec_acceptance_rate_per_position"]
     assert len(per_pos) == K and all(0.0 <= a <= 1.0 for a in per_pos)
-    assert per_pos[0] >= per_pos[-1]  # a later draft is accepted only after the earlier ones
+    acc = st["spec_accepted_per_position"]
+    assert all(a >= b for a, b in zip(acc, acc[1:]))  # a later draft only after the earlier
+    assert sum(acc) == st["spec_accepted_tokens"] and sum(st["spec_drafted_per_position"]) == (
+        st["spec_draft_tokens"]
+    )
     assert st["spec_accepted_tokens"] <= st["spec_draft_tokens"]
     assert 1.0 <= st["spec_mean_accepted_length"] <= 1 + K
     assert st["spec_propose_ms_per_step"] > 0 and st["spec_verify_ms_per_step"] > 0
@@ -261,3 +265,94 @@ def test_tensor_parallel_target_with_speculation(llama_checkpoint):
         llm.close()
     assert got == ref
     assert st["spec_accepted_tokens"] > 0
+
+
+class RandomDrafts:
+    """A plugin proposer drafting random tokens (optionally 'sampled' from a uniform q)."""
+
+    def __init__(self, config, context, with_probs=False, bad=False):
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.vocab = context.model_config.vocab_size
+        self.gen = torch.Generator().manual_seed(0)
+        self.with_probs, self.bad = with_probs, bad
+        self.released: list[int] = []
+        self._n = 0
+
+    def propose(self, reqs):
+        self._n = len(reqs)
+        k = self.num_speculative_tokens
+        if self.bad:
+            return [[self.vocab + 5] for _ in reqs]
+        return [torch.randint(self.vocab, (k,), generator=self.gen).tolist() for _ in reqs]
+
+    def draft_probs(self):
+        if not self.with_probs:
+            return None
+        k = self.num_speculative_tokens
+        return [torch.full((k, self.vocab), 1.0 / self.vocab) for _ in range(self._n)]
+
+    def release(self, req_id):
+        self.released.append(req_id)
+
+    def stats(self):
+        return {"random_calls": self._n}
+
+
+@pytest.fixture
+def plugin_proposers():
+    from framework.engine.spec.proposer import PROPOSERS, register_proposer
+
+    made = []
+
+    def factory(**kw):
+        def make(config, context):
+            made.append(RandomDrafts(config, context, **kw))
+            return made[-1]
+
+        return make
+
+    register_proposer("test_random")(factory())
+    register_proposer("test_random_q")(factory(with_probs=True))
+    register_proposer("test_bad")(factory(bad=True))
+    yield made
+    for name in ("test_random", "test_random_q", "test_bad"):
+        PROPOSERS.remove(name)
+
+
+def test_any_drafts_keep_greedy_tokens_and_release_on_finish(llama_checkpoint, plugin_proposers):
+    ref = build(llama_checkpoint, None).generate(copy_prompts(), 16, ignore_eos=True)
+    for method in ("test_random", "test_random_q"):
+        llm = build(llama_checkpoint, {"method": method, "num_speculative_tokens": 2})
+        assert llm.generate(copy_prompts(), 16, ignore_eos=True) == ref
+        prop = plugin_proposers[-1]
+        assert sorted(set(prop.released)) == list(range(len(copy_prompts())))
+        assert llm.stats["spec_verify_steps"] > 0 and "spec_random_calls" in llm.stats
+        assert_clean(llm)
+    # Sampling with sampled drafts (q uniform: accepted with min(1, p / q)) runs.
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True)
+    out = llm.generate(copy_prompts(), sampling_params=params)
+    assert all(len(o) == 12 for o in out)
+
+
+def test_seeded_sampling_with_ngram_is_the_same_alone_and_batched(llama_checkpoint):
+    """Drafts that depend only on the request's own tokens (n-gram) and noise keyed by
+    (seed, output index): a seeded request gets the same tokens whatever the batch."""
+    llm = build(llama_checkpoint, NGRAM)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=16, ignore_eos=True)
+        for s in range(4)
+    ]
+    alone = [llm.generate([p], sampling_params=sp)[0] for p, sp in zip(copy_prompts(), params)]
+    batched = llm.generate(copy_prompts(), sampling_params=params)
+    assert batched == alone
+    assert llm.stats["spec_accepted_tokens"] > 0
+    tight = build(llama_checkpoint, NGRAM, kv_cache_memory_bytes=_kv_bytes(llama_checkpoint, 6))
+    assert tight.generate(copy_prompts(), sampling_params=params) == alone
+    assert tight.stats["preemptions"] > 0
+
+
+def test_a_proposer_out_of_vocabulary_is_named(llama_checkpoint, plugin_proposers):
+    llm = build(llama_checkpoint, {"method": "test_bad", "num_speculative_tokens": 2})
+    with pytest.raises(RuntimeError, match="draft token 261 for request 0 is not a token id"):
+        llm.generate([[1, 2, 3]], 4, ignore_eos=True)
+    assert llm.allocator.num_free == llm.allocator.num_usable
