@@ -34,7 +34,8 @@ def _requests(llm: LLM, batch: int, context: int, k: int) -> list[Request]:
         r = Request(10_000 + i, prompt, max_new_tokens=k + 2)
         r.block_ids = llm.allocator.allocate(-(-(context + k + 1) // bs))
         reqs.append(r)
-    llm.runner.execute([ScheduledChunk(r, 0, context) for r in reqs], record=False)  # prefill
+    for r in reqs:  # prefill, one request at a time (the step budget is max_model_len)
+        llm.runner.execute([ScheduledChunk(r, 0, context)], record=False)
     return reqs
 
 

@@ -34,6 +34,17 @@ def build(path, spec=None, level=0, cache=None, **kw):
     )
 
 
+@pytest.fixture(scope="module")
+def ref_llama(llama_checkpoint):
+    return build(llama_checkpoint, None)
+
+
+@pytest.fixture(scope="module")
+def spec_llama(llama_checkpoint):
+    """One n-gram engine shared by the tests that only read what it does (stats add up)."""
+    return build(llama_checkpoint, NGRAM)
+
+
 def assert_clean(llm):
     assert llm.allocator.num_free == llm.allocator.num_usable
     llm.allocator.check()
@@ -87,9 +98,9 @@ def _kv_bytes(path, blocks, block=16):
     return blocks * spec.bytes_per_block
 
 
-def test_greedy_identical_under_kv_pressure_with_preemption(llama_checkpoint):
+def test_greedy_identical_under_kv_pressure_with_preemption(llama_checkpoint, ref_llama):
     prompts = copy_prompts()
-    ref = build(llama_checkpoint, None).generate(prompts, 40, ignore_eos=True)
+    ref = ref_llama.generate(prompts, 40, ignore_eos=True)
     llm = build(llama_checkpoint, NGRAM, kv_cache_memory_bytes=_kv_bytes(llama_checkpoint, 12))
     got = llm.generate(prompts, 40, ignore_eos=True)
     assert got == ref
@@ -103,7 +114,8 @@ def test_rejected_drafts_roll_back_their_blocks(llama_checkpoint):
     (as after a plain decode step): the slots of rejected drafts are given back."""
     llm = build(llama_checkpoint, {"method": "ngram", "num_speculative_tokens": 7}, max_num_seqs=2)
     bs = llm.scheduler.block_size
-    ids = [llm.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in copy_prompts()[:2]]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in copy_prompts()[:2]]
     seen_verify = False
     while llm.has_unfinished():
         llm.step()
@@ -115,11 +127,10 @@ def test_rejected_drafts_roll_back_their_blocks(llama_checkpoint):
     assert_clean(llm)
 
 
-def test_max_tokens_and_eos_inside_an_accepted_run(llama_checkpoint):
+def test_max_tokens_and_eos_inside_an_accepted_run(ref_llama, spec_llama):
     prompts = copy_prompts()
-    ref_llm = build(llama_checkpoint, None)
-    full = ref_llm.generate(prompts, 30, ignore_eos=True)
-    llm = build(llama_checkpoint, {"method": "ngram", "num_speculative_tokens": 5})
+    full = ref_llama.generate(prompts, 30, ignore_eos=True)
+    llm = spec_llama
     for n in (1, 2, 7, 13):
         assert llm.generate(prompts, n, ignore_eos=True) == [f[:n] for f in full]
     # A stop token in the middle of the greedy output: the output ends right at it.
@@ -134,9 +145,9 @@ def test_max_tokens_and_eos_inside_an_accepted_run(llama_checkpoint):
     assert_clean(llm)
 
 
-def test_streaming_step_api_and_stats(llama_checkpoint):
-    llm = build(llama_checkpoint, NGRAM)
-    ref = build(llama_checkpoint, None).generate(copy_prompts()[:2], 20, ignore_eos=True)
+def test_streaming_step_api_and_stats(ref_llama, spec_llama):
+    llm = spec_llama
+    ref = ref_llama.generate(copy_prompts()[:2], 20, ignore_eos=True)
     rids = [
         llm.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True), stream=True)
         for p in copy_prompts()[:2]
@@ -165,8 +176,8 @@ def test_streaming_step_api_and_stats(llama_checkpoint):
     assert st["verify_steps"] > 0 and "spec_ngram_hit_rate" in st
 
 
-def test_verify_batches_are_uniform_for_the_dispatcher(llama_checkpoint):
-    llm = build(llama_checkpoint, NGRAM)
+def test_verify_batches_are_uniform_for_the_dispatcher(spec_llama):
+    llm = spec_llama
     assert llm.runner.uniform_query_len == 1 + K
     calls = []
     real = llm.runner.dispatch
@@ -176,16 +187,18 @@ def test_verify_batches_are_uniform_for_the_dispatcher(llama_checkpoint):
         return real(n, reqs, uniform)
 
     llm.runner.dispatch = record
-    prompts = [[11, 12, 13, 14] * 4, [21, 22, 23, 24] * 4]
-    llm.generate(prompts, 20, ignore_eos=True)
+    try:
+        llm.generate([[11, 12, 13, 14] * 4, [21, 22, 23, 24] * 4], 20, ignore_eos=True)
+    finally:
+        llm.runner.dispatch = real
     uniform = [c for c in calls if c[2]]
     assert uniform and all(n == reqs * (1 + K) for n, reqs, _ in uniform)
     # A plain decode batch (one token each) is not uniform for a 1 + k dispatcher.
     assert all(not u for n, reqs, u in calls if n == reqs)
 
 
-def test_penalties_and_logprobs_are_refused(llama_checkpoint):
-    llm = build(llama_checkpoint, NGRAM)
+def test_penalties_and_logprobs_are_refused(spec_llama):
+    llm = spec_llama
     with pytest.raises(ValueError, match="repetition_penalty=1.2 is not supported with spec"):
         llm.add_request([1, 2, 3], SamplingParams(repetition_penalty=1.2))
     with pytest.raises(ValueError, match="prompt 0: SamplingParams.logprobs"):
@@ -193,10 +206,10 @@ def test_penalties_and_logprobs_are_refused(llama_checkpoint):
     assert not llm.has_unfinished()
 
 
-def test_capture_sizes_rounded_and_loud_warning(llama_checkpoint, caplog):
+def test_capture_sizes_rounded_and_loud_warning(llama_checkpoint, ref_llama, caplog):
     """Graphs emulated on CPU (so the sizes are used): capture sizes become multiples of
     1 + k, and sizes that cannot hold max_num_seqs x (1 + k) tokens are said loudly."""
-    cc = {"level": 1, "backend": "eager", "cudagraph_capture_sizes": [1, 2, 4, 8], "progress_bar": False}
+    cc = dict(level=1, backend="eager", cudagraph_capture_sizes=[1, 2, 4, 8], progress_bar=False)
     with caplog.at_level(logging.WARNING):
         llm = build(
             llama_checkpoint, NGRAM, level=None, compilation_config=cc, emulate_cuda_graphs=True
@@ -207,7 +220,7 @@ def test_capture_sizes_rounded_and_loud_warning(llama_checkpoint, caplog):
     msg = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
     assert msg and "[4, 8]" in msg[0] and "16" in msg[0], msg
     out = llm.generate(copy_prompts()[:2], 12, ignore_eos=True)
-    assert out == build(llama_checkpoint, None).generate(copy_prompts()[:2], 12, ignore_eos=True)
+    assert out == ref_llama.generate(copy_prompts()[:2], 12, ignore_eos=True)
 
 
 # ---------------------------------------------------------------------- distribution
@@ -254,9 +267,9 @@ def test_sampled_distribution_matches_without_speculation(small_vocab_model, mon
 
 
 @pytest.mark.slow  # reason: a TP=2 start-up (spawns a gloo worker process, ~10 s)
-def test_tensor_parallel_target_with_speculation(llama_checkpoint):
+def test_tensor_parallel_target_with_speculation(llama_checkpoint, ref_llama):
     torch.set_num_threads(1)
-    ref = build(llama_checkpoint, None).generate(copy_prompts(), 20, ignore_eos=True)
+    ref = ref_llama.generate(copy_prompts(), 20, ignore_eos=True)
     llm = build(llama_checkpoint, NGRAM, tensor_parallel_size=2)
     try:
         got = llm.generate(copy_prompts(), 20, ignore_eos=True)
@@ -319,8 +332,10 @@ def plugin_proposers():
         PROPOSERS.remove(name)
 
 
-def test_any_drafts_keep_greedy_tokens_and_release_on_finish(llama_checkpoint, plugin_proposers):
-    ref = build(llama_checkpoint, None).generate(copy_prompts(), 16, ignore_eos=True)
+def test_any_drafts_keep_greedy_tokens_and_release_on_finish(
+    llama_checkpoint, ref_llama, plugin_proposers
+):
+    ref = ref_llama.generate(copy_prompts(), 16, ignore_eos=True)
     for method in ("test_random", "test_random_q"):
         llm = build(llama_checkpoint, {"method": method, "num_speculative_tokens": 2})
         assert llm.generate(copy_prompts(), 16, ignore_eos=True) == ref
@@ -334,10 +349,10 @@ def test_any_drafts_keep_greedy_tokens_and_release_on_finish(llama_checkpoint, p
     assert all(len(o) == 12 for o in out)
 
 
-def test_seeded_sampling_with_ngram_is_the_same_alone_and_batched(llama_checkpoint):
+def test_seeded_sampling_with_ngram_is_the_same_alone_and_batched(llama_checkpoint, spec_llama):
     """Drafts that depend only on the request's own tokens (n-gram) and noise keyed by
     (seed, output index): a seeded request gets the same tokens whatever the batch."""
-    llm = build(llama_checkpoint, NGRAM)
+    llm = spec_llama
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=16, ignore_eos=True)
         for s in range(4)
