@@ -68,7 +68,9 @@ class SpeculativeConfig(StrictConfig):
             )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not _is_int(lo) or lo < 1:
-            raise ValueError(f"SpeculativeConfig.prompt_lookup_min: must be an int >= 1, got {lo!r}")
+            raise ValueError(
+                f"SpeculativeConfig.prompt_lookup_min: must be an int >= 1, got {lo!r}"
+            )
         if not _is_int(hi) or hi < lo:
             raise ValueError(
                 f"SpeculativeConfig.prompt_lookup_max: must be an int >= prompt_lookup_min "
