@@ -208,16 +208,16 @@ def run(
             "same_tokens": base.outputs == spec.outputs,
         }
         entry.update(
-                tokens_per_s={
-                    "plain": statistics.median(base.tokens_per_s),
-                    "spec": statistics.median(spec.tokens_per_s),
-                },
-                speedup=_ratio(spec.tokens_per_s, base.tokens_per_s),
-                step_ms_medians={
-                    "plain": {k2: statistics.median(v) for k2, v in base.step_ms.items()},
-                    "spec": {k2: statistics.median(v) for k2, v in spec.step_ms.items()},
-                },
-            )
+            tokens_per_s={
+                "plain": statistics.median(base.tokens_per_s),
+                "spec": statistics.median(spec.tokens_per_s),
+            },
+            speedup=_ratio(spec.tokens_per_s, base.tokens_per_s),
+            step_ms_medians={
+                "plain": {k2: statistics.median(v) for k2, v in base.step_ms.items()},
+                "spec": {k2: statistics.median(v) for k2, v in spec.step_ms.items()},
+            },
+        )
         results[key] = entry
     if "ngram_copy" in extra:
         x = extra["ngram_copy"]
@@ -257,7 +257,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default=None, help="write the JSON here (e.g. benchmarks/spec_bench_cpu.json)")
+    ap.add_argument(
+        "--out", default=None, help="write the JSON here (e.g. benchmarks/spec_bench_cpu.json)"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

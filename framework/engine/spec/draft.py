@@ -72,7 +72,9 @@ def draft_identity(model_dir: str | Path, dtype: str | torch.dtype) -> str:
     model_dir = Path(model_dir)
     mc = ModelConfig.from_hf_dir(model_dir)
     h = hashlib.sha256()
-    h.update(json.dumps({"model_config": mc.compute_hash(), "dtype": str(parse_dtype(dtype))}).encode())
+    h.update(
+        json.dumps({"model_config": mc.compute_hash(), "dtype": str(parse_dtype(dtype))}).encode()
+    )
     for f in sorted(model_dir.glob("*.safetensors")):
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
@@ -192,7 +194,10 @@ def input_spec_of(worker: Worker, model: str) -> DraftInputSpec:
     if binding is not None:
         names = trace.arg_names
         traced = {names[idx]: dtype for idx, dtype, _ in binding.arg_meta}
-        for name, have in (("input_ids", spec.input_ids_dtype), ("positions", spec.positions_dtype)):
+        for name, have in (
+            ("input_ids", spec.input_ids_dtype),
+            ("positions", spec.positions_dtype),
+        ):
             if name in traced and traced[name] != str(have):
                 raise DraftInputError(
                     f"draft model {model}: compiled for {name} of {traced[name]} but its "
@@ -284,7 +289,8 @@ class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
         if not config.model:
             raise ValueError(
-                "SpeculativeConfig.model: method 'draft_model' needs the draft's Hugging Face folder"
+                "SpeculativeConfig.model: method 'draft_model' needs the draft's Hugging "
+                "Face folder"
             )
         self.num_speculative_tokens = config.num_speculative_tokens
         self.model_dir = str(config.model)
@@ -453,21 +459,23 @@ class DraftModelProposer:
     def _catch_up(self, live: list[_DraftSeq]) -> None:
         """Feed every token the draft has no KV for (in as many steps as the token budget
         needs) and sample the first draft of each request."""
-        pending = [[s, s.req.num_computed] for s in live]
+        # [sequence, next position to feed, end of its catch-up]; the end is fixed before the
+        # first step (a sampled draft extends the sequence but is fed by the decode steps).
+        pending = [[s, s.req.num_computed, s.req.num_tokens] for s in live]
         while pending:
             chunks, owners, budget = [], [], self.max_num_tokens
             for item in pending:
                 if budget <= 0 or len(chunks) >= self.runner.max_num_seqs:
                     break
-                s, start = item
-                take = min(s.req.num_tokens - start, budget)
+                s, start, end = item
+                take = min(end - start, budget)
                 chunks.append(ScheduledChunk(s.req, start, take))
                 owners.append(s)
                 item[1] = start + take
                 budget -= take
             self._stats["draft_catch_up_tokens"] += sum(c.num_tokens for c in chunks)
             self._run(chunks, owners)
-            pending = [item for item in pending if item[1] < item[0].req.num_tokens]
+            pending = [item for item in pending if item[1] < item[2]]
 
     def _decode(self, step: list[_DraftSeq]) -> None:
         """One single-token step: each request feeds back its last draft."""

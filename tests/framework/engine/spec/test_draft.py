@@ -155,7 +155,9 @@ def test_sampled_drafts_return_q_and_are_reproducible(draft_dir, target):
 
 def test_vocab_mismatch_refused(tmp_path, target):
     other = build_family_checkpoint(tmp_path / "v128", "llama", num_hidden_layers=1, vocab_size=128)
-    with pytest.raises(ValueError, match=r"SpeculativeConfig\.model.*vocab_size=128.*vocab_size=256"):
+    with pytest.raises(
+        ValueError, match=r"SpeculativeConfig\.model.*vocab_size=128.*vocab_size=256"
+    ):
         make_proposer(str(other), target)
 
 
@@ -172,7 +174,9 @@ def test_wrong_input_dtype_is_an_error(draft_dir, target):
     proposer = make_proposer(draft_dir, target)
     ids, pos = torch.zeros(3, dtype=torch.int64), torch.arange(3)
     proposer.check_inputs(ids, pos)
-    with pytest.raises(DraftInputError, match=r"input_ids is torch\.int32.*compiled for torch\.int64"):
+    with pytest.raises(
+        DraftInputError, match=r"input_ids is torch\.int32.*compiled for torch\.int64"
+    ):
         proposer.check_inputs(ids.to(torch.int32), pos)
     with pytest.raises(DraftInputError, match="positions"):
         proposer.check_inputs(ids, pos.float())

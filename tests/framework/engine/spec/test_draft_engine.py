@@ -80,9 +80,7 @@ def test_greedy_tokens_identical_under_preemption(tiny_checkpoint, random_draft)
     draft state released) and recomputed; the tokens stay the plain engine's."""
     target = str(tiny_checkpoint("llama"))
     _, plain = generate(target, 0)
-    llm, got = generate(
-        target, 0, spec(target), kv_cache_memory_bytes=_bytes_for_blocks(target, 3)
-    )
+    llm, got = generate(target, 0, spec(target), kv_cache_memory_bytes=_bytes_for_blocks(target, 3))
     assert got == plain
     assert llm.stats["preemptions"] > 0, llm.stats
 
