@@ -13,7 +13,9 @@ appended, and so on until the request's output is complete.
 
 Reports: drafted and accepted tokens, the acceptance rate, the per-position acceptance (of the
 verify steps that proposed a j-th draft, the fraction whose first j drafts were all accepted)
-and the mean tokens per verify step (accepted drafts + the target's own token).
+and the mean tokens per verify step (accepted drafts + the target's own token); a step without
+drafts (one token left to generate) is a plain decode step and not counted, as in the
+engine's ``spec_*`` statistics.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def replay_acceptance(
             a = 0
             while a < len(d) and a < len(truth) and d[a] == truth[a]:
                 a += 1
-            counts.add_step(len(d), a)
+            if d:  # no drafts (one token left): a plain decode step, as in the engine
+                counts.add_step(len(d), a)
             r.output += truth[: a + 1]
         active = [r for r in active if len(r.output) < len(continuations[r.req_id])]
     for r in reqs:

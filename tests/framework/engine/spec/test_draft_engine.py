@@ -46,27 +46,46 @@ def generate(model: str, level: int, speculative=None, cache_dir=None, **kw):
     return llm, llm.generate(PROMPTS, NEW, ignore_eos=True)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
-def test_greedy_tokens_identical_O0(family, tiny_checkpoint, random_draft):
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_checkpoint):
+    """Per family: the plain engine's greedy tokens (O0), computed once."""
+    done: dict[str, list[list[int]]] = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in done:
+            done[family] = generate(str(tiny_checkpoint(family)), 0)[1]
+        return done[family]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "family,draft",
+    [("llama", "self"), ("llama", "random"), ("mistral", "self"), ("qwen2", "self")]
+    + [("qwen3", "self")],
+)
+def test_greedy_tokens_identical_O0(family, draft, tiny_checkpoint, random_draft, plain_tokens):
     """Drafted by the target itself (every draft accepted: the catch-up of accepted drafts and
     the bonus token) and by an unrelated draft (mostly rejected: the rollback)."""
     target = str(tiny_checkpoint(family))
-    _, plain = generate(target, 0)
-    llm, same = generate(target, 0, spec(target))
-    assert same == plain
+    llm, got = generate(target, 0, spec(target if draft == "self" else random_draft))
+    assert got == plain_tokens(family)
     st = llm.stats
     assert st["spec_method"] == "draft_model" and st["spec_verify_chunks"] > 0
-    assert st["spec_acceptance_rate"] > 0.9, st  # the draft is the target
-    llm, other = generate(target, 0, spec(random_draft))
-    assert other == plain
-    assert llm.stats["spec_draft_propose_calls"] > 0
+    assert st["spec_draft_propose_calls"] > 0
+    if draft == "self":
+        assert st["spec_acceptance_rate"] > 0.9, st  # the draft is the target
+    else:
+        assert st["spec_acceptance_rate"] < 0.5, st  # an unrelated random model
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_greedy_tokens_identical_O2(family, tiny_checkpoint, random_draft, compile_cache_dir):
+def test_greedy_tokens_identical_O2(
+    family, tiny_checkpoint, random_draft, compile_cache_dir, plain_tokens
+):
     target = str(tiny_checkpoint(family))
-    _, plain = generate(target, 0)
+    plain = plain_tokens(family)
     llm, same = generate(target, 2, spec(target), compile_cache_dir)
     assert same == plain
     assert llm.stats["spec_acceptance_rate"] > 0.9
