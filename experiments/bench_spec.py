@@ -157,7 +157,7 @@ def run(
             max_model_len=512,
             **common,
         )
-        prompts = copy_workload(plain, num_prompts, seed_len=16, echo_len=96)
+        prompts = copy_workload(plain, num_prompts, seed_len=16, echo_len=192)
         for b in batches:
             base = Contender(f"ngram_copy b{b} plain", plain, prompts, new_tokens, True, b)
             spec = Contender(f"ngram_copy b{b} ngram k={k}", ngram, prompts, new_tokens, True, b)
