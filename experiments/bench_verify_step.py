@@ -89,8 +89,12 @@ def main(argv=None) -> dict:
         _time(llm, verify, 3)
         d_med, v_med, ratios = [], [], []
         for rnd in range(args.rounds):
-            order = (("d", decode), ("v", verify)) if rnd % 2 == 0 else (("v", verify), ("d", decode))
-            got = {name: statistics.median(_time(llm, chunks, args.steps)) for name, chunks in order}
+            order = (
+                (("d", decode), ("v", verify)) if rnd % 2 == 0 else (("v", verify), ("d", decode))
+            )
+            got = {
+                name: statistics.median(_time(llm, chunks, args.steps)) for name, chunks in order
+            }
             d_med.append(got["d"])
             v_med.append(got["v"])
             ratios.append(got["v"] / got["d"])

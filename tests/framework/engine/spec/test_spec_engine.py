@@ -29,9 +29,7 @@ def copy_prompts():
 def build(path, spec=None, level=0, cache=None, **kw):
     kw.setdefault("max_model_len", 128)
     kw.setdefault("max_num_seqs", 4)
-    return LLM(
-        str(path), optimization_level=level, cache_dir=cache, speculative_config=spec, **kw
-    )
+    return LLM(str(path), optimization_level=level, cache_dir=cache, speculative_config=spec, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +165,9 @@ def test_streaming_step_api_and_stats(ref_llama, spec_llama):
     assert len(per_pos) == K and all(0.0 <= a <= 1.0 for a in per_pos)
     acc = st["spec_accepted_per_position"]
     assert all(a >= b for a, b in zip(acc, acc[1:]))  # a later draft only after the earlier
-    assert sum(acc) == st["spec_accepted_tokens"] and sum(st["spec_drafted_per_position"]) == (
-        st["spec_draft_tokens"]
+    assert (
+        sum(acc) == st["spec_accepted_tokens"]
+        and sum(st["spec_drafted_per_position"]) == (st["spec_draft_tokens"])
     )
     assert st["spec_accepted_tokens"] <= st["spec_draft_tokens"]
     assert 1.0 <= st["spec_mean_accepted_length"] <= 1 + K
