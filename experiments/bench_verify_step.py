@@ -60,6 +60,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--level", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument(
+        "--small-m-max-rows",
+        type=int,
+        default=None,
+        help="KernelConfig.small_m_max_rows (rows up to which bf16 linears use the small-M kernel)",
+    )
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -68,6 +74,9 @@ def main(argv=None) -> dict:
         from models.tiny import ensure_tiny_model
 
         args.model = str(ensure_tiny_model())
+    kernel = {}
+    if args.small_m_max_rows is not None:
+        kernel = {"kernel_config": {"small_m_max_rows": args.small_m_max_rows}}
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -75,7 +84,7 @@ def main(argv=None) -> dict:
         max_num_seqs=max(args.batch),
         max_model_len=args.context + args.k + 8,
         cache_dir=args.cache_dir or tempfile.mkdtemp(prefix="bench-verify-"),
-        compilation_config={"progress_bar": False},
+        compilation_config={"progress_bar": False, **kernel},
         speculative_config={"method": "ngram", "num_speculative_tokens": args.k},
     )
     result: dict = {"k": args.k, "context": args.context, "dtype": args.dtype, "batches": {}}
@@ -89,8 +98,12 @@ def main(argv=None) -> dict:
         _time(llm, verify, 3)
         d_med, v_med, ratios = [], [], []
         for rnd in range(args.rounds):
-            order = (("d", decode), ("v", verify)) if rnd % 2 == 0 else (("v", verify), ("d", decode))
-            got = {name: statistics.median(_time(llm, chunks, args.steps)) for name, chunks in order}
+            order = (
+                (("d", decode), ("v", verify)) if rnd % 2 == 0 else (("v", verify), ("d", decode))
+            )
+            got = {
+                name: statistics.median(_time(llm, chunks, args.steps)) for name, chunks in order
+            }
             d_med.append(got["d"])
             v_med.append(got["v"])
             ratios.append(got["v"] / got["d"])

@@ -188,7 +188,16 @@ def _build_piecewise(
 
 
 def _open_store(
-    model, config, compiler, passes, *, model_hash, dtype, quant_hash, model_tag, speculative_hash=None
+    model,
+    config,
+    compiler,
+    passes,
+    *,
+    model_hash,
+    dtype,
+    quant_hash,
+    model_tag,
+    speculative_hash=None,
 ):
     from framework.cache.factor_memo import inductor_side_factors
     from framework.cache.key import env_factors, tp_factors

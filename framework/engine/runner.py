@@ -264,7 +264,7 @@ class ModelRunner:
                     "num_tokens": n,
                     "num_reqs": real_reqs,
                     "num_decode": num_decode,
-                    "num_prefill_tokens": n - num_decode - num_draft,
+                    "num_prefill_tokens": n - num_decode,  # draft tokens included
                     "num_draft_tokens": num_draft,
                     "num_padded_tokens": n_pad,
                 }

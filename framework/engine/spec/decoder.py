@@ -9,6 +9,7 @@ the draft probabilities to the chunks, and after the step records what was accep
 from __future__ import annotations
 
 import time
+from numbers import Integral
 from typing import Any, Optional, Sequence
 
 import torch
@@ -90,14 +91,15 @@ class SpecDecoder:
             )
         out: dict[int, list[int]] = {}
         for i, (r, d) in enumerate(zip(reqs, drafts)):
-            d = list(d)
+            d = [int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t for t in d]
             if len(d) > self.k:
                 raise RuntimeError(
                     f"speculative proposer {name}: {len(d)} drafts for request {r.req_id}, "
                     f"more than num_speculative_tokens={self.k}"
                 )
             for t in d:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                bad = isinstance(t, bool) or not isinstance(t, Integral)
+                if bad or not 0 <= t < self.vocab_size:
                     raise RuntimeError(
                         f"speculative proposer {name}: draft token {t!r} for request "
                         f"{r.req_id} is not a token id of the vocabulary (0..{self.vocab_size - 1})"

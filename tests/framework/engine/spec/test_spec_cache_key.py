@@ -35,8 +35,12 @@ def test_key_changes_with_k_and_draft(llama_checkpoint, tmp_path):
             "off": None,
             "k2": SpeculativeConfig(num_speculative_tokens=2),
             "k3": SpeculativeConfig(num_speculative_tokens=3),
-            "draft_a": SpeculativeConfig(method="draft_model", model="/a", num_speculative_tokens=2),
-            "draft_b": SpeculativeConfig(method="draft_model", model="/b", num_speculative_tokens=2),
+            "draft_a": SpeculativeConfig(
+                method="draft_model", model="/a", num_speculative_tokens=2
+            ),
+            "draft_b": SpeculativeConfig(
+                method="draft_model", model="/b", num_speculative_tokens=2
+            ),
         }.items()
     }
     assert len(set(keys.values())) == len(keys), keys
@@ -45,7 +49,9 @@ def test_key_changes_with_k_and_draft(llama_checkpoint, tmp_path):
 
 
 def test_sizes_rounded_to_multiples_of_the_query_len():
-    cc = CompilationConfig(level=2, compile_sizes=[1, 3, 8], cudagraph_capture_sizes=[1, 2, 4, 8, 16])
+    cc = CompilationConfig(
+        level=2, compile_sizes=[1, 3, 8], cudagraph_capture_sizes=[1, 2, 4, 8, 16]
+    )
     config = cc.resolve(max_num_tokens=64, level_passes=level_passes, has_cuda=True)
     assert config.cudagraph_mode != CUDAGraphMode.NONE
     out, warning = round_sizes_to_query_len(config, 5, max_num_seqs=2)

@@ -63,9 +63,10 @@ def test_hash_covers_method_k_and_draft_only():
     assert base.compute_hash() == SpeculativeConfig(num_speculative_tokens=2).compute_hash()
     assert base.compute_hash() != SpeculativeConfig(num_speculative_tokens=3).compute_hash()
     # The lookup lengths change no compiled code.
-    assert base.compute_hash() == SpeculativeConfig(
-        num_speculative_tokens=2, prompt_lookup_max=5
-    ).compute_hash()
+    assert (
+        base.compute_hash()
+        == SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=5).compute_hash()
+    )
     a = SpeculativeConfig(method="draft_model", model="/a", num_speculative_tokens=2)
     b = SpeculativeConfig(method="draft_model", model="/b", num_speculative_tokens=2)
     assert a.compute_hash() != b.compute_hash() != base.compute_hash()
@@ -93,12 +94,8 @@ def test_hydra_group_composes_to_the_config():
     register_compile_schema()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         off = compose("config")
-        on = compose(
-            "config", ["speculative=ngram", "speculative.num_speculative_tokens=2"]
-        )
+        on = compose("config", ["speculative=ngram", "speculative.num_speculative_tokens=2"])
         with pytest.raises(Exception, match="num_speculative_tokens"):
             compose("config", ["speculative=ngram", "speculative.num_speculative_tokens=abc"])
     assert speculative_config(off) is None
     assert speculative_config(on) == SpeculativeConfig(num_speculative_tokens=2)
-
-

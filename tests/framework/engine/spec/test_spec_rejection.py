@@ -31,8 +31,9 @@ def test_greedy_accepts_while_argmax_agrees():
     assert verify(logits, [req(0, g)], [[4, 6, 1]]) == [[5]]
     assert verify(logits[:1], [req(0, g)], [[]]) == [[5]]
     # Two requests, rows consecutive.
-    two = verify(logits, [req(0, g), req(1, g)], [[5], [1]])
-    assert two == [[5, 6], [9]]
+    two = verify(logits, [req(0, g), req(1, g)], [[5], [2]])
+    assert two == [[5, 6], [1]]  # request 1: rows 2-3, its draft 2 is not the argmax 1
+    assert verify(logits, [req(0, g), req(1, g)], [[5], [1]]) == [[5, 6], [1, 9]]
 
 
 def test_non_finite_rows_fail_their_request_alone():
@@ -116,7 +117,9 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     a = req(7, PARAMS, output=[4, 4])
     alone = RejectionSampler()(x[:3], [a], [[1, 2]])
     b = req(8, PARAMS)
-    batched = RejectionSampler()(torch.cat([x[3:], x[:3]]), [b, req(7, PARAMS, [4, 4])], [[3, 3], [1, 2]])
+    batched = RejectionSampler()(
+        torch.cat([x[3:], x[:3]]), [b, req(7, PARAMS, [4, 4])], [[3, 3], [1, 2]]
+    )
     assert batched[1] == alone[0]
 
 
