@@ -13,12 +13,9 @@ File format (JSON Lines, UTF-8, one JSON object per line):
   ``num_tokens`` is the *unpadded* number of tokens the step scheduled (what the dispatcher
   pads up to a capture size); ``num_reqs`` the requests in the batch; ``num_decode`` how many
   of them are decode requests (one token each); ``num_prefill_tokens`` the tokens of the
-  prefill (or chunked-prefill) requests; optional ``num_draft_tokens`` (default 0) the draft
-  tokens verified in the step (speculative decoding: a verify request contributes its last
-  token to ``num_decode`` and its drafts here; written only when non-zero). Invariants checked
-  on read and write: ``num_tokens == num_decode + num_prefill_tokens + num_draft_tokens``,
-  ``1 <= num_tokens <= max_num_tokens``, ``0 <= num_decode <= num_reqs``, ``num_reqs >= 1``,
-  and ``step`` strictly increasing.
+  prefill (or chunked-prefill) requests. Invariants checked on read and write:
+  ``num_tokens == num_decode + num_prefill_tokens``, ``1 <= num_tokens <= max_num_tokens``,
+  ``0 <= num_decode <= num_reqs``, ``num_reqs >= 1``, and ``step`` strictly increasing.
   Extra keys on a step line are ignored (later versions may add fields); missing keys are an
   error.
 
@@ -41,8 +38,6 @@ from framework.core.files import atomic_write_text
 FORMAT_NAME = "piecewise-trace"
 FORMAT_VERSION = 1
 STEP_FIELDS = ("step", "num_tokens", "num_reqs", "num_decode", "num_prefill_tokens")
-OPTIONAL_FIELDS = ("num_draft_tokens",)
-"""Step fields that may be absent (then 0)."""
 
 
 class TraceFormatError(ValueError):
@@ -58,13 +53,6 @@ class TraceStep:
     num_reqs: int
     num_decode: int
     num_prefill_tokens: int
-    num_draft_tokens: int = 0
-
-    def as_json(self) -> dict[str, int]:
-        d = asdict(self)
-        if not d["num_draft_tokens"]:
-            del d["num_draft_tokens"]
-        return d
 
     @property
     def is_pure_decode(self) -> bool:
@@ -92,8 +80,7 @@ def _step_values(step: StepLike) -> dict[str, Any]:
         return asdict(step)
     if isinstance(step, Mapping):
         return dict(step)
-    names = STEP_FIELDS + OPTIONAL_FIELDS
-    return {name: getattr(step, name) for name in names if hasattr(step, name)}
+    return {name: getattr(step, name) for name in STEP_FIELDS if hasattr(step, name)}
 
 
 def _check_int(where: str, name: str, value: Any) -> int:
@@ -111,10 +98,6 @@ def _validate_step(
             f"{where}: missing field(s) {missing}; a step needs {list(STEP_FIELDS)}"
         )
     v = {name: _check_int(where, name, values[name]) for name in STEP_FIELDS}
-    for name in OPTIONAL_FIELDS:
-        v[name] = _check_int(where, name, values.get(name, 0))
-        if v[name] < 0:
-            raise TraceFormatError(f"{where}: {name} must be >= 0, got {v[name]}")
     if not 1 <= v["num_tokens"] <= max_num_tokens:
         raise TraceFormatError(
             f"{where}: num_tokens={v['num_tokens']} is outside [1, max_num_tokens={max_num_tokens}]"
@@ -129,11 +112,10 @@ def _validate_step(
         raise TraceFormatError(
             f"{where}: num_prefill_tokens must be >= 0, got {v['num_prefill_tokens']}"
         )
-    if v["num_decode"] + v["num_prefill_tokens"] + v["num_draft_tokens"] != v["num_tokens"]:
-        drafts = f" + num_draft_tokens ({v['num_draft_tokens']})" if v["num_draft_tokens"] else ""
+    if v["num_decode"] + v["num_prefill_tokens"] != v["num_tokens"]:
         raise TraceFormatError(
             f"{where}: num_tokens={v['num_tokens']} != num_decode ({v['num_decode']}) + "
-            f"num_prefill_tokens ({v['num_prefill_tokens']}){drafts}; every decode request "
+            f"num_prefill_tokens ({v['num_prefill_tokens']}); every decode request "
             f"contributes one token"
         )
     if previous_step is not None and v["step"] <= previous_step:
@@ -170,7 +152,7 @@ def write_trace(
         validated.append(checked)
         previous = checked.step
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "max_num_tokens": max_num_tokens}
-    lines = [json.dumps(header)] + [json.dumps(step.as_json()) for step in validated]
+    lines = [json.dumps(header)] + [json.dumps(asdict(step)) for step in validated]
     atomic_write_text(path, "\n".join(lines) + "\n")
     return path
 

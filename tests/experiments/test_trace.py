@@ -90,16 +90,3 @@ def test_write_rejects_invalid_step_without_leaving_a_file(tmp_path):
     with pytest.raises(TraceFormatError, match=r"step #1: .*outside \[1, max_num_tokens=8\]"):
         write_trace(path, [TraceStep(0, 1, 1, 1, 0), TraceStep(1, 9, 1, 0, 9)], max_num_tokens=8)
     assert not path.exists() and not list(tmp_path.iterdir())
-
-
-def test_verify_steps_carry_their_draft_tokens(tmp_path):
-    """Speculative decoding: a verify step's tokens are its requests' last tokens plus their
-    drafts (num_draft_tokens, written only when non-zero; absent means 0)."""
-    verify = {"step": 0, "num_tokens": 10, "num_reqs": 2, "num_decode": 2, "num_prefill_tokens": 0}
-    path = write_trace(tmp_path / "v.jsonl", [dict(verify, num_draft_tokens=8)], 64)
-    assert json.loads(path.read_text().splitlines()[1])["num_draft_tokens"] == 8
-    assert read_trace(path).steps[0] == TraceStep(0, 10, 2, 2, 0, 8)
-    plain = write_trace(tmp_path / "p.jsonl", [TraceStep(0, 2, 2, 2, 0)], 64)
-    assert "num_draft_tokens" not in plain.read_text()
-    with pytest.raises(TraceFormatError, match=r"num_draft_tokens \(7\)"):
-        write_trace(tmp_path / "bad.jsonl", [dict(verify, num_draft_tokens=7)], 64)
