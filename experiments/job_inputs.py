@@ -7,7 +7,7 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from omegaconf import DictConfig
 
@@ -40,6 +40,42 @@ def make_prompts(workload: DictConfig, vocab_size: int, seed: int) -> list[list[
     ]
 
 
+EchoFn = Callable[[list[list[int]], int], list[list[int]]]
+"""``echo(prompts, n)``: each prompt's greedy continuation of ``n`` tokens, by a plain engine
+(no speculation) of the job's own configuration."""
+
+
+def copy_prompts(workload: DictConfig, vocab_size: int, seed: int, echo: EchoFn) -> list[list[int]]:
+    """Copy-heavy prompts (``workload.kind: copy``): a random seed text of
+    ``prompt_len_min..max`` tokens followed by the model's own greedy continuation of it
+    (``workload.echo_len`` tokens).  Greedy decoding of a small (or random-weight) model falls
+    into a loop, so the echo ends inside one and the prompt's continuation repeats text the
+    prompt already holds -- what prompt lookup (n-gram) drafting is for, as with a real model
+    asked to quote, edit or summarise a document.  :func:`copy_fraction` measures how much of
+    a continuation is such a repeat."""
+    seeds = make_prompts(workload, vocab_size, seed)
+    return [s + e for s, e in zip(seeds, echo(seeds, int(workload.echo_len)))]
+
+
+def copy_fraction(
+    prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], n: int = 3
+) -> Optional[float]:
+    """Fraction of the output tokens that an ``n``-gram lookup would have drafted: the ``n``
+    tokens before it occur earlier in prompt + output, and the most recent such occurrence is
+    followed by this very token."""
+    hit = total = 0
+    for p, o in zip(prompts, outputs):
+        seq = list(p) + list(o)
+        for i in range(max(len(p), n), len(seq)):
+            total += 1
+            gram = seq[i - n : i]
+            for j in range(i - 1, n - 1, -1):
+                if seq[j - n : j] == gram:
+                    hit += seq[j] == seq[i]
+                    break
+    return hit / total if total else None
+
+
 def prompt_seed(cfg: DictConfig) -> int:
     """The prompts' seed: ``workload.seed`` (the top-level ``seed`` seeds the LLM: sampling
     and calibration), so an A/A sweep over ``seed`` under greedy decoding sees the same
@@ -64,15 +100,26 @@ def synthetic_task_of(model_path: str):
 
 
 def job_prompts(
-    cfg: DictConfig, model_path: str, vocab_size: int
+    cfg: DictConfig, model_path: str, vocab_size: int, echo: Optional[EchoFn] = None
 ) -> tuple[list[list[int]], int, bool, Optional[list[list[int]]]]:
     """(prompts, max_new_tokens, ignore_eos, answers). A synthetic-task checkpoint gets
     ``workload.num_prompts`` held-out prompts of its task (answers known, so exact match is
-    measured); any other model the workload's random prompts (answers None)."""
+    measured); any other model the workload's random prompts (answers None), or with
+    ``workload.kind: copy`` the copy-heavy prompts of :func:`copy_prompts` (``echo``
+    required)."""
     task = synthetic_task_of(model_path)
+    kind = cfg.workload.get("kind") or "random"
+    if kind not in ("random", "copy"):
+        raise ValueError(f"workload.kind: expected 'random' or 'copy', got {kind!r}")
     if task is None:
+        if kind == "copy":
+            if echo is None:
+                raise ValueError("workload.kind=copy: the job must pass an echo engine")
+            prompts = copy_prompts(cfg.workload, vocab_size, prompt_seed(cfg), echo)
+        else:
+            prompts = make_prompts(cfg.workload, vocab_size, prompt_seed(cfg))
         return (
-            make_prompts(cfg.workload, vocab_size, prompt_seed(cfg)),
+            prompts,
             int(cfg.workload.max_new_tokens),
             bool(cfg.workload.ignore_eos),
             None,

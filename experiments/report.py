@@ -54,6 +54,7 @@ from experiments.report_jobs import (  # noqa: F401  (names the report and its t
     varying_keys,
 )
 from experiments.report_plots import write_plots
+from experiments.report_spec import spec_table
 
 
 @dataclass(frozen=True)
@@ -377,6 +378,9 @@ def _cell_section(
     warnings = report_rounds.unmatched_lines(jobs, labels)
     if warnings:
         lines += ["#### Warnings", ""] + warnings + [""]
+    spec = spec_table(jobs, labels, base)
+    if spec:
+        lines += ["#### Speculative decoding", ""] + spec + [""]
     passes = pass_table(jobs, labels)
     if passes:
         lines += ["#### Pass matches (time)", ""] + passes + [""]

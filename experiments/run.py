@@ -21,10 +21,15 @@ from typing import Any, Callable, Optional
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.compiler_env import compiler_caches_under, warm_up_compiler
-from experiments.job_inputs import job_prompts, resolve_model_path, text_examples
+from experiments.job_inputs import (
+    copy_fraction,
+    job_prompts,
+    resolve_model_path,
+    text_examples,
+)
 from experiments.job_summary import summary
 from experiments.sweep import (
     Entry,
@@ -73,7 +78,42 @@ def check_job_settings(cfg: DictConfig) -> None:
 def build_llm(cfg: DictConfig, model_path: str, cc: CompilationConfig):
     from framework.engine.llm import LLM
 
-    return LLM(model_path, **llm_kwargs(cfg, cc))
+    return LLM(model_path, **llm_kwargs(speculation_off_at_k0(cfg), cc))
+
+
+def _echo_engine(cfg: DictConfig, model_path: str, cc: CompilationConfig):
+    """``echo(prompts, n)`` for a copy workload (experiments.job_inputs.copy_prompts): the
+    greedy continuations by a plain engine of this job's configuration (built on first use,
+    then dropped), so every k of a sweep over speculation gets the same prompts and the job's
+    own engine's statistics count the workload alone."""
+
+    def echo(prompts: list[list[int]], n: int) -> list[list[int]]:
+        engine = build_llm(without_speculation(cfg), model_path, cc)
+        try:
+            return engine.generate(prompts, n, ignore_eos=True)
+        finally:
+            engine.close()
+
+    return echo
+
+
+def speculation_off_at_k0(cfg: DictConfig) -> DictConfig:
+    """``speculative.num_speculative_tokens=0`` is speculation off: the k = 0 row of a sweep
+    over k (conf/experiment/ablate_spec.yaml) is the plain engine of that method's cell."""
+    spec = cfg.get("speculative")
+    if spec is None or OmegaConf.select(cfg, "speculative.num_speculative_tokens") != 0:
+        return cfg
+    return without_speculation(cfg)
+
+
+def without_speculation(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with speculative decoding off (``speculative=none``)."""
+    if cfg.get("speculative") is None:
+        return cfg
+    out = cfg.copy()
+    with open_dict(out):
+        out.speculative = None
+    return out
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
@@ -108,7 +148,7 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
     llm = build_llm(cfg, model_path, cc)
     cold_s = time.perf_counter() - t0
     prompts, max_new_tokens, ignore_eos, answers = job_prompts(
-        cfg, model_path, llm.model_config.vocab_size
+        cfg, model_path, llm.model_config.vocab_size, echo=_echo_engine(cfg, model_path, cc)
     )
     # The first generation (untimed: the rounds time the workload) gives the outputs, the
     # first-token logits and the step trace.
@@ -128,15 +168,18 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
         if llm.config.level == 0 and not cfg.quantization:
             agree = {"token_agreement": 1.0, "max_logit_diff": 0.0, "outputs_equal": True}
         else:
-            ref_llm = build_llm(
-                OmegaConf.merge(cfg, {"quantization": None}), model_path, CompilationConfig(level=0)
-            )
+            # The reference of correctness: eager, unquantized, no speculation.
+            ref_cfg = without_speculation(OmegaConf.merge(cfg, {"quantization": None}))
+            ref_llm = build_llm(ref_cfg, model_path, CompilationConfig(level=0))
             with FirstTokenLogits.attached(ref_llm) as ref_first:
                 ref_out = ref_llm.generate(
                     prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos
                 )
             agree = agreement(outputs, ref_out, logits, ref_first.take())
             del ref_llm
+    copy = None
+    if (cfg.workload.get("kind") or "random") == "copy":
+        copy = {"copy_fraction": copy_fraction(prompts, outputs)}
     accuracy = None
     if answers is not None:
         from experiments.synthetic_task import exact_match
@@ -193,6 +236,8 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
         "agreement_baseline": None,  # against the sweep's baseline (filled after the rounds)
         "outputs": outputs,
         "accuracy": accuracy,
+        # workload.kind=copy: how much of the outputs an n-gram lookup would have drafted
+        "workload_copy": copy,
         "padding_waste": padding,
         "text_examples": text_examples(llm, model_path, prompts, outputs),
         "capture_sizes": llm.config.cudagraph_capture_sizes,
@@ -376,7 +421,8 @@ def _ranges_used(llm: Any, trace: list[dict]) -> Optional[dict[str, list[str]]]:
 def register_resolvers() -> None:
     """``${eq:a,b}`` -> ``a == b``: experiment files mark their baseline job with it, e.g.
     ``baseline: ${eq:${compile.level},0}`` (containers compare as plain lists/dicts).
-    ``${pass_toggles:}``: see :func:`pass_toggle_sweep`."""
+    ``${pass_toggles:}``: see :func:`pass_toggle_sweep`.  ``${synthetic_model:name}``: see
+    :func:`synthetic_model_path`."""
 
     def eq(a: Any, b: Any) -> bool:
         plain = [
@@ -385,9 +431,20 @@ def register_resolvers() -> None:
         return plain[0] == plain[1]
 
     OmegaConf.register_new_resolver("eq", eq, replace=True)
+    # ${synthetic_model:addition-draft} -> the folder models/synthetic/addition-draft (a
+    # draft model's path for speculative.model, wherever the job is launched from).
+    OmegaConf.register_new_resolver("synthetic_model", synthetic_model_path, replace=True)
     # ${pass_toggles:} -> "[],[noop_elimination],...": the ablate_passes sweep, one job per
     # registered pass (passes.registry.canonical_order) plus the baseline job.
     OmegaConf.register_new_resolver("pass_toggles", pass_toggle_sweep, replace=True)
+
+
+def synthetic_model_path(name: str) -> str:
+    """The checkpoint folder ``models/synthetic/<name>`` (a ``ValueError`` naming it when
+    missing)."""
+    from experiments.job_inputs import resolve_model_path
+
+    return resolve_model_path(OmegaConf.create({"source": "synthetic", "name": name}))
 
 
 def pass_toggle_sweep() -> str:

@@ -184,7 +184,8 @@ def time_round(entry: Entry, r: int = 0, rounds: int = 0) -> None:
     )
     elapsed = time.perf_counter() - t0
     st = llm.runner.step_times
-    decode = [t * 1e3 for t in st["decode"]]
+    # With speculative decoding a decode-phase step is a verify step (several tokens each).
+    decode = [t * 1e3 for t in st["decode"] + st.get("verify", [])]
     prefill = [t * 1e3 for t in st["prefill"] + st["mixed"]]
     entry.decode_steps += decode
     entry.prefill_steps += prefill

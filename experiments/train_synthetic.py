@@ -11,6 +11,12 @@ earlier, once greedy exact match on a validation batch of training-split keys re
 ``--target`` at two consecutive checks -- a step-count rule, never a wall-clock one, so a rerun
 stops at the same step.
 
+A draft model for speculative decoding is trained the same way with fewer layers, and
+``--draft-of`` records its greedy acceptance by the target in metrics.json (``draft``)::
+
+    python -m experiments.train_synthetic --task addition --num-layers 1 \
+        --out models/synthetic/addition-draft --draft-of models/synthetic/addition
+
 Writes ``config.json`` + ``model.safetensors`` (float32) and ``metrics.json``: the recipe,
 training curve, wall time, and exact match through ``framework.LLM`` at O0 on held-out prompts
 (plus each int8 quantization shorthand when ``framework.core.quantization`` is available).  Written
@@ -229,10 +235,40 @@ def evaluate_checkpoint(
     return out
 
 
+def draft_metrics(
+    draft_dir: Path, target_dir: Path, task: str, n: int = EVAL_N, seed: int = EVAL_SEED, log=print
+) -> dict[str, Any]:
+    """A draft model's greedy acceptance by its target (``experiments.draft_acceptance``) on
+    ``n`` held-out prompts, for k = 1, 2 and 4, at O0."""
+    from experiments.draft_acceptance import draft_acceptance
+
+    t = get_task(task)
+    prompts, _ = t.split(t.sequences(t.held_out_keys(n, seed)))
+    out: dict[str, Any] = {"target": Path(target_dir).name, "n": n, "seed": seed, "by_k": {}}
+    for k in (1, 2, 4):
+        res = draft_acceptance(str(target_dir), str(draft_dir), prompts, t.answer_len + 1, k)
+        res = {key: v for key, v in res.items() if key not in ("target", "draft")}
+        out["by_k"][str(k)] = res
+        log(
+            f"  draft for {out['target']}, k={k}: acceptance {res['acceptance_rate']:.3f}, "
+            f"per position {[round(x, 3) for x in res['per_position_acceptance'] if x is not None]}"
+            f", mean accepted length {res['mean_accepted_length']:.2f}"
+        )
+    return out
+
+
 def save(
-    model, record: dict[str, Any], recipe: TrainRecipe, out: Path, log=print, eval_n: int = EVAL_N
+    model,
+    record: dict[str, Any],
+    recipe: TrainRecipe,
+    out: Path,
+    log=print,
+    eval_n: int = EVAL_N,
+    draft_of: Optional[Path] = None,
 ) -> Path:
-    """Write the checkpoint and metrics.json into ``out`` atomically (temp dir + rename)."""
+    """Write the checkpoint and metrics.json into ``out`` atomically (temp dir + rename).
+    ``draft_of``: the target this checkpoint drafts for; its acceptance goes into
+    metrics.json (``draft``)."""
     task = get_task(recipe.task)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -256,6 +292,8 @@ def save(
             "training": record,
             "eval": evaluate_checkpoint(tmp, task.name, n=eval_n, log=log),
         }
+        if draft_of is not None:
+            metrics["draft"] = draft_metrics(tmp, Path(draft_of), task.name, n=eval_n, log=log)
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -276,6 +314,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     p.add_argument("--task", default=defaults.task, choices=task_names())
     p.add_argument("--out", required=True, help="checkpoint folder, e.g. models/synthetic/addition")
+    p.add_argument(
+        "--draft-of",
+        default=None,
+        help="a trained target this checkpoint is a draft model for (same task): its greedy "
+        "acceptance by that target goes into metrics.json",
+    )
     for field in (
         "seed",
         "hidden_size",
@@ -294,9 +338,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.add_argument("--" + field.replace("_", "-"), type=float, default=getattr(defaults, field))
     args = vars(p.parse_args(argv))
     out = Path(args.pop("out"))
+    draft_of = args.pop("draft_of")
     recipe = TrainRecipe(**args)
     model, record = train(recipe)
-    save(model, record, recipe, out)
+    save(model, record, recipe, out, draft_of=None if draft_of is None else Path(draft_of))
     return 0
 
 

@@ -22,6 +22,7 @@ _EXPORTS = {
     "QuantizationConfig": "framework.core.quantization",
     "SamplingParams": "framework.engine.sampling_params",
     "RequestOutput": "framework.engine.outputs",
+    "SpeculativeConfig": "framework.engine.spec.config",
 }
 
 __all__ = sorted(_EXPORTS)

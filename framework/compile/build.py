@@ -79,7 +79,10 @@ def build_forward(
     quant_hash: Optional[str],
     model_tag: str = "model",
     wrap_piece: Optional[Callable] = None,
+    speculative_hash: Optional[str] = None,
 ) -> CompiledForward:
+    """``speculative_hash``: the speculative config's hash (its method, k and draft change the
+    compiled sizes), a cache-key factor when speculation is on."""
     if config.mode == CompilationMode.NONE:
         return CompiledForward(model, config.mode)
     return _build_piecewise(
@@ -90,11 +93,20 @@ def build_forward(
         quant_hash=quant_hash,
         model_tag=model_tag,
         wrap_piece=wrap_piece,
+        speculative_hash=speculative_hash,
     )
 
 
 def _build_piecewise(
-    model, config: CompilationConfig, *, model_hash, dtype, quant_hash, model_tag, wrap_piece
+    model,
+    config: CompilationConfig,
+    *,
+    model_hash,
+    dtype,
+    quant_hash,
+    model_tag,
+    wrap_piece,
+    speculative_hash=None,
 ) -> CompiledForward:
     from backends.piecewise.backend import PiecewiseBackend
     from backends.piecewise.compiler import make_compiler
@@ -115,6 +127,7 @@ def _build_piecewise(
             dtype=dtype,
             quant_hash=quant_hash,
             model_tag=model_tag,
+            speculative_hash=speculative_hash,
         )
     backend = PiecewiseBackend(
         compiler=compiler,
@@ -174,7 +187,18 @@ def _build_piecewise(
     return out
 
 
-def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_hash, model_tag):
+def _open_store(
+    model,
+    config,
+    compiler,
+    passes,
+    *,
+    model_hash,
+    dtype,
+    quant_hash,
+    model_tag,
+    speculative_hash=None,
+):
     from framework.cache.factor_memo import inductor_side_factors
     from framework.cache.key import env_factors, tp_factors
     from framework.cache.store import ArtifactStore, default_cache_dir
@@ -194,4 +218,6 @@ def _open_store(model, config, compiler, passes, *, model_hash, dtype, quant_has
         "source": source_factors(model_source_files(model)),
         "tensor_parallel": tp_factors(),
     }
+    if speculative_hash is not None:  # absent when off: the keys of engines without it stay
+        factors["speculative"] = speculative_hash
     return ArtifactStore.open(root, factors, rank=tp_factors()["rank"], model_tag=model_tag)

@@ -314,6 +314,50 @@ class CompilationConfig(StrictConfig):
         return self.replace(**values)
 
 
+def round_sizes_to_query_len(
+    config: CompilationConfig, query_len: int, max_num_seqs: int
+) -> tuple[CompilationConfig, Optional[str]]:
+    """A resolved config for batches of ``query_len`` query tokens per request (speculative
+    verify steps: 1 + k): its compile sizes and CUDA-graph capture sizes rounded up to
+    multiples of ``query_len`` (deduplicated; sizes past ``max_num_tokens`` dropped), so a
+    uniform verify batch of any request count up to ``max_num_seqs`` lands on a size.
+    Returns it and, when those sizes cannot cover ``max_num_seqs * query_len`` tokens (verify
+    steps above the largest size would run without graphs), the warning to show, with the
+    sizes.  ``query_len`` 1: the config unchanged."""
+    if isinstance(query_len, bool) or not isinstance(query_len, int) or query_len < 1:
+        raise ValueError(
+            f"round_sizes_to_query_len: query_len must be an int >= 1, got {query_len!r}"
+        )
+    if query_len == 1:
+        return config, None
+    upper = config.max_num_tokens
+
+    def rounded(sizes: Optional[list[int]]) -> list[int]:
+        out = sorted({-(-s // query_len) * query_len for s in sizes or []})
+        return [s for s in out if upper is None or s <= upper]
+
+    capture = rounded(config.cudagraph_capture_sizes)
+    compile_sizes = rounded(config.compile_sizes)
+    need = max_num_seqs * query_len
+    problems = []
+    if upper is not None and upper < need:
+        problems.append(
+            f"max_num_tokens={upper} < max_num_seqs ({max_num_seqs}) x (1 + k) = {need}: a "
+            f"full verify batch does not fit one step (drafts are cut to the token budget)"
+        )
+    if config.cudagraph_mode is not None and config.cudagraph_mode != CUDAGraphMode.NONE:
+        if not capture or capture[-1] < need:
+            problems.append(
+                f"cudagraph_capture_sizes {capture} (rounded up to multiples of 1 + k = "
+                f"{query_len}) stop below max_num_seqs x (1 + k) = {need}: verify steps of "
+                f"more tokens run WITHOUT CUDA graphs; add capture sizes up to {need}"
+            )
+    warning = None
+    if problems:
+        warning = "speculative decoding: " + "; ".join(problems)
+    return config.replace(cudagraph_capture_sizes=capture, compile_sizes=compile_sizes), warning
+
+
 def default_capture_sizes(max_num_tokens: int) -> list[int]:
     """[1, 2, 4] + every 8 up to 256 + every 16 beyond, capped at ``max_num_tokens``."""
     sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, max_num_tokens + 1, 16))

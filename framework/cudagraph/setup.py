@@ -52,15 +52,30 @@ class GraphSetup:
 
 
 def setup_graphs(
-    config: CompilationConfig, *, attention_backend: str, max_num_seqs: int, graph_ops: Any = None
+    config: CompilationConfig,
+    *,
+    attention_backend: str,
+    max_num_seqs: int,
+    graph_ops: Any = None,
+    uniform_decode_query_len: int = 1,
 ) -> GraphSetup:
+    """``uniform_decode_query_len``: query tokens per request of a uniform batch (1; 1 + k
+    with speculative decoding, whose verify steps are then the uniform batches)."""
     mode = config.cudagraph_mode
+    q = uniform_decode_query_len
     if mode != CUDAGraphMode.NONE:
         mode = select_cudagraph_mode(
-            mode, [attention_backend], piecewise_available=config.mode == CompilationMode.PIECEWISE
+            mode,
+            [attention_backend],
+            uniform_decode_query_len=q,
+            piecewise_available=config.mode == CompilationMode.PIECEWISE,
         )
     dispatcher = CudagraphDispatcher(
-        mode, config.cudagraph_capture_sizes, config.max_num_tokens, max_num_reqs=max_num_seqs
+        mode,
+        config.cudagraph_capture_sizes,
+        config.max_num_tokens,
+        q,
+        max_num_reqs=max_num_seqs,
     )
     if graph_ops is None and mode != CUDAGraphMode.NONE:
         graph_ops = CUDAGraphOps()  # this engine's own: its own memory pool

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import warnings
 from typing import Any, Optional, Protocol, Sequence
 
@@ -37,6 +38,7 @@ from framework.engine.request import (
 )
 from framework.engine.sampling_params import SamplingParams, params_per_prompt
 from framework.engine.scheduler import Scheduler
+from framework.engine.spec.decoder import SpecDecoder
 from framework.engine.tokenizer import encode_prompt
 from models.config import ModelConfig
 
@@ -46,8 +48,9 @@ class StepObserver(Protocol):
         self, chunks: list[ScheduledChunk], sampled: list[Optional[int]], logits: torch.Tensor
     ) -> None:
         """After the forward, before the tokens are applied: ``logits`` holds one row per
-        chunk whose ``sampled`` token is not None, in chunk order (a request whose
-        ``output`` is still empty is sampling its first new token)."""
+        sampling chunk, in chunk order (a request whose ``output`` is still empty is
+        sampling its first new token); a verify chunk (speculative decoding: ``c.spec``) has
+        ``1 + len(c.spec)`` rows and its ``sampled`` entry is the list of kept tokens."""
 
 
 class EngineCore:
@@ -59,8 +62,11 @@ class EngineCore:
         model_config: ModelConfig,
         tokenizer: Any,
         seed: int = 0,
+        spec: Optional[SpecDecoder] = None,
     ):
         self.executor = executor
+        self.spec = spec
+        """Speculative decoding (None: off): drafts each step, verified in the forward."""
         self.scheduler = scheduler
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -107,6 +113,8 @@ class EngineCore:
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"{name}: params must be a SamplingParams, got {type(params).__name__}")
         params.check_for_model(self.model_config.vocab_size, name)
+        if self.spec is not None:
+            self.spec.check_params(params, name)
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -149,10 +157,17 @@ class EngineCore:
     def _step(self) -> list[RequestOutput]:
         """One engine step (the lock is held): schedule, execute, apply the tokens."""
         try:
-            chunks = self.scheduler.schedule()
+            spec = self.spec
+            drafts = spec.propose(self.scheduler.running) if spec is not None else None
+            chunks = self.scheduler.schedule(drafts)
             if not chunks:
                 raise RuntimeError("scheduler produced an empty step with work queued")
+            if spec is not None:
+                spec.attach(chunks)
+            t0 = time.perf_counter()
             sampled, logits, logprobs = self.executor.execute(chunks)
+            if spec is not None:
+                spec.record(chunks, sampled, time.perf_counter() - t0)
         except BaseException:
             self.scheduler.recover()
             raise

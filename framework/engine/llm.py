@@ -37,6 +37,9 @@ from framework.engine.parallel import (
 )
 from framework.engine.sampling_params import SamplingParams
 from framework.engine.scheduler import Scheduler
+from framework.engine.spec.config import SpeculativeConfig, speculative_config_of
+from framework.engine.spec.decoder import SpecDecoder
+from framework.engine.spec.proposer import ProposerContext, build_proposer
 from framework.engine.stats import compile_stats, memory_stats, step_time_stats
 from framework.engine.tokenizer import load_tokenizer
 from framework.engine.worker import Worker
@@ -87,6 +90,7 @@ class LLM:
         emulate_cuda_graphs: bool = False,
         tensor_parallel_size: int = 1,
         strict_weights: bool = False,
+        speculative_config: Optional[SpeculativeConfig | dict] = None,
     ):
         # What every tensor-parallel rank rebuilds (framework/engine/parallel.py).
         llm_args = {k: v for k, v in locals().items() if k not in ("self", "tensor_parallel_size")}
@@ -106,6 +110,12 @@ class LLM:
         ):
             if not isinstance(v, bool):
                 raise ValueError(f"LLM.{name}: must be a bool, got {v!r}")
+        spec_config = speculative_config_of(speculative_config)
+        if spec_config is not None:
+            spec_config.validate_for(None, max_model_len)
+            # Every rank builds its worker for 1 + k query tokens (same sizes, same keys);
+            # the proposer and the verification run on rank 0.
+            llm_args["speculative_config"] = spec_config
         # Tensor parallelism: None for one process; else this process is rank 0 (or a
         # torchrun rank) of a group this LLM owns, and the other ranks build the same worker.
         self._tp = start_tensor_parallel(tensor_parallel_size, llm_args)
@@ -127,12 +137,14 @@ class LLM:
             for name in _WORKER_ATTRS:  # the parts, as attributes (rank 0's under TP)
                 if hasattr(worker, name):
                     setattr(self, name, getattr(worker, name))
+            self.spec = self._speculation(spec_config, worker, cache_dir, seed, block_size)
             self.scheduler = Scheduler(
                 worker.allocator,
                 block_size=block_size,
                 max_num_seqs=max_num_seqs,
                 max_num_tokens=worker.config.max_num_tokens,
                 max_model_len=max_model_len,
+                on_release=self.spec.release if self.spec is not None else None,
             )
             self.engine = EngineCore(
                 executor,
@@ -140,8 +152,35 @@ class LLM:
                 model_config=worker.model_config,
                 tokenizer=self.tokenizer,
                 seed=seed,
+                spec=self.spec,
             )
             self.startup.startup_s = time.perf_counter() - t_start
+
+    @staticmethod
+    def _speculation(
+        config: Optional[SpeculativeConfig],
+        worker: Worker,
+        cache_dir: Optional[str],
+        seed: int,
+        block_size: int,
+    ) -> Optional[SpecDecoder]:
+        """The proposer for ``config`` (None: speculation off), built after the target."""
+        if config is None:
+            return None
+        config.validate_for(worker.model_config, worker.max_model_len)
+        context = ProposerContext(
+            model_config=worker.model_config,
+            dtype=worker.dtype,
+            device=worker.device,
+            max_model_len=worker.max_model_len,
+            max_num_seqs=worker.runner.max_num_seqs,
+            compilation_config=worker.config,
+            cache_dir=cache_dir if cache_dir is not None else worker.config.cache_dir,
+            block_size=block_size,
+            seed=seed,
+        )
+        proposer = build_proposer(config, context)
+        return SpecDecoder(config, proposer, worker.model_config.vocab_size)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (no-op for one process; also runs at exit)."""
@@ -237,6 +276,8 @@ class LLM:
         out.update({f"memory_{k}": v for k, v in memory.items()})
         if self.allocator.enable_prefix_caching:
             out.update(self.allocator.stats.as_dict())
+        if self.spec is not None:
+            out.update(self.spec.stats())
         return out
 
 

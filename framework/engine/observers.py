@@ -40,12 +40,12 @@ class FirstTokenLogits:
             if not c.samples:
                 continue
             if tok is None:  # the row failed alone in the sampler: no first token
-                row += 1
+                row += 1 + len(c.spec)
                 continue
             req = c.req
             if not req.output and req.req_id not in self.logits:
                 self.logits[req.req_id] = logits[row].float().clone()
-            row += 1
+            row += 1 + len(c.spec)  # a verify chunk has a row per query token
 
     def of(self, request_ids: Iterable[int]) -> list[Optional[torch.Tensor]]:
         """The logits of these requests (None for one that sampled nothing yet)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from framework.engine.sampling_params import SamplingParams
 
@@ -71,6 +71,14 @@ class ScheduledChunk:
     start: int
     """First position of the chunk (== req.num_computed when scheduled)."""
     num_tokens: int
+    """Query tokens, the draft tokens included."""
+    spec: tuple[int, ...] = ()
+    """Draft tokens verified in this chunk (speculative decoding): they follow the
+    request's known tokens, at positions ``req.num_tokens ...``, and are the chunk's last
+    ``len(spec)`` query tokens."""
+    draft_probs: Any = None
+    """The ``[len(spec), vocab]`` probabilities the drafts were sampled from, or None
+    (deterministic drafts: one-hot)."""
 
     @property
     def end(self) -> int:
@@ -79,20 +87,21 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """The chunk reaches the last known token, so its logits give the next token."""
-        return self.end == self.req.num_tokens
+        return self.end - len(self.spec) == self.req.num_tokens
 
     @property
     def is_decode(self) -> bool:
         """THE definition of a decode chunk: one new token after a non-empty context (a
         one-token prompt is a prefill). Step kinds and the trace's counts derive from it."""
-        return self.num_tokens == 1 and self.start > 0
+        return self.num_tokens - len(self.spec) == 1 and self.start > 0
 
 
 def step_kind(chunks: list[ScheduledChunk]) -> str:
-    """``"decode"`` (every chunk decodes), ``"prefill"`` (every chunk starts a prompt), or
-    ``"mixed"``: the key of ``ModelRunner.step_times``."""
+    """``"decode"`` (every chunk decodes), ``"verify"`` (every chunk decodes and some verify
+    draft tokens), ``"prefill"`` (every chunk starts a prompt), or ``"mixed"``: the key of
+    ``ModelRunner.step_times``."""
     if all(c.is_decode for c in chunks):
-        return "decode"
+        return "verify" if any(c.spec for c in chunks) else "decode"
     if all(c.start == 0 for c in chunks):
         return "prefill"
     return "mixed"
@@ -103,6 +112,13 @@ def single_token_batch(chunks: list[ScheduledChunk]) -> bool:
     (decode chunks, and one-token prompts, which a decode graph runs just as well). Not
     the same as "decode": see :attr:`ScheduledChunk.is_decode`."""
     return all(c.num_tokens == 1 for c in chunks)
+
+
+def uniform_batch(chunks: list[ScheduledChunk], query_len: int) -> bool:
+    """Every chunk has ``query_len`` query tokens: the batch is uniform for a dispatcher whose
+    uniform query length is ``query_len`` (1; or 1 + k with speculative decoding, where a
+    verify chunk holds the last token and k drafts)."""
+    return all(c.num_tokens == query_len for c in chunks)
 
 
 def validate_token_ids(prompt, vocab_size: int, name: str = "prompt") -> list[int]:

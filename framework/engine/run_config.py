@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from framework.core.config import CompilationConfig
 from framework.engine.pass_cli import apply_short, toggle_passes
+from framework.engine.spec.config import SpeculativeConfig, speculative_config_of
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """The Hydra config tree (``conf/config.yaml`` and its groups)."""
@@ -51,11 +52,17 @@ def compilation_config(cfg: DictConfig) -> CompilationConfig:
 
 def register_compile_schema() -> None:
     """:class:`~framework.core.config.CompilationConfig` as the schema of the ``compile``
-    group (conf/compile/*.yaml are validated against it).  (No ``passes`` group: ``passes``
-    is the top-level short pass list of conf/config.yaml, framework/engine/pass_cli.py.)"""
+    group (conf/compile/*.yaml are validated against it), and
+    :class:`~framework.engine.spec.config.SpeculativeConfig` as the ``speculative`` group's
+    (conf/speculative/*.yaml).  (No ``passes`` group: ``passes`` is the top-level short pass
+    list of conf/config.yaml, framework/engine/pass_cli.py.)"""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(group="compile", name="compile_schema", node=CompilationConfig)
+    # conf/speculative/ngram.yaml, draft_model.yaml are validated against SpeculativeConfig.
+    ConfigStore.instance().store(
+        group="speculative", name="speculative_schema", node=SpeculativeConfig
+    )
 
 
 def register_quantization_schema() -> None:
@@ -106,4 +113,15 @@ def llm_kwargs(cfg: DictConfig, cc: CompilationConfig) -> dict[str, Any]:
         block_size=int_setting(cfg, "engine.block_size", 16),
         kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes),
         tensor_parallel_size=int_setting(cfg, "parallel.tensor_parallel_size", 1),
+        speculative_config=speculative_config(cfg),
     )
+
+
+def speculative_config(cfg: DictConfig) -> Optional[SpeculativeConfig]:
+    """``cfg.speculative`` (the ``speculative`` group) as a config; None when off
+    (``speculative=none``, or no such key)."""
+    spec = cfg.get("speculative")
+    if spec is None:
+        return None
+    data = OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else spec
+    return speculative_config_of(data)

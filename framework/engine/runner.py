@@ -11,7 +11,7 @@ rows with the null block, and clears the padding mask.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -24,8 +24,9 @@ from framework.core.forward_context import (
     set_forward_context,
 )
 from framework.engine.kv_cache import NULL_BLOCK
-from framework.engine.request import ScheduledChunk, single_token_batch, step_kind
+from framework.engine.request import ScheduledChunk, single_token_batch, step_kind, uniform_batch
 from framework.engine.sampler import Sampler
+from framework.engine.spec.rejection import RejectionSampler
 
 DispatchFn = Callable[[int, int, bool], tuple[CUDAGraphMode, BatchDescriptor]]
 
@@ -52,6 +53,8 @@ class ModelRunner:
         dispatch: DispatchFn = no_graph_dispatch,
         record_trace: bool = True,
         sampler: Optional[Callable] = None,
+        uniform_query_len: int = 1,
+        verify: Optional[Callable] = None,
     ):
         self.model = model
         self.forward = forward
@@ -62,6 +65,9 @@ class ModelRunner:
         self.max_num_tokens = max_num_tokens
         self.attn_backend = attn_backend
         self.dispatch = dispatch
+        self.uniform_query_len = uniform_query_len
+        """Query tokens per request of a batch the dispatcher calls uniform: 1, or 1 + k with
+        speculative decoding (then verify batches are the uniform ones)."""
         self.device = torch.device(device)
         max_blocks = -(-max_model_len // block_size)
         # Host staging arrays.  On CPU the persistent "device" buffers *are* these arrays
@@ -88,10 +94,19 @@ class ModelRunner:
         self.sampler = sampler if sampler is not None else Sampler()
         """``(logits, reqs) -> (tokens, logprobs)``; a tensor-parallel rank other than 0 gets
         one that samples nothing (rank 0 samples)."""
+        self.verify = verify if verify is not None else RejectionSampler()
+        """Speculative steps: ``(logits, reqs, drafts, draft_probs) -> kept tokens`` per
+        verify chunk (accepted drafts + one); a tensor-parallel rank other than 0 gets one that
+        keeps nothing (rank 0 verifies)."""
         self.last_logprobs: Optional[list] = None
         """Per sampling chunk of the last step: {token: logprob} when its request asked."""
         self.trace: Optional[list[dict]] = [] if record_trace else None
-        self.step_times: dict[str, list[float]] = {"prefill": [], "decode": [], "mixed": []}
+        self.step_times: dict[str, list[float]] = {
+            "prefill": [],
+            "decode": [],
+            "verify": [],
+            "mixed": [],
+        }
 
     # ------------------------------------------------------------------ inputs
     def _stage(self, chunks: list[ScheduledChunk]) -> tuple[int, list[int], list[int]]:
@@ -122,11 +137,15 @@ class ModelRunner:
                 p = np.arange(c.start, c.end, dtype=np.int64)
                 pos_np[n : n + k] = p
                 prompt = req.prompt
-                ids_np[n : n + k] = (
-                    prompt[c.start : c.end]
-                    if c.end <= len(prompt)
-                    else req.all_tokens()[c.start : c.end]
-                )
+                if c.spec:  # a verify chunk: known tokens, then the drafts after them
+                    known = [req.token_at(i) for i in range(c.start, req.num_tokens)]
+                    ids_np[n : n + k] = known + list(c.spec)
+                else:
+                    ids_np[n : n + k] = (
+                        prompt[c.start : c.end]
+                        if c.end <= len(prompt)
+                        else req.all_tokens()[c.start : c.end]
+                    )
                 blocks = np.asarray(req.block_ids, dtype=np.int64)
                 slot_np[n : n + k] = blocks[p // bs] * bs + p % bs
                 n += k
@@ -201,7 +220,9 @@ class ModelRunner:
         keeps the step out of the trace (dummy batches)."""
         n, qsl, seq_lens = self._stage(chunks)
         num_reqs = real_reqs = len(chunks)
-        mode, desc = force or self.dispatch(n, num_reqs, single_token_batch(chunks))
+        q = self.uniform_query_len
+        uniform = single_token_batch(chunks) if q == 1 else uniform_batch(chunks, q)
+        mode, desc = force or self.dispatch(n, num_reqs, uniform)
         n_pad = desc.num_tokens
         if mode == CUDAGraphMode.FULL and desc.num_reqs and desc.num_reqs > num_reqs:
             # A full graph is captured for desc.num_reqs requests: the extra ones have no
@@ -236,13 +257,15 @@ class ModelRunner:
         )
         if record and self.trace is not None:
             num_decode = sum(c.is_decode for c in chunks)
+            num_draft = sum(len(c.spec) for c in chunks)
             self.trace.append(
                 {
                     "step": len(self.trace),
                     "num_tokens": n,
                     "num_reqs": real_reqs,
                     "num_decode": num_decode,
-                    "num_prefill_tokens": n - num_decode,
+                    "num_prefill_tokens": n - num_decode,  # draft tokens included
+                    "num_draft_tokens": num_draft,
                     "num_padded_tokens": n_pad,
                 }
             )
@@ -255,17 +278,23 @@ class ModelRunner:
         chunks: list[ScheduledChunk],
         force: Optional[tuple[CUDAGraphMode, BatchDescriptor]] = None,
         record: bool = True,
-    ) -> tuple[list[Optional[int]], torch.Tensor]:
+    ) -> tuple[list[Any], torch.Tensor]:
         """Run one step; returns the sampled token per chunk (None when the chunk ends
-        mid-prompt) and the logits of the sampling chunks.  ``record`` False: a dummy step,
-        kept out of ``step_times`` and the trace."""
+        mid-prompt; for a verify chunk the list of kept tokens: accepted drafts + one) and
+        the logits of the sampling chunks (a verify chunk has ``1 + len(spec)`` rows).
+        ``record`` False: a dummy step, kept out of ``step_times`` and the trace."""
         t0 = time.perf_counter()
         ctx, n, n_pad = self.build_context(chunks, force, record)
         ids, positions = self._views_for(n_pad, ctx.attn_metadata[self.layer_names[0]].num_reqs)[:2]
         with set_forward_context(ctx):
             hidden = self.forward(ids, positions)
         sampling = [c.samples for c in chunks]
-        if all(sampling) and n == len(chunks):
+        reqs: Optional[list] = None
+        sampled: list[Any]
+        if any(c.spec for c in chunks):
+            sampled, logits = self._verify(chunks, sampling, hidden, ctx)
+            self.last_logprobs = None
+        elif all(sampling) and n == len(chunks):
             # One token per request, every one samples: the rows are hidden[:n], a view.
             reqs = [c.req for c in chunks]
             logits = self.model.compute_logits(hidden[:n])
@@ -274,12 +303,43 @@ class ModelRunner:
             rows = [qsl[i + 1] - 1 for i, s in enumerate(sampling) if s]
             reqs = [c.req for c, s in zip(chunks, sampling) if s]
             logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
-        tokens, self.last_logprobs = self.sampler(logits, reqs) if reqs else ([], None)
-        if len(tokens) == len(chunks):
-            sampled: list[Optional[int]] = tokens
-        else:
-            it = iter(tokens)
-            sampled = [next(it) if s else None for s in sampling]
+        if reqs is not None:
+            tokens, self.last_logprobs = self.sampler(logits, reqs) if reqs else ([], None)
+            if len(tokens) == len(chunks):
+                sampled = tokens
+            else:
+                it = iter(tokens)
+                sampled = [next(it) if s else None for s in sampling]
         if record:
             self.step_times[step_kind(chunks)].append(time.perf_counter() - t0)
+        return sampled, logits
+
+    def _verify(
+        self, chunks: list[ScheduledChunk], sampling: list[bool], hidden: torch.Tensor, ctx
+    ) -> tuple[list[Any], torch.Tensor]:
+        """A step with verify chunks: logits at every query position of a verify chunk (its
+        last token and each draft) and at the last one of other sampling chunks; rejection
+        sampling keeps the accepted drafts and one token of the target's per verify chunk."""
+        qsl = ctx.attn_metadata[self.layer_names[0]].query_start_loc_cpu
+        rows: list[int] = []
+        reqs, drafts, probs = [], [], []
+        for i, (c, s) in enumerate(zip(chunks, sampling)):
+            if not s:
+                continue
+            rows.extend(range(qsl[i + 1] - 1 - len(c.spec), qsl[i + 1]))
+            reqs.append(c.req)
+            drafts.append(c.spec)
+            probs.append(c.draft_probs)
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        any_probs = any(p is not None for p in probs)
+        kept = self.verify(logits, reqs, drafts, probs if any_probs else None) if reqs else []
+        it = iter(kept)
+        sampled: list[Any] = []
+        for c, s in zip(chunks, sampling):
+            if not s:
+                sampled.append(None)
+                continue
+            got = next(it)
+            # A verify chunk's kept tokens as a list; a plain chunk's one token as an int.
+            sampled.append(got if (c.spec or got is None) else got[0])
         return sampled, logits

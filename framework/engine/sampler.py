@@ -138,6 +138,28 @@ def token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device) -> torc
     return counts[:, :vocab_size]
 
 
+def process_logits(x: torch.Tensor, params: Sequence) -> tuple[torch.Tensor, Optional[int]]:
+    """Temperature, top-k, top-p and min-p of each row's params (penalties already applied):
+    the logits whose softmax is the distribution a row samples from.  Returns them and
+    ``bound``: when every row keeps at most that many candidates (all rows have a top-k), else
+    None.  Greedy rows (temperature 0) are scaled by 1.  The one definition of the processed
+    distribution: the sampler draws from it, speculative verification accepts against it."""
+    dev, vocab = x.device, x.shape[-1]
+    f32 = dict(dtype=torch.float32, device=dev)
+    temp = torch.tensor([p.temperature or 1.0 for p in params], **f32)
+    x = x / temp[:, None]
+    bound = None
+    if any(p.top_k > 0 for p in params):
+        x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=dev))
+        if all(p.top_k > 0 for p in params):
+            bound = min(max(p.top_k for p in params), vocab)  # top_k > vocab: all
+    if any(p.top_p < 1 for p in params):
+        x = apply_top_p(x, torch.tensor([p.top_p for p in params], **f32), bound)
+    if any(p.min_p > 0 for p in params):
+        x = apply_min_p(x, torch.tensor([p.min_p for p in params], **f32))
+    return x, bound
+
+
 NON_FINITE = "the model's logits are not finite (NaN or inf: check the weights and inputs)"
 
 
@@ -214,17 +236,7 @@ class Sampler:
         greedy = torch.tensor([p.greedy for p in params], device=dev)
         tokens = x.argmax(dim=-1)
         if not bool(greedy.all()):
-            temp = torch.tensor([p.temperature or 1.0 for p in params], **f32)
-            x = x / temp[:, None]
-            bound = None
-            if any(p.top_k > 0 for p in params):
-                x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=dev))
-                if all(p.top_k > 0 for p in params):
-                    bound = min(max(p.top_k for p in params), vocab)  # top_k > vocab: all
-            if any(p.top_p < 1 for p in params):
-                x = apply_top_p(x, torch.tensor([p.top_p for p in params], **f32), bound)
-            if any(p.min_p > 0 for p in params):
-                x = apply_min_p(x, torch.tensor([p.min_p for p in params], **f32))
+            x, bound = process_logits(x, params)
             seeds = torch.tensor([r.seed for r in reqs], device=dev)
             steps = torch.tensor([len(r.output) for r in reqs], device=dev)
             if bound is not None:  # every row has at most `bound` candidates: race those

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from framework.engine.block_manager import NO_PARENT, BlockManager, chain_hashes
 from framework.engine.request import Request, ScheduledChunk
@@ -50,8 +50,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_tokens: int,
         max_model_len: int,
+        on_release: Optional[Callable[[int], None]] = None,
     ):
         self.allocator = allocator
+        self.on_release = on_release
+        """Called with a request's id whenever it leaves the running set with its blocks
+        freed (finished, aborted, preempted, step error): a proposer drops its state."""
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
@@ -120,6 +124,8 @@ class Scheduler:
         self.allocator.free(req.block_ids)
         req.block_ids = []
         req.num_cached_blocks = 0
+        if self.on_release is not None:
+            self.on_release(req.req_id)
 
     def _blocks_needed(self, req: Request, upto: int) -> int:
         return max(0, -(-upto // self.block_size) - len(req.block_ids))
@@ -137,7 +143,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self, drafts: Optional[dict[int, Sequence[int]]] = None) -> list[ScheduledChunk]:
+        """The step's chunks.  ``drafts``: speculative decoding's draft tokens per request
+        id; a decoding request with drafts gets a verify chunk of its last token plus as many
+        drafts as the token budget, its ``max_tokens`` and the free KV blocks allow (drafts
+        are dropped before anyone is preempted for them)."""
         budget = self.max_num_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
@@ -145,6 +155,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
+            spec: tuple[int, ...] = ()
+            d = drafts.get(req.req_id) if drafts else None
+            if d and req.num_tokens - req.num_computed == 1:
+                room = min(budget - 1, req.max_new_tokens - len(req.output) - 1)
+                spec = tuple(int(t) for t in d[: max(room, 0)])
+                n = 1 + len(spec)
+                free = self.allocator.num_free
+                if spec and self._blocks_needed(req, req.num_computed + n) > free:
+                    spec, n = (), 1  # no blocks for the drafts: plain decode
             need = self._blocks_needed(req, req.num_computed + n)
             while need > self.allocator.num_free and self.running[-1] is not req:
                 self._preempt(self.running.pop())  # the newest running request
@@ -154,7 +173,7 @@ class Scheduler:
                 preempted = True
                 break
             self._reserve(req, req.num_computed + n)
-            chunks.append(ScheduledChunk(req, req.num_computed, n))
+            chunks.append(ScheduledChunk(req, req.num_computed, n, spec))
             budget -= n
             i += 1
         # No admissions in a step that preempted: the preempted requests go first, later.
@@ -197,10 +216,14 @@ class Scheduler:
         return self.allocator.lookup(req.block_hashes[:usable])
 
     # ------------------------------------------------------------------ update
-    def update(self, chunks: list[ScheduledChunk], sampled: list[Optional[int]]) -> list[Request]:
+    def update(self, chunks: list[ScheduledChunk], sampled: list) -> list[Request]:
         """Advance requests after a successful step (``sampled[i]``: chunk i's token or
-        None); returns the requests that finished."""
+        None; for a verify chunk the list of kept tokens, accepted drafts + one); returns the
+        requests that finished."""
         for chunk, token in zip(chunks, sampled):
+            if isinstance(token, list):
+                self._apply_verified(chunk, token)
+                continue
             chunk.req.num_computed = chunk.end
             if self.prefix_caching:
                 self._register_full_blocks(chunk.req)
@@ -212,6 +235,27 @@ class Scheduler:
         self.stats.finished += len(done)
         self.running = [r for r in self.running if not r.finished]
         return done
+
+    def _apply_verified(self, chunk: ScheduledChunk, kept: list[int]) -> None:
+        """A verify chunk's kept tokens: the K/V of the last token and of the accepted
+        drafts stay computed; the rejected drafts' slots are rolled back (blocks past the
+        computed tokens are freed, as after a plain decode step).  Tokens after an EOS / stop
+        token or past ``max_tokens`` are dropped (the request finishes there)."""
+        req = chunk.req
+        req.num_computed = chunk.end - len(chunk.spec) + len(kept) - 1
+        for t in kept:
+            req.append(t)
+            if req.finished:
+                break
+        # Finished early (EOS, max_tokens): the dropped tokens' K/V is not the request's.
+        req.num_computed = min(req.num_computed, req.num_tokens - 1)
+        if self.prefix_caching:
+            self._register_full_blocks(req)
+        if not req.finished:
+            keep = -(-req.num_computed // self.block_size)  # as after a plain decode step
+            if len(req.block_ids) > keep:
+                self.allocator.free(req.block_ids[keep:])
+                req.block_ids = req.block_ids[:keep]  # a new list: the runner rewrites its row
 
     def _register_full_blocks(self, req: Request) -> None:
         full = req.num_computed // self.block_size

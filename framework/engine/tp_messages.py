@@ -1,6 +1,7 @@
 """What rank 0 broadcasts each tensor-parallel step, and the requests a worker rebuilds.
 
-Per chunk: ``(req_id, start, tokens, block_ids, samples)``; a worker runs the same forward on a
+Per chunk: ``(req_id, start, tokens, block_ids, samples, spec)`` (``spec``: the draft tokens
+of a speculative verify chunk, after ``tokens``); a worker runs the same forward on a
 :class:`_MirrorRequest` that answers what its runner reads of a request.
 """
 
@@ -30,10 +31,11 @@ class _MirrorRequest:
 
 def chunk_msg(c) -> tuple:
     req = c.req
-    tokens = [req.token_at(p) for p in range(c.start, c.end)]
-    return (req.req_id, c.start, tokens, list(req.block_ids), c.samples)
+    tokens = [req.token_at(p) for p in range(c.start, c.end - len(c.spec))]
+    return (req.req_id, c.start, tokens, list(req.block_ids), c.samples, tuple(c.spec))
 
 
 def chunk_from_msg(m) -> ScheduledChunk:
-    req = _MirrorRequest(*m)
-    return ScheduledChunk(req, m[1], len(m[2]))
+    req = _MirrorRequest(*m[:5])
+    spec = m[5]
+    return ScheduledChunk(req, m[1], len(m[2]) + len(spec), spec)

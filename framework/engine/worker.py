@@ -13,6 +13,7 @@ process, or another thread, never sees it.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Optional, Protocol
 
@@ -20,7 +21,12 @@ import torch
 
 from backends.attention.selector import default_backend
 from framework.compile.build import CompiledForward, build_forward
-from framework.core.config import DEFAULT_LEVEL, CompilationConfig, CompilationMode
+from framework.core.config import (
+    DEFAULT_LEVEL,
+    CompilationConfig,
+    CompilationMode,
+    round_sizes_to_query_len,
+)
 from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
 from framework.core.parallel_state import TPState, kv_head_layout, tp_state
 from framework.cudagraph.emulation import EmulatedGraphOps
@@ -31,10 +37,13 @@ from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_block
 from framework.engine.model_prep import load_quantized, process_weights
 from framework.engine.request import ScheduledChunk
 from framework.engine.runner import ModelRunner
+from framework.engine.spec.config import SpeculativeConfig, speculative_config_of
 from framework.engine.stats import StartupStats
 from models.config import parse_dtype
 from passes.quant_schemes import calibrate_activation_scales
 from passes.registry import level_passes
+
+logger = logging.getLogger(__name__)
 
 
 class RankGroup(Protocol):
@@ -57,6 +66,11 @@ class RankGroup(Protocol):
 def _no_sample(logits, reqs):
     """A rank other than 0 samples nothing: rank 0 samples from the all-gathered logits."""
     return [0] * len(reqs), None
+
+
+def _no_verify(logits, reqs, drafts, draft_probs=None):
+    """A rank other than 0 verifies nothing: rank 0 does, from the all-gathered logits."""
+    return [[0] for _ in reqs]
 
 
 class Worker:
@@ -84,11 +98,17 @@ class Worker:
         enable_prefix_caching: bool = False,
         emulate_cuda_graphs: bool = False,
         strict_weights: bool = False,
+        speculative_config: Any = None,
         group: Optional[RankGroup] = None,
         t_start: Optional[float] = None,
     ):
         t_start = time.perf_counter() if t_start is None else t_start
         self.group = group
+        self.spec_config: Optional[SpeculativeConfig] = speculative_config_of(speculative_config)
+        self.uniform_query_len = self.spec_config.query_len if self.spec_config else 1
+        """Query tokens per request of a uniform batch: 1, or 1 + k (verify steps)."""
+        self.spec_size_warning: Optional[str] = None
+        """Why the compile / capture sizes cannot cover a full verify batch (None: they do)."""
         self.tp: TPState = group.state if group is not None else TPState()
         self.rank = self.tp.rank
         self.device = torch.device((group.device if group is not None else None) or device or "cpu")
@@ -162,6 +182,13 @@ class Worker:
         self.config = cc.resolve(
             max_num_tokens=max_num_tokens, level_passes=level_passes, has_cuda=has_graphs
         )
+        if self.uniform_query_len > 1:
+            # Verify steps run 1 + k tokens per request: sizes are multiples of it.
+            self.config, self.spec_size_warning = round_sizes_to_query_len(
+                self.config, self.uniform_query_len, max_num_seqs
+            )
+            if self.spec_size_warning is not None and self.rank == 0:
+                logger.warning("!!! %s", self.spec_size_warning)
         if self.group is not None and self.config.debug_dump_path:
             # Each rank dumps into its own folder: the ranks' graphs differ (shards, slices).
             dump = self.group.rank_path(self.config.debug_dump_path)
@@ -205,6 +232,7 @@ class Worker:
             attention_backend=attention_backend,
             max_num_seqs=max_num_seqs,
             graph_ops=graph_ops,
+            uniform_decode_query_len=self.uniform_query_len,
         )
         self.compiled: CompiledForward = build_forward(
             self.model,
@@ -214,6 +242,7 @@ class Worker:
             quant_hash=quant_hash,
             model_tag=model_tag or _model_tag(mc),
             wrap_piece=self.graphs.wrap_piece(),
+            speculative_hash=self.spec_config.compute_hash() if self.spec_config else None,
         )
         self.runner = ModelRunner(
             self.model,
@@ -227,6 +256,8 @@ class Worker:
             attn_backend=attention_backend,
             dispatch=self.graphs.dispatcher.dispatch,
             sampler=None if self.rank == 0 else _no_sample,
+            uniform_query_len=self.uniform_query_len,
+            verify=None if self.rank == 0 else _no_verify,
         )
         if self.group is not None:
             self.group.handshake()

@@ -12,6 +12,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra_job_harness import CONF_DIR, TINY, compose_job, run_job_in_process
 from omegaconf import OmegaConf
 
+from experiments.cells import plan_cells
 from experiments.run import compilation_config
 from experiments.size_chooser import choose_sizes
 from experiments.trace import read_trace, token_histogram
@@ -32,7 +33,10 @@ SMOKE_JOBS = {
     "ablate_quant": ["compile=O0", "quantization=int8_per_channel_weight_only"],
     "sweep_sizes": ["compile=O0", "size_set=chosen_k4"],
     "bench_vs_hf": ["compile=O0", "workload.prompt_len_min=8", "workload.prompt_len_max=8"],
+    "ablate_spec": ["compile=O0", "+spec_method=ngram", "spec_k=2", "workload.echo_len=24"],
 }
+CELLS = {"ablate_spec": 2}
+"""Sweeps with one baseline per cell (experiments/cells.py): a baseline per method."""
 EXPERIMENTS = sorted(p.stem for p in EXPERIMENT_DIR.glob("*.yaml"))
 NO_CACHE = "cache_dir=null"  # ${hydra:runtime.output_dir} only resolves inside a job
 
@@ -64,9 +68,10 @@ def test_experiment_file_is_global_package_with_its_name(name):
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_sweep_job_is_valid_and_exactly_one_is_the_baseline(name):
+    """Exactly one baseline (one per cell for the sweeps in CELLS), and every job has one."""
     jobs = sweep_jobs(name)
     assert len(jobs) >= 2, f"{name}: a sweep needs at least two jobs"
-    baselines = []
+    baselines, flags = [], []
     for overrides in jobs:
         cfg = compose_job([f"experiment={name}", NO_CACHE, *overrides])
         assert cfg.experiment_name == name
@@ -75,9 +80,13 @@ def test_every_sweep_job_is_valid_and_exactly_one_is_the_baseline(name):
             resolve_pass(pass_name.lstrip("+-"))  # raises on an unknown pass name
         QuantizationConfig.parse(OmegaConf.to_container(cfg, resolve=True)["quantization"])
         assert isinstance(cfg.baseline, bool)
+        flags.append(cfg.baseline)
         if cfg.baseline:
             baselines.append(overrides)
-    assert len(baselines) == 1, f"{name}: baseline jobs {baselines}"
+    assert len(baselines) == CELLS.get(name, 1), f"{name}: baseline jobs {baselines}"
+    maps = [dict(o.lstrip("+~").split("=", 1) for o in job) for job in jobs]
+    plan = plan_cells(maps, flags)
+    assert all(b is not None for b in plan.baseline_of), f"{name}: a job without a baseline"
 
 
 def _sweep_configs(name: str) -> list:
@@ -151,7 +160,7 @@ def test_one_tiny_job_runs(name, tmp_path):
     assert results["baseline"] is False
     assert results["latency_ms"]["decode"]["median"] > 0
     assert results["tokens_per_s"] > 0
-    if name in ("ablate_levels", "sweep_sizes", "bench_vs_hf"):  # fp32, unquantized
+    if name in ("ablate_levels", "sweep_sizes", "bench_vs_hf", "ablate_spec"):  # fp32, plain
         assert results["agreement"]["token_agreement"] == 1.0
     else:  # quantized or fused: may differ from the baseline, never everywhere
         assert 0.5 <= results["agreement"]["token_agreement"] <= 1.0
@@ -165,6 +174,11 @@ def test_one_tiny_job_runs(name, tmp_path):
         assert results["config"]["quantization"] == "int8_per_channel_weight_only"
     if name == "bench_vs_hf":
         assert results["config"]["dtype"] == "bfloat16"
+    if name == "ablate_spec":  # n-gram drafts on the copy workload, verified
+        assert results["stats"]["spec_method"] == "ngram"
+        assert results["stats"]["spec_num_speculative_tokens"] == 2
+        assert results["stats"]["spec_verify_chunks"] > 0
+        assert 0.0 <= results["workload_copy"]["copy_fraction"] <= 1.0
 
 
 @pytest.mark.slow  # ~20 s: 24 prompts through the scheduler; guards a committed data file

@@ -1,0 +1,516 @@
+"""The draft-model proposer: a second, smaller model with the target's vocabulary, compiled in
+this process, that drafts up to k tokens per request for every verify step.
+
+    LLM(target_dir, speculative_config={"method": "draft_model", "model": draft_dir,
+                                        "num_speculative_tokens": 4})
+
+The draft is built by the same :class:`framework.engine.worker.Worker` the target is (weights,
+compiled forward, KV cache, block manager, CUDA-graph set-up, runner), so it owns:
+
+* its own compile-cache namespace: its artifacts live under ``<cache>/<key>/rank_0/draft-...``
+  (its own model tag, and its own key: the key covers its model config and sources), never
+  beside the target's;
+* its own paged KV cache and :class:`~framework.engine.block_manager.BlockManager`, sized for
+  ``max_num_seqs`` sequences of the target's ``max_model_len``;
+* its own dispatcher, whose capture sizes are the batch sizes of its single-token steps (query
+  length 1, up to ``max_num_seqs``), not the target's multiples of ``1 + k``.
+
+One :meth:`DraftModelProposer.propose` runs, for the whole batch, a *catch-up* step over the
+tokens the draft has no KV for (the prompt on first sight; after a verify the one or two tokens
+that were accepted since) and then ``k - 1`` single-token steps, each feeding back the draft
+token just sampled.  Per request the draft keeps the token ids its KV covers and, on every
+call, keeps only their common prefix with ``req.all_tokens()`` (the rollback contract of
+``framework.engine.spec.proposer``): rejected drafts are simply recomputed over.
+
+Greedy requests draft by argmax.  Sampling requests draft from the draft's own distribution q
+under the request's temperature, top-k, top-p and min-p (penalties are not applied to q: any
+q keeps rejection sampling exact, only acceptance changes); :meth:`draft_probs` returns q for
+them, in float32.  The draft's noise is counter-based like the sampler's, keyed by a mix of the
+request's seed that differs from the target's, so drafts are reproducible whatever else is in
+the batch and independent of the target's own draws.
+
+Every draft forward checks its inputs against what the draft was compiled for (dtype, rank,
+token count): a mismatch is a :class:`DraftInputError`, never wrong drafts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from framework.core.config import CompilationConfig, default_capture_sizes
+from framework.engine.block_manager import OutOfBlocks
+from framework.engine.request import Request, ScheduledChunk
+from framework.engine.sampler import apply_min_p, apply_top_k, apply_top_p, uniform_noise
+from framework.engine.spec.config import SpeculativeConfig
+from framework.engine.spec.proposer import ProposerContext, register_proposer
+from framework.engine.worker import Worker
+from models.config import ModelConfig, parse_dtype
+
+_DRAFT_SEED_MIX = 0x5851F42D4C957F2D
+"""Mixed into a request's seed for its draft noise (the target's draws use the seed itself)."""
+_SEED_MASK = (1 << 63) - 1
+
+
+class DraftInputError(TypeError):
+    """The draft's forward got inputs it was not compiled for (dtype, rank or size)."""
+
+
+# ---------------------------------------------------------------------- draft identity
+def draft_identity(model_dir: str | Path, dtype: str | torch.dtype) -> str:
+    """What identifies a draft for the cache keys: its model config, dtype and the names,
+    shapes and dtypes of its checkpoint tensors (the safetensors headers).  Weight *values*
+    are not compiled into any artifact (they are inputs of the pieces), so they are left out
+    and a retrained draft of the same shape reuses its artifacts."""
+    model_dir = Path(model_dir)
+    mc = ModelConfig.from_hf_dir(model_dir)
+    h = hashlib.sha256()
+    h.update(
+        json.dumps({"model_config": mc.compute_hash(), "dtype": str(parse_dtype(dtype))}).encode()
+    )
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + fh.read(min(n, 1 << 26)))
+    return h.hexdigest()[:16]
+
+
+def check_draft_vocab(config: SpeculativeConfig, target: ModelConfig, draft: ModelConfig) -> None:
+    """A draft must share the target's vocabulary: one ``ValueError`` naming the field."""
+    if target.vocab_size != draft.vocab_size:
+        raise ValueError(
+            f"SpeculativeConfig.model: the draft {config.model} has vocab_size="
+            f"{draft.vocab_size} but the target has vocab_size={target.vocab_size}; a draft "
+            f"model must share the target's vocabulary (config.json field 'vocab_size')"
+        )
+
+
+def draft_compilation_config(
+    target: CompilationConfig, overrides: Optional[dict[str, Any]], max_num_seqs: int
+) -> CompilationConfig:
+    """The draft's config: the target's (level, mode, backend, passes, kernels, cache
+    settings) without the target's sizes -- its compile sizes, ranges, token budget and
+    capture sizes are those of verify steps -- and with capture sizes for the draft's own
+    single-token steps (batch sizes up to ``max_num_seqs``).  ``overrides`` (the
+    ``draft_compile`` field) replace fields; one naming ``level`` starts from that level's
+    defaults instead of the target's resolved fields (keeping the cache settings)."""
+    sizes = sorted(set(default_capture_sizes(max_num_seqs)) | {max_num_seqs})
+    dump = str(Path(target.debug_dump_path) / "draft") if target.debug_dump_path else None
+    overrides = dict(overrides or {})
+    if "level" in overrides:
+        cc = CompilationConfig(
+            use_cache=target.use_cache,
+            cache_dir=target.cache_dir,
+            progress_bar=target.progress_bar,
+            debug_dump_path=dump,
+            cudagraph_capture_sizes=sizes,
+        )
+    else:
+        cc = target.replace(
+            compile_sizes=None,
+            compile_ranges_endpoints=None,
+            max_num_tokens=None,
+            cudagraph_capture_sizes=sizes,
+            debug_dump_path=dump,
+        )
+    if overrides:
+        data = cc.to_dict()
+        data.update(overrides)
+        cc = CompilationConfig.from_dict(data, _prefix="SpeculativeConfig.draft_compile")
+    return cc
+
+
+# ---------------------------------------------------------------------- input checks
+@dataclass(frozen=True)
+class DraftInputSpec:
+    """What the draft's forward was compiled for: checked before every draft forward."""
+
+    input_ids_dtype: torch.dtype
+    positions_dtype: torch.dtype
+    max_num_tokens: int
+    model: str = "draft"
+
+    def check(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        for name, t, want in (
+            ("input_ids", input_ids, self.input_ids_dtype),
+            ("positions", positions, self.positions_dtype),
+        ):
+            if not isinstance(t, torch.Tensor):
+                raise DraftInputError(
+                    f"draft model {self.model}: {name} must be a tensor, got {type(t).__name__}"
+                )
+            if t.dtype != want:
+                raise DraftInputError(
+                    f"draft model {self.model}: {name} is {t.dtype} but the draft was compiled "
+                    f"for {want}; feeding it would give wrong drafts (build the draft's "
+                    f"inputs with the dtype it was compiled for)"
+                )
+            if t.dim() != 1:
+                raise DraftInputError(
+                    f"draft model {self.model}: {name} must be 1-d (one entry per token), "
+                    f"got shape {tuple(t.shape)}"
+                )
+        if input_ids.shape != positions.shape:
+            raise DraftInputError(
+                f"draft model {self.model}: input_ids {tuple(input_ids.shape)} and positions "
+                f"{tuple(positions.shape)} differ in length"
+            )
+        if input_ids.shape[0] > self.max_num_tokens:
+            raise DraftInputError(
+                f"draft model {self.model}: {input_ids.shape[0]} tokens exceed the "
+                f"{self.max_num_tokens} the draft was compiled for (max_num_tokens)"
+            )
+
+
+class CheckedForward:
+    """The draft runner's forward, behind :meth:`DraftInputSpec.check`."""
+
+    def __init__(self, forward: Callable[..., torch.Tensor], spec: DraftInputSpec):
+        self.forward = forward
+        self.spec = spec
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.spec.check(input_ids, positions)
+        return self.forward(input_ids, positions)
+
+
+def input_spec_of(worker: Worker, model: str) -> DraftInputSpec:
+    """The dtypes the draft's forward was traced with (the compiled program's argument
+    record), falling back to the runner's input buffers for an eager draft; the two must
+    agree."""
+    runner = worker.runner
+    spec = DraftInputSpec(
+        runner.input_ids.dtype, runner.positions.dtype, runner.max_num_tokens, model
+    )
+    trace = worker.compiled.trace_once
+    binding = trace.binding if trace is not None else None
+    if binding is not None:
+        names = trace.arg_names
+        traced = {names[idx]: dtype for idx, dtype, _ in binding.arg_meta}
+        for name, have in (
+            ("input_ids", spec.input_ids_dtype),
+            ("positions", spec.positions_dtype),
+        ):
+            if name in traced and traced[name] != str(have):
+                raise DraftInputError(
+                    f"draft model {model}: compiled for {name} of {traced[name]} but its "
+                    f"runner stages {have}; clear the draft's cache entry"
+                )
+    return spec
+
+
+# ---------------------------------------------------------------------- sampling
+class DraftSampler:
+    """The draft runner's sampler: ``(logits, reqs) -> (tokens, None)``; keeps, for the
+    sampling (non-greedy) rows, the distribution q each token was drawn from in
+    :attr:`last_probs` (``[rows, vocab]`` float32, None when every row is greedy).  A row whose
+    logits are not finite gets ``None`` (the request drafts no further) and fails nothing."""
+
+    def __init__(self) -> None:
+        self.last_probs: Optional[torch.Tensor] = None
+
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]):
+        x = logits.float()
+        params = [r.params for r in reqs]
+        self.last_probs = None
+        values, argmax = x.max(dim=-1)
+        tokens: list[Optional[int]] = argmax.tolist()
+        if not all(p.greedy for p in params):
+            probs = self._distribution(x, params)
+            seeds = torch.tensor([r.seed for r in reqs], device=x.device)
+            steps = torch.tensor([len(r.output) for r in reqs], device=x.device)
+            noise = uniform_noise(seeds, steps, x.shape[-1])
+            drawn = (probs / -noise.log()).argmax(dim=-1).tolist()
+            tokens = [t if p.greedy else d for t, d, p in zip(tokens, drawn, params)]
+            self.last_probs = probs
+        for i, v in enumerate(values.tolist()):
+            if not math.isfinite(v):
+                tokens[i] = None
+        return tokens, None
+
+    @staticmethod
+    def _distribution(x: torch.Tensor, params) -> torch.Tensor:
+        dev = x.device
+        f32 = dict(dtype=torch.float32, device=dev)
+        temp = torch.tensor([p.temperature or 1.0 for p in params], **f32)
+        x = x / temp[:, None]
+        if any(p.top_k > 0 for p in params):
+            x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=dev))
+        if any(p.top_p < 1 for p in params):
+            x = apply_top_p(x, torch.tensor([p.top_p for p in params], **f32))
+        if any(p.min_p > 0 for p in params):
+            x = apply_min_p(x, torch.tensor([p.min_p for p in params], **f32))
+        return x.softmax(dim=-1)
+
+
+# ---------------------------------------------------------------------- per-request state
+@dataclass
+class _DraftSeq:
+    """One request as the draft sees it: ``req.prompt`` + ``req.output`` are the tokens it
+    knows (accepted ones, then its own drafts), the first ``req.num_computed`` of which have
+    KV in the draft's cache, in ``req.block_ids``."""
+
+    req: Request
+    last_used: int = 0
+    drafts: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+    budget: int = 0
+    """Drafts still wanted in this propose call."""
+    done: bool = False
+
+
+def _common_prefix(a: list[int], b: list[int], n: int) -> int:
+    """Length of the common prefix of ``a[:n]`` and ``b[:n]``."""
+    n = min(n, len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+# ---------------------------------------------------------------------- the proposer
+@register_proposer("draft_model")
+class DraftModelProposer:
+    """Drafts from a second compiled model (see the module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext):
+        if not config.model:
+            raise ValueError(
+                "SpeculativeConfig.model: method 'draft_model' needs the draft's Hugging "
+                "Face folder"
+            )
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.model_dir = str(config.model)
+        self.context = context
+        t0 = time.perf_counter()
+        draft_mc = ModelConfig.from_hf_dir(self.model_dir)
+        check_draft_vocab(config, context.model_config, draft_mc)
+        config.validate_for(context.model_config, context.max_model_len, draft_mc)
+        dtype = parse_dtype(config.draft_dtype) if config.draft_dtype else context.dtype
+        self.draft_hash = draft_identity(self.model_dir, dtype)
+        """The draft's identity (:func:`draft_identity`).  Not written into ``config``: the
+        target is compiled before its proposer is built, and its compiled code does not
+        depend on the draft (the draft's own cache key covers the draft)."""
+        self.max_len = context.max_model_len
+        """Positions the draft may hold (the target's max_model_len: drafts never go past it)."""
+        target_cc = context.compilation_config
+        cc = draft_compilation_config(target_cc, config.draft_compile, context.max_num_seqs)
+        cache_dir = context.cache_dir if context.cache_dir is not None else target_cc.cache_dir
+        self.model_tag = (
+            f"draft-{draft_mc.architecture}-{draft_mc.num_layers}l-{draft_mc.hidden_size}h"
+        )
+        self.worker = Worker(
+            self.model_dir,
+            dtype=dtype,
+            compilation_config=cc,
+            max_num_seqs=context.max_num_seqs,
+            max_model_len=self.max_len,
+            cache_dir=cache_dir,
+            seed=context.seed,
+            max_num_batched_tokens=target_cc.max_num_tokens or context.max_model_len,
+            block_size=context.block_size,
+            device=str(context.device),
+            model_tag=self.model_tag,
+        )
+        self.model_config = self.worker.model_config
+        self.allocator = self.worker.allocator
+        self.runner = self.worker.runner
+        self.sampler = DraftSampler()
+        self.runner.sampler = self.sampler
+        self.input_spec = input_spec_of(self.worker, self.model_dir)
+        self.runner.forward = CheckedForward(self.runner.forward, self.input_spec)
+        self.max_num_tokens = self.runner.max_num_tokens
+        self._seqs: dict[int, _DraftSeq] = {}
+        self._calls = 0
+        self._last_probs: Optional[list[Optional[torch.Tensor]]] = None
+        self._stats = {
+            "draft_propose_calls": 0,
+            "draft_proposed_tokens": 0,
+            "draft_forward_steps": 0,
+            "draft_catch_up_tokens": 0,
+            "draft_propose_time_s": 0.0,
+            "draft_evictions": 0,
+        }
+        self.build_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ protocol
+    def propose(self, reqs: Sequence[Request]) -> list[list[int]]:
+        t0 = time.perf_counter()
+        self._calls += 1
+        active = set(r.req_id for r in reqs)
+        seqs: list[Optional[_DraftSeq]] = [self._sync(r, active) for r in reqs]
+        live = [s for s in seqs if s is not None and s.budget > 0]
+        if live:
+            with torch.inference_mode():
+                self._catch_up(live)
+                for _ in range(self.num_speculative_tokens - 1):
+                    step = [s for s in live if not s.done and len(s.drafts) < s.budget]
+                    if not step:
+                        break
+                    self._decode(step)
+        out = [list(s.drafts) if s is not None else [] for s in seqs]
+        probs: list[Optional[torch.Tensor]] = []
+        for r, s in zip(reqs, seqs):
+            if s is None or r.params.greedy or not s.probs:
+                probs.append(None)
+            else:
+                probs.append(torch.stack(s.probs[: len(s.drafts)]))
+        self._last_probs = probs if any(p is not None for p in probs) else None
+        st = self._stats
+        st["draft_propose_calls"] += 1
+        st["draft_proposed_tokens"] += sum(len(d) for d in out)
+        st["draft_propose_time_s"] += time.perf_counter() - t0
+        return out
+
+    def draft_probs(self) -> Optional[list[Optional[torch.Tensor]]]:
+        return self._last_probs
+
+    def release(self, req_id: int) -> None:
+        seq = self._seqs.pop(req_id, None)
+        if seq is not None and seq.req.block_ids:
+            self.allocator.free(seq.req.block_ids)
+            seq.req.block_ids = []
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self._stats)
+        out["draft_model"] = self.model_dir
+        out["draft_cache_dir"] = (
+            str(self.worker.compiled.store.dir) if self.worker.compiled.store is not None else None
+        )
+        out["draft_startup_s"] = self.build_s
+        out["draft_identity"] = self.draft_hash
+        out["draft_tracked_requests"] = len(self._seqs)
+        return out
+
+    def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Raise :class:`DraftInputError` unless the draft was compiled for these inputs."""
+        self.input_spec.check(input_ids, positions)
+
+    # ------------------------------------------------------------------ state
+    def _sync(self, req: Request, active: set[int]) -> Optional[_DraftSeq]:
+        """The request's draft state, rolled back to the common prefix with its accepted
+        tokens, with KV blocks for this call's drafts and its draft budget set."""
+        tokens = req.all_tokens()
+        n = len(tokens)
+        seq = self._seqs.get(req.req_id)
+        if seq is not None and seq.req.prompt != req.prompt:
+            self.release(req.req_id)
+            seq = None
+        if seq is None:
+            shadow = Request(
+                req.req_id,
+                list(req.prompt),
+                max_new_tokens=1 << 30,
+                eos_token_ids=req.eos_token_ids,
+                params=req.params,
+                seed=(req.seed ^ _DRAFT_SEED_MIX) & _SEED_MASK,
+            )
+            seq = self._seqs[req.req_id] = _DraftSeq(shadow)
+        shadow = seq.req
+        shadow.params = req.params
+        # Keep the KV of the common prefix; the last accepted token is always recomputed (its
+        # logits give the first draft).
+        nc = _common_prefix(shadow.all_tokens(), tokens, shadow.num_computed)
+        shadow.num_computed = min(nc, n - 1)
+        shadow.output = tokens[len(req.prompt) :]
+        seq.last_used = self._calls
+        seq.drafts, seq.probs, seq.done = [], [], False
+        remaining = req.max_new_tokens - len(req.output)
+        # The verify step yields up to len(drafts) + 1 tokens: no more drafts than the request
+        # can still take, and none past max_model_len.
+        seq.budget = max(0, min(self.num_speculative_tokens, remaining - 1, self.max_len - n))
+        if seq.budget == 0:
+            return seq
+        # KV for positions up to n + budget - 2 (the last draft is sampled, never fed back).
+        need = -(-(n + seq.budget - 1) // self.allocator.block_size) - len(shadow.block_ids)
+        if need > 0:
+            try:
+                shadow.block_ids = shadow.block_ids + self._allocate(need, active)
+            except OutOfBlocks:
+                seq.budget = 0
+        return seq
+
+    def _allocate(self, n: int, active: set[int]) -> list[int]:
+        """``n`` blocks, evicting the draft state of requests not in this call (least recently
+        used first) when the draft's cache is full."""
+        while n > self.allocator.num_free:
+            idle = [s for rid, s in self._seqs.items() if rid not in active and s.req.block_ids]
+            if not idle:
+                break
+            victim = min(idle, key=lambda s: s.last_used)
+            self.release(victim.req.req_id)
+            self._stats["draft_evictions"] += 1
+        return self.allocator.allocate(n)
+
+    # ------------------------------------------------------------------ steps
+    def _catch_up(self, live: list[_DraftSeq]) -> None:
+        """Feed every token the draft has no KV for (in as many steps as the token budget
+        needs) and sample the first draft of each request."""
+        # [sequence, next position to feed, end of its catch-up]; the end is fixed before the
+        # first step (a sampled draft extends the sequence but is fed by the decode steps).
+        pending = [[s, s.req.num_computed, s.req.num_tokens] for s in live]
+        while pending:
+            chunks, owners, budget = [], [], self.max_num_tokens
+            for item in pending:
+                if budget <= 0 or len(chunks) >= self.runner.max_num_seqs:
+                    break
+                s, start, end = item
+                take = min(end - start, budget)
+                chunks.append(ScheduledChunk(s.req, start, take))
+                owners.append(s)
+                item[1] = start + take
+                budget -= take
+            self._stats["draft_catch_up_tokens"] += sum(c.num_tokens for c in chunks)
+            self._run(chunks, owners)
+            pending = [item for item in pending if item[1] < item[2]]
+
+    def _decode(self, step: list[_DraftSeq]) -> None:
+        """One single-token step: each request feeds back its last draft."""
+        self._run([ScheduledChunk(s.req, s.req.num_tokens - 1, 1) for s in step], step)
+
+    def _run(self, chunks: list[ScheduledChunk], owners: list[_DraftSeq]) -> None:
+        """One draft forward over ``chunks`` (``owners[i]`` owns chunk i); appends the
+        sampled drafts (and their q) to their requests."""
+        sampled, _ = self.worker.execute(chunks, record=False)
+        self._stats["draft_forward_steps"] += 1
+        probs = self.sampler.last_probs
+        row = 0
+        for c, s, tok in zip(chunks, owners, sampled):
+            c.req.num_computed = c.end
+            if not c.samples:
+                continue
+            if probs is not None:
+                s.probs.append(probs[row])
+            row += 1
+            if tok is None:  # non-finite draft logits: no further drafts for this request
+                s.done = True
+                continue
+            s.drafts.append(tok)
+            s.req.output.append(tok)
+            if tok in s.req.eos_token_ids or tok in s.req.params.stop_token_ids:
+                s.done = True  # the target stops there: drafting past it is wasted
+
+
+__all__ = [
+    "CheckedForward",
+    "DraftInputError",
+    "DraftInputSpec",
+    "DraftModelProposer",
+    "DraftSampler",
+    "check_draft_vocab",
+    "draft_compilation_config",
+    "draft_identity",
+]

@@ -1,0 +1,131 @@
+"""The draft-model proposer inside the engine: greedy tokens identical with speculation on and
+off (batched prompts of different lengths; the four families; O0 and O2; a draft that agrees
+with the target and one that does not; under KV pressure that preempts), and the trained
+addition draft's acceptance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from checkpoints import build_family_checkpoint
+
+from framework import LLM
+
+REPO = Path(__file__).resolve().parents[4]
+ADDITION = REPO / "models" / "synthetic" / "addition"
+ADDITION_DRAFT = REPO / "models" / "synthetic" / "addition-draft"
+
+PROMPTS = [[3, 17, 42, 9, 100, 7, 64, 5, 11], [8, 1, 250], [77, 12, 5, 90, 31, 2, 44, 61, 9, 13]]
+NEW = 12
+K = 3
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    """A 1-layer llama with other weights: its drafts are mostly rejected."""
+    root = tmp_path_factory.mktemp("draft")
+    return str(build_family_checkpoint(root / "d", "llama", seed=3, num_hidden_layers=1))
+
+
+def spec(draft: str, k: int = K) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+
+
+def generate(model: str, level: int, speculative=None, cache_dir=None, **kw):
+    llm = LLM(
+        model,
+        optimization_level=level,
+        max_num_seqs=4,
+        max_model_len=64,
+        cache_dir=cache_dir,
+        speculative_config=speculative,
+        **kw,
+    )
+    return llm, llm.generate(PROMPTS, NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_checkpoint):
+    """Per family: the plain engine's greedy tokens (O0), computed once."""
+    done: dict[str, list[list[int]]] = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in done:
+            done[family] = generate(str(tiny_checkpoint(family)), 0)[1]
+        return done[family]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "family,draft",
+    [("llama", "self"), ("llama", "random"), ("mistral", "self"), ("qwen2", "self")]
+    + [("qwen3", "self")],
+)
+def test_greedy_tokens_identical_O0(family, draft, tiny_checkpoint, random_draft, plain_tokens):
+    """Drafted by the target itself (every draft accepted: the catch-up of accepted drafts and
+    the bonus token) and by an unrelated draft (mostly rejected: the rollback)."""
+    target = str(tiny_checkpoint(family))
+    llm, got = generate(target, 0, spec(target if draft == "self" else random_draft))
+    assert got == plain_tokens(family)
+    st = llm.stats
+    assert st["spec_method"] == "draft_model" and st["spec_verify_chunks"] > 0
+    assert st["spec_draft_propose_calls"] > 0
+    if draft == "self":
+        assert st["spec_acceptance_rate"] > 0.9, st  # the draft is the target
+    else:
+        assert st["spec_acceptance_rate"] < 0.5, st  # an unrelated random model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_tokens_identical_O2(
+    family, tiny_checkpoint, random_draft, compile_cache_dir, plain_tokens
+):
+    target = str(tiny_checkpoint(family))
+    plain = plain_tokens(family)
+    llm, same = generate(target, 2, spec(target), compile_cache_dir)
+    assert same == plain
+    assert llm.stats["spec_acceptance_rate"] > 0.9
+    assert "draft-" in llm.stats["spec_draft_cache_dir"]
+    _, other = generate(target, 2, spec(random_draft), compile_cache_dir)
+    assert other == plain
+
+
+def test_greedy_tokens_identical_under_preemption(tiny_checkpoint, random_draft):
+    """A target KV cache too small for every request at once: requests are preempted (their
+    draft state released) and recomputed; the tokens stay the plain engine's."""
+    target = str(tiny_checkpoint("llama"))
+    _, plain = generate(target, 0)
+    llm, got = generate(target, 0, spec(target), kv_cache_memory_bytes=_bytes_for_blocks(target, 3))
+    assert got == plain
+    assert llm.stats["preemptions"] > 0, llm.stats
+
+
+def _bytes_for_blocks(model: str, blocks: int) -> int:
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_block = 2 * config["num_hidden_layers"] * 16 * heads * head_dim * 4
+    return (blocks + 1) * per_block
+
+
+def test_trained_addition_draft_acceptance():
+    """The shipped draft loads, leaves the target's answers unchanged, and is worth having:
+    its acceptance on held-out addition prompts (recorded in its metrics.json) is high."""
+    from experiments.synthetic_task import get_task
+
+    metrics = json.loads((ADDITION_DRAFT / "metrics.json").read_text())
+    recorded = metrics["draft"]["by_k"]["4"]["acceptance_rate"]
+    task = get_task("addition")
+    prompts, answers = task.split(task.sequences(task.held_out_keys(24, 1234)))
+    kw = dict(optimization_level=0, max_num_seqs=8, max_model_len=64)
+    plain = LLM(str(ADDITION), **kw).generate(prompts, task.answer_len + 1)
+    llm = LLM(str(ADDITION), speculative_config=spec(str(ADDITION_DRAFT), 4), **kw)
+    got = llm.generate(prompts, task.answer_len + 1)
+    assert got == plain
+    rate = llm.stats["spec_acceptance_rate"]
+    print(f"addition draft: acceptance {rate:.3f} here, {recorded:.3f} in metrics.json (n=200)")
+    assert rate >= 0.7 and recorded >= 0.7
