@@ -185,8 +185,12 @@ def _combine_direct(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert) -
             continue
         index = torch.tensor(rows)
         y = expert(e, x.index_select(0, index))
-        w = torch.tensor(ws, dtype=torch.float32).unsqueeze(-1)
-        out.index_add_(0, index, _scaled(y, w, x.dtype))
+        c = _scaled(y, torch.tensor(ws, dtype=torch.float32).unsqueeze(-1), x.dtype)
+        if len(set(rows)) == len(rows):
+            # distinct rows: gather, add, write back; the sums of index_add_, ~3x cheaper here
+            out.index_copy_(0, index, out.index_select(0, index).add_(c))
+        else:  # a token that lists one expert twice
+            out.index_add_(0, index, c)
     return out
 
 

@@ -77,6 +77,7 @@ def test_fp32_experts_stay_plain(tiny_checkpoint):
     assert all(m.moe_method is None for m in model.modules() if isinstance(m, FusedMoE))
 
 
+@pytest.mark.slow  # two engines (~16 s here)
 def test_llm_o2_bf16_runs_the_packed_experts_with_the_o0_tokens(tiny_checkpoint, compile_cache_dir):
     path = str(tiny_checkpoint("qwen3_moe"))
     kw = dict(dtype="bfloat16", max_model_len=64, max_num_seqs=4)

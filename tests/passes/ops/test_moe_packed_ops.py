@@ -145,6 +145,17 @@ def test_direct_grouping_equals_sorted_grouping_bitwise(t, k, weights_dtype):
     )
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_token_listing_one_expert_twice(t):
+    """Not what a router produces, but the op's contract: both slots count."""
+    x, weights, _, w13, w2 = make(t)
+    ids = torch.tensor([[1, 1], [2, 1], [1, 3]][:t])
+    m = packed(w13, w2)
+    want = fused_moe_reference(x, weights, ids, w13, w2)
+    torch.testing.assert_close(m(x, weights, ids), want, **BF16)
+    torch.testing.assert_close(fused_moe_grouped(x, weights, ids, w13, w2), want, **BF16)
+
+
 def test_batch_one_reads_only_the_selected_experts():
     """Poison every packed expert the token does not select: never read.  Poisoning a
     selected one shows (so the check can fail)."""
@@ -163,13 +174,16 @@ def test_batch_one_reads_only_the_selected_experts():
     assert torch.isnan(m(x, weights, ids)).all()
 
 
-@pytest.mark.parametrize("t", [0, 1, 7, 40])
-def test_opcheck(t):
-    x, weights, ids, w13, w2 = make(t, experts=8, inter=96, seed=3)
+@pytest.mark.parametrize(
+    "t,with_md,max_rows",
+    [(0, True, 16), (1, True, 16), (9, False, 2)],  # empty; decode; groups above max_rows
+)
+def test_opcheck(t, with_md, max_rows):
+    x, weights, ids, w13, w2 = make(t, experts=6, inter=96, seed=3)
     m = packed(w13, w2)
-    for md13, md2 in ((m.w13_md, m.w2_md), (None, None)):
-        args = (x, weights, ids, m.w13, m.w2, md13, md2, 96, 16)
-        torch.library.opcheck(ops.fused_moe_packed.default, args)
+    mds = (m.w13_md, m.w2_md) if with_md else (None, None)
+    args = (x, weights, ids, m.w13, m.w2, *mds, 96, max_rows)
+    torch.library.opcheck(ops.fused_moe_packed.default, args)
 
 
 def test_bad_shapes_are_named():
