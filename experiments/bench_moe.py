@@ -17,6 +17,8 @@ divided by the best read bandwidth measured in the same run: the better of ``tor
 a 256 MB buffer (``experiments.bandwidth``, which under-measures on some machines, see
 PERF_NOTES.md) and the small-M kernel streaming a 256 MB bf16 weight at batch 1.  The floor
 ignores caches: on a model this small part of the weights can stay in the last-level cache.
+The result also gives the floor of attention + router + top-k experts alone (without the LM
+head, which on this shape is two thirds of the active bytes).
 
 Kernel rows: one MoE layer's experts alone at 1, 8 and 2048 tokens -- the layer's own op
 (at O2 in bf16 ``piecewise::fused_moe_packed`` on the re-laid-out experts), the plain
@@ -179,6 +181,7 @@ def run(args: argparse.Namespace) -> dict:
     weights = active_weight_bytes(llm)
     o2_b1 = [r for r in rows if r["contender"] == "O2" and r["batch"] == 1]
     floor_ms = weights["total"] / bandwidth * 1e3
+    core = weights["attention"] + weights["router"] + weights["top_k_experts"]
     result = {
         "preset": args.preset,
         "threads": args.threads,
@@ -194,6 +197,7 @@ def run(args: argparse.Namespace) -> dict:
         "command": "python -m experiments.bench_moe " + " ".join(args.argv),
         "active_weight_bytes": weights,
         "floor_ms": floor_ms,
+        "floor_ms_attention_router_experts": core / bandwidth * 1e3,
         "o2_b1_over_floor": (o2_b1[0]["median_ms"] / floor_ms) if o2_b1 else None,
         "o2_b1_min_over_floor": (o2_b1[0]["min_ms"] / floor_ms) if o2_b1 else None,
     }
@@ -244,6 +248,8 @@ def markdown(result: dict) -> str:
             if ratio is not None
             else "n/a"
         ),
+        "floor of attention + router + top-k experts alone (no LM head, norms or dense "
+        f"layers): {result.get('floor_ms_attention_router_experts', float('nan')):.2f} ms",
         f"experts packed for the small-M kernel in {result['packed_expert_layers']} layer(s); "
         f"load average {result['load_average']}",
     ]
