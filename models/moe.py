@@ -11,7 +11,10 @@ feed-forward block of a MoE layer differs:
 
 The experts' weights are the model's own stacked tensors, in the layout the kernel reads
 (``w13 [E, 2I, H]``: each expert's gate rows then its up rows; ``w2 [E, H, I]``); the loader
-copies every per-expert checkpoint tensor into its slot, so there is one copy.
+copies every per-expert checkpoint tensor into its slot, so there is one copy.  After loading,
+a ``moe_method`` may replace both stacks by another layout, still one copy: quantization
+(int8 experts, ``passes.quant_schemes``), or, in bf16 on CPU, the engine's re-layout for the
+small-M kernel (``passes.ops_prepack_moe.PackedExpertsMethod``, ``piecewise::fused_moe_packed``).
 
 ``fused_moe`` is an ordinary op inside the layer's piece (not a splitting op), so the graph
 still splits only at attention.
@@ -69,7 +72,8 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, I, dtype=dtype), requires_grad=False
         )
         self.moe_method = None
-        """Installed by quantization (``apply(module, x, weights, ids)``); None: float."""
+        """Installed after loading by quantization or the engine's re-layout (``apply(module,
+        x, weights, ids)``); None: the plain float stacks and ``piecewise::fused_moe``."""
 
     # -- loading ---------------------------------------------------------------------------
     def checkpoint_tensors(self, attr: str) -> list[tuple[str, int, Optional[int]]]:

@@ -8,9 +8,14 @@ shares, *when this pass is in the pass list*.  Each such linear then reaches the
 
     y = piecewise.packed_linear.default(x, w_packed, w_md, bias, N, K, max_rows)
 
+Stacked MoE experts in bf16 are re-laid out the same way (per expert, for the small-M kernel:
+:class:`passes.ops_prepack_moe.PackedExpertsMethod`) and reach the graph as
+``piecewise.fused_moe_packed.default(...)``.
+
 This pass is the switch and the record: it checks that every linear of the piece arrived
-packed and counts them (``match_count``); ``passes=[-prepack_linear]`` leaves every weight
-plain (``aten.mm`` on ``[N, K]``).  CPU only; not applicable without oneDNN.
+packed and counts the packed linears and packed expert ops (``match_count``);
+``passes=[-prepack_linear]`` leaves every weight plain (``aten.mm`` on ``[N, K]``,
+``piecewise.fused_moe`` on ``[E, N, K]``).  CPU only; not applicable without oneDNN.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from passes.base import CompileRange, GraphPass, graph_device_types
 from passes.ops_prepack import mkldnn_available, packed_linear
+from passes.ops_prepack_moe import fused_moe_packed
 from passes.registry import register_pass
 
 
@@ -42,5 +48,5 @@ class PrepackLinearPass(GraphPass):
         if graph_device_types(graph) - {"cpu"}:
             return  # GPU graphs: cuBLAS needs no prepacking
         for node in graph.nodes:
-            if node.op == "call_function" and node.target == packed_linear:
+            if node.op == "call_function" and node.target in (packed_linear, fused_moe_packed):
                 self.match_count += 1

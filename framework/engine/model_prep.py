@@ -20,9 +20,11 @@ from framework.core.config import CompilationConfig
 from framework.core.quantization import QuantizationConfig
 from models.loader import load_model
 from passes.ops_prepack import PackedLinearMethod
+from passes.ops_prepack_moe import PackedExpertsMethod
 from passes.quant_schemes import (
     apply_expert_scheme,
     apply_scheme,
+    expert_modules,
     expert_plan,
     quantize_model,
     quantize_plan,
@@ -83,11 +85,14 @@ def load_quantized(
 
 def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[str]:
     """Re-lay every eligible linear weight of ``model`` once, in place, when the
-    ``prepack_linear`` pass is on; returns the names of the layers packed.
+    ``prepack_linear`` pass is on; returns the names of the layers (and stacked MoE experts)
+    packed.
 
     Eligible: a module exposing ``linear_method`` (None: no quantization scheme took it) and
     a 2-D CPU bf16/fp32 weight that no other module shares.  The LM head is included (it runs
-    outside the compiled graph and is the largest matmul of a small model)."""
+    outside the compiled graph and is the largest matmul of a small model).  Stacked MoE
+    experts (``moe_method`` None, bf16, the small-M kernel on) get their ``w13`` / ``w2``
+    re-laid out per expert (:class:`passes.ops_prepack_moe.PackedExpertsMethod`)."""
     if "prepack_linear" not in config.pass_config.passes:
         return []
     owners = Counter(id(p) for _, m in model.named_modules() for p in m.parameters(recurse=False))
@@ -104,6 +109,15 @@ def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[s
             module.linear_method = method
             packed.append(name)
             release_free_memory()  # the original's pages go back to the system now
+    expert_layouts: dict = {}
+    for name, experts in list(expert_modules(model)):
+        if not PackedExpertsMethod.applies_to(experts, max_rows):
+            continue
+        method = PackedExpertsMethod(max_rows)
+        method.process(experts, expert_layouts)
+        experts.moe_method = method
+        packed.append(name)
+        release_free_memory()
     return packed
 
 

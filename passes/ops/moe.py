@@ -21,16 +21,22 @@ Kernels:
   routing weight (a per-expert loop that never groups tokens);
 - ``passes.ops.triton.moe.fused_moe`` (CUDA): a Triton grouped GEMM over the (token, slot)
   pairs sorted by expert and padded per expert to the block size;
-- :func:`fused_moe_grouped` (CPU and the default): tokens sorted by expert, then per expert
-  that is hit one gate-up GEMM over its rows, SiLU-mul, one down GEMM, scaled and
-  index-added.  At batch 1 only the top-k experts' weights are read; the GEMMs are plain
-  ``F.linear`` on the stacked weights (oneDNN/MKL, threaded by torch's intra-op pool).
+- :func:`fused_moe_grouped` (CPU and the default): tokens grouped by expert
+  (:func:`combine_by_expert`: in Python for the few slots of a decode step, sorted with tensor
+  ops for prefill), then per expert that is hit one gate-up GEMM over its rows, SiLU-mul, one
+  down GEMM, scaled and added.  At batch 1 only the top-k experts' weights are read; the GEMMs
+  are plain ``F.linear`` on the stacked weights (oneDNN/MKL, threaded by torch's intra-op
+  pool);
+- ``piecewise::fused_moe_packed`` (:mod:`passes.ops_prepack_moe`, bf16 CPU): the same
+  grouping on expert weights re-laid out once for the small-M kernel.
 
 ``fused_moe`` is an ordinary op inside a piece, not a splitting op: the fake implementation
 returns ``[T, H]`` for a symbolic ``T``.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,18 +117,89 @@ def fused_moe_reference(
     return out
 
 
-def fused_moe_grouped(
-    x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor
+DIRECT_MAX_SLOTS = 64
+"""Up to this many (token, expert) slots (``T * K``: a decode step) the experts' rows are
+grouped in Python from the ids read once (``tolist``); more (prefill) sort the slots by expert
+with tensor ops (``argsort``, ``bincount``).  Both give the same result, bit for bit."""
+
+
+def combine_by_expert(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    expert: Callable[[int, Tensor], Tensor],
+    direct_max_slots: int = DIRECT_MAX_SLOTS,
 ) -> Tensor:
-    """Tokens grouped by expert; one gate-up GEMM, SiLU-mul and down GEMM per expert hit."""
-    _check(x, topk_weights, topk_ids, w13, w2)
+    """``out[t] = sum_k w[t, k] * expert(ids[t, k], x[t])`` over the experts hit, each called
+    once on all its rows (``expert(e, rows [n, H]) -> [n, H]`` in ``x.dtype``).
+
+    The arithmetic every CPU MoE kernel shares (the module docstring's): each contribution is
+    ``(y.float() * w).to(x.dtype)``, added into a ``x.dtype`` accumulator in ascending expert
+    order.  Up to ``direct_max_slots`` slots the grouping is plain Python over the ids read once
+    (at batch 1: no sort, no index tensors, the K contributions added directly); more slots
+    sort by expert with tensor ops."""
     T, K = topk_ids.shape
-    out = torch.zeros_like(x)
     if T == 0:
+        return torch.zeros_like(x)
+    if T * K <= direct_max_slots:
+        return _combine_direct(x, topk_weights, topk_ids, expert)
+    return _combine_sorted(x, topk_weights, topk_ids, expert)
+
+
+_ONE_ROUNDING = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _scaled(y: Tensor, w, dtype: torch.dtype) -> Tensor:
+    """``(y.float() * w).to(dtype)`` for ``y`` of ``dtype``; ``w`` a Python float (an fp32
+    value) or an fp32 column.  ``y`` of these dtypes times a Python scalar computes in fp32
+    and rounds once, so that case is one op."""
+    if isinstance(w, float) and y.dtype in _ONE_ROUNDING:
+        return y.mul(w)
+    return y.float().mul(w).to(dtype)
+
+
+def _combine_direct(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert) -> Tensor:
+    T = topk_ids.shape[0]
+    groups: dict[int, tuple[list[int], list[float]]] = {}
+    for t, (ids, ws) in enumerate(zip(topk_ids.tolist(), topk_weights.tolist())):
+        for e, w in zip(ids, ws):
+            g = groups.get(e)
+            if g is None:
+                groups[e] = g = ([], [])
+            g[0].append(t)
+            g[1].append(w)
+    if T == 1 and all(len(rows) == 1 for rows, _ in groups.values()):
+        # one token, distinct experts: the sum of K contributions, in expert order
+        # (0 + c == c exactly, so the first contribution is the accumulator)
+        out = None
+        for e in sorted(groups):
+            c = _scaled(expert(e, x), groups[e][1][0], x.dtype)
+            out = c if out is None else out.add_(c)
         return out
+    out = torch.zeros_like(x)
+    for e in sorted(groups):
+        rows, ws = groups[e]
+        if len(rows) == 1:
+            t = rows[0]
+            out[t : t + 1].add_(_scaled(expert(e, x[t : t + 1]), ws[0], x.dtype))
+            continue
+        index = torch.tensor(rows)
+        y = expert(e, x.index_select(0, index))
+        c = _scaled(y, torch.tensor(ws, dtype=torch.float32).unsqueeze(-1), x.dtype)
+        if len(set(rows)) == len(rows):
+            # distinct rows: gather, add, write back; the sums of index_add_, ~3x cheaper here
+            out.index_copy_(0, index, out.index_select(0, index).add_(c))
+        else:  # a token that lists one expert twice
+            out.index_add_(0, index, c)
+    return out
+
+
+def _combine_sorted(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert) -> Tensor:
+    K = topk_ids.shape[1]
+    out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, k) slots grouped by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat).tolist()
     rows_all = order // K
     weights_all = topk_weights.reshape(-1)[order].float().unsqueeze(-1)
     start = 0
@@ -130,11 +207,18 @@ def fused_moe_grouped(
         if n == 0:
             continue
         rows = rows_all[start : start + n]
-        y = _expert(x.index_select(0, rows), w13[e], w2[e])
-        contrib = (y.float() * weights_all[start : start + n]).to(x.dtype)
-        out.index_add_(0, rows, contrib)
+        y = expert(e, x.index_select(0, rows))
+        out.index_add_(0, rows, _scaled(y, weights_all[start : start + n], x.dtype))
         start += n
     return out
+
+
+def fused_moe_grouped(
+    x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor
+) -> Tensor:
+    """Tokens grouped by expert; one gate-up GEMM, SiLU-mul and down GEMM per expert hit."""
+    _check(x, topk_weights, topk_ids, w13, w2)
+    return combine_by_expert(x, topk_weights, topk_ids, lambda e, xs: _expert(xs, w13[e], w2[e]))
 
 
 def _fused_moe_fake(
@@ -197,26 +281,13 @@ def fused_moe_int8_grouped(
     quantize_activations: bool,
 ) -> Tensor:
     _check_int8(x, topk_weights, topk_ids, w13_q, w13_scale, w2_q, w2_scale)
-    T, K = topk_ids.shape
-    out = torch.zeros_like(x)
-    if T == 0:
-        return out
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13_q.shape[0]).tolist()
-    rows_all = order // K
-    weights_all = topk_weights.reshape(-1)[order].float().unsqueeze(-1)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = rows_all[start : start + n]
-        h = _int8_linear(x.index_select(0, rows), w13_q[e], w13_scale[e], quantize_activations)
+
+    def expert(e: int, xs: Tensor) -> Tensor:
+        h = _int8_linear(xs, w13_q[e], w13_scale[e], quantize_activations)
         gate, up = h.chunk(2, dim=-1)
-        y = _int8_linear(F.silu(gate) * up, w2_q[e], w2_scale[e], quantize_activations)
-        out.index_add_(0, rows, (y.float() * weights_all[start : start + n]).to(x.dtype))
-        start += n
-    return out
+        return _int8_linear(F.silu(gate) * up, w2_q[e], w2_scale[e], quantize_activations)
+
+    return combine_by_expert(x, topk_weights, topk_ids, expert)
 
 
 def fused_moe_int8_reference(
