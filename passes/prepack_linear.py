@@ -8,6 +8,9 @@ shares, *when this pass is in the pass list*.  Each such linear then reaches the
 
     y = piecewise.packed_linear.default(x, w_packed, w_md, bias, N, K, max_rows)
 
+(int8 layers: ``piecewise.int8_packed_linear`` / ``int8_wo_packed_linear``, see
+:mod:`passes.ops_int8`.)
+
 This pass is the switch and the record: it checks that every linear of the piece arrived
 packed and counts them (``match_count``); ``passes=[-prepack_linear]`` leaves every weight
 plain (``aten.mm`` on ``[N, K]``).  CPU only; not applicable without oneDNN.
@@ -20,6 +23,7 @@ from typing import Optional
 import torch
 
 from passes.base import CompileRange, GraphPass, graph_device_types
+from passes.ops_int8 import PACKED_OPS
 from passes.ops_prepack import mkldnn_available, packed_linear
 from passes.registry import register_pass
 
@@ -42,5 +46,7 @@ class PrepackLinearPass(GraphPass):
         if graph_device_types(graph) - {"cpu"}:
             return  # GPU graphs: cuBLAS needs no prepacking
         for node in graph.nodes:
-            if node.op == "call_function" and node.target == packed_linear:
+            if node.op == "call_function" and (
+                node.target == packed_linear or node.target in PACKED_OPS
+            ):
                 self.match_count += 1
