@@ -45,6 +45,10 @@ ROWS = ("linears", "attention", "elementwise pieces", "LM head + sampling", "hos
 LINEAR_OPS = frozenset(
     {
         "piecewise::packed_linear",
+        "piecewise::int8_packed_linear",
+        "piecewise::int8_wo_packed_linear",
+        "piecewise::int8_scaled_mm",
+        "piecewise::int8_weight_only_mm",
         "mkldnn::_linear_pointwise",
         "aten::linear",
         "aten::addmm",

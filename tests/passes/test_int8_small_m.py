@@ -214,3 +214,35 @@ def test_small_m_calls_run_in_cpp_and_larger_ones_in_python(monkeypatch):
     assert unpacks == []
     assert torch.equal(layer(x), expected)
     assert unpacks == [1]
+
+
+def test_engine_packs_int8_layers_and_keeps_the_tokens(llama_checkpoint, compile_cache_dir):
+    """O1 (eager adaptor) with int8_per_token: every int8 linear is re-laid out once (the
+    prepack pass counts them) and the greedy tokens equal the unpacked int8 path's
+    (``int8_small_m_max_rows = 0``), which the kernel reproduces bit for bit."""
+    from framework import LLM, CompilationConfig
+
+    def build(rows):
+        cc = CompilationConfig(
+            level=1,
+            backend="eager",
+            progress_bar=False,
+            kernel_config={"int8_small_m_max_rows": rows},
+        )
+        return LLM(
+            str(llama_checkpoint),
+            quantization="int8_per_token",
+            compilation_config=cc,
+            max_num_seqs=2,
+            max_model_len=64,
+            cache_dir=compile_cache_dir,
+        )
+
+    prompts = [[3, 17, 42, 9, 100, 7], [8, 1, 250]]
+    packed, plain = build(i8.DEFAULT_MAX_ROWS), build(0)
+    layers = packed.model_config.num_layers
+    qkv = packed.model.get_submodule("model.layers.0.self_attn.qkv_proj")
+    assert repr(qkv.linear_method).startswith("PackedInt8LinearMethod(dynamic_per_token")
+    assert sum(".layers." in n for n in packed.packed_layers) == 4 * layers
+    assert packed.stats["passes"]["prepack_linear"]["total_matches"] == 4 * layers
+    assert packed.generate(prompts, 8, ignore_eos=True) == plain.generate(prompts, 8, ignore_eos=True)
