@@ -156,7 +156,7 @@ def _layer(scheme_name, n, k, bias, seed=0, dtype=BF16):
 def test_packed_layer_holds_one_copy_and_equals_the_unpacked_scheme():
     plain, packed = _layer("int8_per_token", 96, 64, True)
     assert i8.is_packed(packed.weight, 96, 64)
-    assert [n for n, _ in packed.named_parameters()] == ["weight", "bias"]
+    assert sorted(n for n, _ in packed.named_parameters()) == ["bias", "weight"]
     assert packed.weight_scale.shape == (96,) and packed.weight_comp.dtype == torch.int32
     g = torch.Generator().manual_seed(1)
     for rows in (1, i8.DEFAULT_MAX_ROWS, i8.DEFAULT_MAX_ROWS + 3):  # kernel, kernel, _int_mm
@@ -216,6 +216,34 @@ def test_small_m_calls_run_in_cpp_and_larger_ones_in_python(monkeypatch):
     assert unpacks == [1]
 
 
+def test_model_prep_packs_the_int8_layers(llama_checkpoint):
+    """``process_weights`` re-lays every int8_per_token linear once (not the bf16/fp32 LM head's
+    way), each packed layer computing exactly what it computed unpacked; with
+    ``int8_small_m_max_rows = 0`` nothing int8 is packed."""
+    from framework.core.config import CompilationConfig, PassConfig
+    from framework.engine.model_prep import load_quantized, process_weights
+
+    def config(rows):
+        return CompilationConfig(
+            pass_config=PassConfig(passes=["prepack_linear"]),
+            kernel_config={"int8_small_m_max_rows": rows},
+        )
+
+    model, mc, _ = load_quantized(llama_checkpoint, torch.float32, "cpu", "int8_per_token")
+    plain = {n: m for n, m in model.named_modules() if getattr(m, "linear_method", None)}
+    x = torch.randn(3, mc.hidden_size)
+    layer0 = "model.layers.0.self_attn.qkv_proj"
+    before = plain[layer0](x)
+    packed = process_weights(model, config(i8.DEFAULT_MAX_ROWS))
+    int8 = [n for n in packed if ".layers." in n]
+    assert len(int8) == 4 * mc.num_layers
+    assert repr(plain[layer0].linear_method).startswith("PackedInt8LinearMethod")
+    assert torch.equal(plain[layer0](x), before)
+    other, _, _ = load_quantized(llama_checkpoint, torch.float32, "cpu", "int8_per_token")
+    assert not [n for n in process_weights(other, config(0)) if ".layers." in n]
+
+
+@pytest.mark.slow(reason="two LLM builds of the tiny model, ~30 s")
 def test_engine_packs_int8_layers_and_keeps_the_tokens(llama_checkpoint, compile_cache_dir):
     """O1 (eager adaptor) with int8_per_token: every int8 linear is re-laid out once (the
     prepack pass counts them) and the greedy tokens equal the unpacked int8 path's
@@ -246,3 +274,13 @@ def test_engine_packs_int8_layers_and_keeps_the_tokens(llama_checkpoint, compile
     assert sum(".layers." in n for n in packed.packed_layers) == 4 * layers
     assert packed.stats["passes"]["prepack_linear"]["total_matches"] == 4 * layers
     assert packed.generate(prompts, 8, ignore_eos=True) == plain.generate(prompts, 8, ignore_eos=True)
+
+
+def test_the_int8_knob_is_validated_and_part_of_the_cache_key():
+    from framework.core.config import CompilationConfig, KernelConfig
+
+    base = CompilationConfig().compute_hash()
+    assert CompilationConfig(kernel_config=KernelConfig(int8_small_m_max_rows=8)).compute_hash() != base
+    assert KernelConfig(int8_small_m_max_rows=8, small_m_linear=False).int8_max_rows() == 0
+    with pytest.raises(ValueError, match="KernelConfig.int8_small_m_max_rows"):
+        KernelConfig(int8_small_m_max_rows=-1)
