@@ -123,7 +123,9 @@ def main(argv=None) -> list[dict]:
         n, k = (int(v) for v in shape.lower().split("x"))
         for r in bench_shape(n, k, args.rows, args.rounds, args.sweep_mb << 20):
             rows.append(r)
-            cells = " | ".join(f"{r[v][0]:.1f} | {r[v][1]:.1f}" for v in ("int8", "int8 wo", "bf16", "_int_mm"))
+            cells = " | ".join(
+                f"{r[v][0]:.1f} | {r[v][1]:.1f}" for v in ("int8", "int8 wo", "bf16", "_int_mm")
+            )
             print(
                 f"| {r['shape']} | {r['M']} | {cells} | {r['bf16'][0] / r['int8'][0]:.2f}x | "
                 f"{r['_int_mm'][0] / r['int8'][0]:.2f}x |"

@@ -130,7 +130,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     torch.set_num_threads(args.threads)
     rows = run(args)
     print(f"# O2 b1, {args.threads} threads, medians of {args.rounds} alternated rounds")
-    print("| variant | decode step ms | ms / token | rounds | vs bf16 | tokens = bf16 | first diff |")
+    print(
+        "| variant | decode step ms | ms / token | rounds | vs bf16 | tokens = bf16 | first diff |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         rounds = ", ".join(f"{t:.1f}" for t in r["token_ms_rounds"])

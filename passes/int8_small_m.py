@@ -112,7 +112,9 @@ def panel_shape(n: int, k: int) -> tuple[int, int, int, int]:
 def pack(w_q: torch.Tensor) -> torch.Tensor:
     """int8 ``w_q [N, K]`` in the kernels' layout ``[ceil(N/64), ceil(K/4), 64, 4]``."""
     if w_q.dtype != torch.int8 or w_q.dim() != 2:
-        raise ValueError(f"int8_small_m.pack: expected int8 [N, K], got {w_q.dtype} {tuple(w_q.shape)}")
+        raise ValueError(
+            f"int8_small_m.pack: expected int8 [N, K], got {w_q.dtype} {tuple(w_q.shape)}"
+        )
     n, k = w_q.shape
     p, kq, _, _ = panel_shape(n, k)
     if (p * LANES, kq * QUAD) == (n, k):

@@ -52,7 +52,9 @@ def load() -> bool:
     try:
         LIBRARY.load()
     except KernelBuildError as e:
-        logger.warning("piecewise C++ ops unavailable, the linear ops run their Python bodies: %s", e)
+        logger.warning(
+            "piecewise C++ ops unavailable, the linear ops run their Python bodies: %s", e
+        )
         return False
     return True
 

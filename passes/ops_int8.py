@@ -110,7 +110,9 @@ def _check(name: str, x, w, w_scale, n: int, k: int) -> None:
             f"{w.dtype} {tuple(w.shape)}"
         )
     if w_scale.numel() != n or w_scale.dtype != torch.float32:
-        raise ValueError(f"{name}: w_scale must be float32 [{n}], got {w_scale.dtype} {tuple(w_scale.shape)}")
+        raise ValueError(
+            f"{name}: w_scale must be float32 [{n}], got {w_scale.dtype} {tuple(w_scale.shape)}"
+        )
 
 
 def _int8_fake(x, w, w_scale, w_comp, bias, out_features: int, in_features: int, max_rows: int):

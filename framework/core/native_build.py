@@ -251,7 +251,10 @@ class TorchOpLibrary(NativeLibrary):
         import torch
 
         root = Path(torch.__file__).resolve().parent
-        return root / "lib", [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
+        return root / "lib", [
+            root / "include",
+            root / "include" / "torch" / "csrc" / "api" / "include",
+        ]
 
     def _toolchain_identity(self) -> str:
         import torch

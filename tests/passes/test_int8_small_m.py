@@ -273,14 +273,19 @@ def test_engine_packs_int8_layers_and_keeps_the_tokens(llama_checkpoint, compile
     assert repr(qkv.linear_method).startswith("PackedInt8LinearMethod(dynamic_per_token")
     assert sum(".layers." in n for n in packed.packed_layers) == 4 * layers
     assert packed.stats["passes"]["prepack_linear"]["total_matches"] == 4 * layers
-    assert packed.generate(prompts, 8, ignore_eos=True) == plain.generate(prompts, 8, ignore_eos=True)
+    assert packed.generate(prompts, 8, ignore_eos=True) == plain.generate(
+        prompts, 8, ignore_eos=True
+    )
 
 
 def test_the_int8_knob_is_validated_and_part_of_the_cache_key():
     from framework.core.config import CompilationConfig, KernelConfig
 
     base = CompilationConfig().compute_hash()
-    assert CompilationConfig(kernel_config=KernelConfig(int8_small_m_max_rows=8)).compute_hash() != base
+    assert (
+        CompilationConfig(kernel_config=KernelConfig(int8_small_m_max_rows=8)).compute_hash()
+        != base
+    )
     assert KernelConfig(int8_small_m_max_rows=8, small_m_linear=False).int8_max_rows() == 0
     with pytest.raises(ValueError, match="KernelConfig.int8_small_m_max_rows"):
         KernelConfig(int8_small_m_max_rows=-1)
