@@ -7,11 +7,14 @@ torch ops (``TORCH_LIBRARY_IMPL`` kernels of ``piecewise::`` ops, ``passes/csrc/
 are one :class:`TorchOpLibrary`, built with torch's headers and loaded with
 ``torch.ops.load_library``, so the graph's op calls reach C++ without a Python op body.
 
-Why plain g++ + ctypes rather than ``torch.utils.cpp_extension``: the kernels need no torch
-headers (they work on data pointers), so one g++ call builds a library in ~1-2 s, against
-~40-60 s for a C++ extension on this project's 2-core machines (that would eat CI's test
-budget on a fresh cache).  A ctypes call costs ~3 µs here, about one torch op dispatch, so
-nothing is lost per call; the ops users see stay ``piecewise::`` ops.
+Why plain g++ rather than ``torch.utils.cpp_extension``: one compiler call, no setuptools or
+ninja, and one cache with atomic publication for both kinds.  The kernels themselves need no
+torch headers (they work on data pointers), so a ctypes library builds in ~1-2 s; the torch
+op library compiles torch's headers once per machine and torch version (~20 s on this
+project's 2-core machines, quiet; cached in the kernel directory like the rest).  Per call, a
+ctypes call costs ~3 µs, but reaching it from a graph also costs the op's Python body
+(reshapes, checks, ``data_ptr`` s): ~32 µs per call on a 64x64 bf16 linear against ~12 µs for
+the C++ op kernel, under load (``python -m experiments.bench_op_overhead``).
 
 The build is per machine: ``-O3 -march=native`` lets the compiler vectorise for this CPU
 (AVX-512 on the project's EPYC machines), so the cache key holds the source hash, the
