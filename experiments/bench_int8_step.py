@@ -92,6 +92,11 @@ def run(args: argparse.Namespace) -> list[dict]:
             short = c.time_generate(prompts, 8)
             long = c.time_generate(prompts, 8 + args.steps)
             token_ms[name].append((long - short) / args.steps * 1e3)
+            print(
+                f"# round {r} {name}: decode step {step_ms[name][-1]:.2f} ms, "
+                f"{token_ms[name][-1]:.2f} ms/token",
+                flush=True,
+            )
     base = statistics.median(token_ms["bf16"]) if "bf16" in llms else None
     ref = tokens.get("bf16")
     rows = []
