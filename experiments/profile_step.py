@@ -45,6 +45,10 @@ ROWS = ("linears", "attention", "elementwise pieces", "LM head + sampling", "hos
 LINEAR_OPS = frozenset(
     {
         "piecewise::packed_linear",
+        "piecewise::int8_packed_linear",
+        "piecewise::int8_wo_packed_linear",
+        "piecewise::int8_scaled_mm",
+        "piecewise::int8_weight_only_mm",
         "mkldnn::_linear_pointwise",
         "aten::linear",
         "aten::addmm",
@@ -259,6 +263,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--attention-backend", help="default: the device's default backend")
     p.add_argument("--cache-dir", help="artifact cache root (default: the user cache)")
+    p.add_argument("--quantization", help="e.g. int8_per_token (default: none)")
     args = p.parse_args(argv)
     for name in ("batch", "prompt_len", "steps"):
         if getattr(args, name) <= 0:
@@ -284,10 +289,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         max_model_len=args.prompt_len + args.steps + 8,
         cache_dir=args.cache_dir,
         attention_backend=args.attention_backend,
+        quantization=args.quantization,
     )
     result = roofline(llm, args.batch, args.prompt_len, args.steps)
     print(
-        f"# decode step roofline: {path}, {args.dtype}, O{args.level}, batch {args.batch}, "
+        f"# decode step roofline: {path}, {args.dtype}"
+        f"{', ' + args.quantization if args.quantization else ''}, O{args.level}, "
+        f"batch {args.batch}, "
         f"prompt {args.prompt_len}, attention {llm.runner.attn_backend}, "
         f"{torch.get_num_threads()} threads, read bandwidth {result['bandwidth'] / 1e9:.1f} "
         f"GB/s, {result['steps']} profiled steps, {time.strftime('%Y-%m-%d %H:%M %Z')}"

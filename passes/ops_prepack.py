@@ -18,8 +18,11 @@ Layouts (:attr:`PackedLinearMethod.layout`):
 * ``onednn`` (fp32, or bf16 without the small-M kernel): oneDNN's packed bytes, every call on
   oneDNN.
 
-Registration: :func:`framework.core.ops.define_op` with a CPU kernel only; the op is
-functional (no mutation, output never aliases an input) and passes ``opcheck``.
+Registration: :func:`framework.core.ops.define_op`, the Python body below as the op's
+``CompositeExplicitAutograd`` kernel; :func:`passes.native_ops.load` adds the C++ CPU kernel
+(``csrc/torch_ops.cpp``: the small-M calls in C++, every other call handed to the same Python
+body under the name ``piecewise::packed_linear_python``).  The op is functional (no mutation,
+output never aliases an input) and passes ``opcheck``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 
 from framework.compat import onednn
 from framework.core.ops import define_op
+from passes import native_ops
 from passes import small_m_linear as small_m
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -84,9 +88,12 @@ def _fake(x, w, md, bias, out_features: int, in_features: int, max_rows: int) ->
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-packed_linear = define_op("piecewise::packed_linear", fake=_fake, default_key="cpu")(
+packed_linear = define_op("piecewise::packed_linear", fake=_fake)(packed_linear_cpu)
+packed_linear_python = define_op("piecewise::packed_linear_python", fake=_fake, default_key="cpu")(
     packed_linear_cpu
 )
+"""The Python body alone: what the C++ kernel hands the calls it does not take (and the
+"before" of the per-call overhead benchmark, ``experiments/bench_op_overhead.py``)."""
 
 
 def _release_weight(layer: nn.Module) -> None:
@@ -145,6 +152,8 @@ class PackedLinearMethod:
         n, k = layer.weight.shape
         dtype = layer.weight.dtype
         small = self.max_rows > 0 and dtype in small_m.DTYPES and small_m.kernel_available()
+        if small:
+            native_ops.load()  # the op's C++ kernel (else its Python body calls the kernel)
         layouts = {} if layouts is None else layouts
         key = (n, k, dtype, small)
         if small:

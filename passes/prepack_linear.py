@@ -11,6 +11,8 @@ shares, *when this pass is in the pass list*.  Each such linear then reaches the
 Stacked MoE experts in bf16 are re-laid out the same way (per expert, for the small-M kernel:
 :class:`passes.ops_prepack_moe.PackedExpertsMethod`) and reach the graph as
 ``piecewise.fused_moe_packed.default(...)``.
+(int8 layers: ``piecewise.int8_packed_linear`` / ``int8_wo_packed_linear``, see
+:mod:`passes.ops_int8`.)
 
 This pass is the switch and the record: it checks that every linear of the piece arrived
 packed and counts the packed linears and packed expert ops (``match_count``);
@@ -25,6 +27,7 @@ from typing import Optional
 import torch
 
 from passes.base import CompileRange, GraphPass, graph_device_types
+from passes.ops_int8 import PACKED_OPS
 from passes.ops_prepack import mkldnn_available, packed_linear
 from passes.ops_prepack_moe import fused_moe_packed
 from passes.registry import register_pass
@@ -48,5 +51,7 @@ class PrepackLinearPass(GraphPass):
         if graph_device_types(graph) - {"cpu"}:
             return  # GPU graphs: cuBLAS needs no prepacking
         for node in graph.nodes:
-            if node.op == "call_function" and node.target in (packed_linear, fused_moe_packed):
+            if node.op == "call_function" and (
+                node.target in (packed_linear, fused_moe_packed) or node.target in PACKED_OPS
+            ):
                 self.match_count += 1

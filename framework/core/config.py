@@ -152,24 +152,30 @@ class KernelConfig(StrictConfig):
     Default: the environment variable ``PIECEWISE_SMALL_M_LINEAR`` (``0`` turns it off), else on."""
     small_m_max_rows: int = 16
     """Rows (tokens) up to which a linear runs the small-M kernel; more go to oneDNN."""
+    int8_small_m_max_rows: int = 16
+    """Rows up to which an int8 linear (``int8_per_token``, ``int8_per_channel_weight_only``)
+    runs the small-M int8 kernel (``passes/int8_small_m.py``; its weight is then re-laid out
+    once for it); more go to ``torch._int_mm`` / torch's weight-only path.  0: int8 weights stay
+    plain and every call runs torch's path (the quant fusion passes then see the quant op).
+    ``small_m_linear = False`` turns this kernel off too."""
 
     def validate(self) -> None:
         if not isinstance(self.small_m_linear, bool):
             raise ValueError(
                 f"KernelConfig.small_m_linear: must be a bool, got {self.small_m_linear!r}"
             )
-        if (
-            isinstance(self.small_m_max_rows, bool)
-            or not isinstance(self.small_m_max_rows, int)
-            or self.small_m_max_rows < 0
-        ):
-            raise ValueError(
-                f"KernelConfig.small_m_max_rows: must be an int >= 0, got {self.small_m_max_rows!r}"
-            )
+        for name in ("small_m_max_rows", "int8_small_m_max_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"KernelConfig.{name}: must be an int >= 0, got {value!r}")
 
     def max_rows(self) -> int:
         """Rows up to which the small-M kernel runs (0: never)."""
         return self.small_m_max_rows if self.small_m_linear else 0
+
+    def int8_max_rows(self) -> int:
+        """Rows up to which the small-M int8 kernel runs (0: never, int8 weights stay plain)."""
+        return self.int8_small_m_max_rows if self.small_m_linear else 0
 
 
 @dataclass

@@ -1,13 +1,20 @@
-"""Build and load a project C++ kernel library with plain g++ + ctypes, cached per machine.
+"""Build and load a project C++ kernel library with plain g++, cached per machine: a ctypes
+library (:class:`NativeLibrary`) or a torch op library (:class:`TorchOpLibrary`).
 
 Used by every hand-written CPU kernel (the fused paged attention in ``backends/attention``,
-the small-M linear in ``passes``): one :class:`NativeLibrary` per source file.
+the small-M linears in ``passes``): one :class:`NativeLibrary` per source file; the kernels'
+torch ops (``TORCH_LIBRARY_IMPL`` kernels of ``piecewise::`` ops, ``passes/csrc/torch_ops.cpp``)
+are one :class:`TorchOpLibrary`, built with torch's headers and loaded with
+``torch.ops.load_library``, so the graph's op calls reach C++ without a Python op body.
 
-Why plain g++ + ctypes rather than ``torch.utils.cpp_extension``: the kernels need no torch
-headers (they work on data pointers), so one g++ call builds a library in ~1-2 s, against
-~40-60 s for a C++ extension on this project's 2-core machines (that would eat CI's test
-budget on a fresh cache).  A ctypes call costs ~3 µs here, about one torch op dispatch, so
-nothing is lost per call; the ops users see stay ``piecewise::`` ops.
+Why plain g++ rather than ``torch.utils.cpp_extension``: one compiler call, no setuptools or
+ninja, and one cache with atomic publication for both kinds.  The kernels themselves need no
+torch headers (they work on data pointers), so a ctypes library builds in ~1-2 s; the torch
+op library compiles torch's headers once per machine and torch version (~20 s on this
+project's 2-core machines, quiet; cached in the kernel directory like the rest).  Per call, a
+ctypes call costs ~3 µs, but reaching it from a graph also costs the op's Python body
+(reshapes, checks, ``data_ptr`` s): ~32 µs per call on a 64x64 bf16 linear against ~12 µs for
+the C++ op kernel, under load (``python -m experiments.bench_op_overhead``).
 
 The build is per machine: ``-O3 -march=native`` lets the compiler vectorise for this CPU
 (AVX-512 on the project's EPYC machines), so the cache key holds the source hash, the
@@ -44,6 +51,7 @@ from framework.core.files import (
 )
 
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+MARCH_NATIVE = "-march=native"
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -84,7 +92,10 @@ class NativeLibrary:
     """One C++ source file built into ``lib<name>.so`` and loaded through ctypes.
 
     ``declare(lib)`` sets the ``argtypes``/``restype`` of the library's C functions after each
-    load; ``portable_env`` names the environment variable that forces the portable build.
+    load; ``portable_env`` names the environment variable that forces the portable build;
+    ``extra_flags`` are added to both builds (e.g. ``-ffp-contract=off`` where a kernel must
+    round as torch does); ``depends`` are further source files the build reads (``#include``
+    d), hashed into the build key with ``source``.
     """
 
     def __init__(
@@ -94,11 +105,15 @@ class NativeLibrary:
         *,
         portable_env: str,
         declare: Callable[[ctypes.CDLL], None],
+        extra_flags: tuple[str, ...] = (),
+        depends: tuple[Path, ...] = (),
     ) -> None:
         self.name = name
         self.source = Path(source)
         self.portable_env = portable_env
         self._declare = declare
+        self.extra_flags = tuple(extra_flags)
+        self.depends = tuple(Path(d) for d in depends)
         self.load = functools.lru_cache(maxsize=None)(self._load)
 
     def __repr__(self) -> str:
@@ -108,19 +123,33 @@ class NativeLibrary:
         h = hashlib.sha256()
         for part in (
             self.source.read_bytes(),
+            *(d.read_bytes() for d in self.depends),
             _compiler_identity(cxx).encode(),
             " ".join(flags).encode(),
-            cpu_flags().encode() if "-march=native" in flags else b"",
+            cpu_flags().encode() if MARCH_NATIVE in flags else b"",
             platform.machine().encode(),
+            self._toolchain_identity().encode(),
         ):
             h.update(part)
             h.update(b"\0")
         return h.hexdigest()[:20]
 
+    def _toolchain_identity(self) -> str:
+        """What else the build depends on (a torch op library: torch's version)."""
+        return ""
+
+    def _link_flags(self) -> tuple[str, ...]:
+        """Flags after the source on the command line (libraries to link)."""
+        return ()
+
+    def _flag_sets(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(native, portable) compiler flags."""
+        return NATIVE_FLAGS + self.extra_flags, PORTABLE_FLAGS + self.extra_flags
+
     def _compile(self, cxx: str, flags: tuple[str, ...], target: Path) -> None:
         def build(tmp: Path) -> None:
             proc = subprocess.run(
-                [cxx, *flags, str(self.source), "-o", str(tmp)],
+                [cxx, *flags, str(self.source), *self._link_flags(), "-o", str(tmp)],
                 capture_output=True,
                 text=True,
                 check=False,
@@ -158,7 +187,8 @@ class NativeLibrary:
             )
         if portable is None:
             portable = self.portable_forced()
-        candidates = [PORTABLE_FLAGS] if portable else [NATIVE_FLAGS, PORTABLE_FLAGS]
+        native, portable_flags = self._flag_sets()
+        candidates = [portable_flags] if portable else [native, portable_flags]
         errors = []
         for flags in candidates:
             target = (
@@ -188,3 +218,75 @@ class NativeLibrary:
             raise KernelBuildError(f"cannot load {path}: {e}") from e
         self._declare(lib)
         return lib
+
+
+class TorchOpLibrary(NativeLibrary):
+    """One C++ source file registering kernels of torch ops (``TORCH_LIBRARY_IMPL``), built
+    against the running torch's headers and libraries and loaded with
+    ``torch.ops.load_library`` (registration happens as the library is loaded).  The build key
+    adds torch's version; the cache, the portable variant and atomic publication are
+    :class:`NativeLibrary`'s.  Compiling torch's headers takes tens of seconds on a 2-core
+    machine, once per machine and torch version (the kernel cache keeps the result).
+
+    Load it once per process (``load()``): a second variant would register the same kernels
+    again."""
+
+    def __init__(
+        self,
+        name: str,
+        source: Path,
+        *,
+        portable_env: str,
+        extra_flags: tuple[str, ...] = (),
+        depends: tuple[Path, ...] = (),
+    ) -> None:
+        super().__init__(
+            name,
+            source,
+            portable_env=portable_env,
+            declare=lambda lib: None,
+            extra_flags=extra_flags,
+            depends=depends,
+        )
+
+    @staticmethod
+    def _torch_dirs() -> tuple[Path, list[Path]]:
+        import torch
+
+        root = Path(torch.__file__).resolve().parent
+        return root / "lib", [
+            root / "include",
+            root / "include" / "torch" / "csrc" / "api" / "include",
+        ]
+
+    def _toolchain_identity(self) -> str:
+        import torch
+
+        return f"torch {torch.__version__} {torch.version.git_version}"
+
+    def _flag_sets(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        import torch
+
+        _, includes = self._torch_dirs()
+        common = (
+            *self.extra_flags,
+            *(f"-I{p}" for p in includes),
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+        )
+        return NATIVE_FLAGS + common, PORTABLE_FLAGS + common
+
+    def _link_flags(self) -> tuple[str, ...]:
+        lib, _ = self._torch_dirs()
+        return (f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}")
+
+    def _load(self, portable: Optional[bool] = None):  # type: ignore[override]
+        """Load (building if needed) the library: its kernels are registered from then on.
+        Returns the library's path."""
+        import torch
+
+        path = self.library_path(portable)
+        try:
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError) as e:
+            raise KernelBuildError(f"cannot load {path}: {e}") from e
+        return path

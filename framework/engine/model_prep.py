@@ -2,7 +2,8 @@
 re-laid out once for the kernels that read them (vLLM's ``process_weights_after_loading``).
 
 After :func:`process_weights` every CPU linear the ``prepack_linear`` pass covers holds its
-weight once, packed (``PackedLinearMethod``); the plain originals are gone.  A weight shared
+weight once, packed (``PackedLinearMethod``; int8 layers: ``PackedInt8LinearMethod``); the plain
+originals are gone.  A weight shared
 by several modules (a tied LM head and embedding) stays plain: packing it would hold it twice.
 """
 
@@ -19,6 +20,7 @@ import torch
 from framework.core.config import CompilationConfig
 from framework.core.quantization import QuantizationConfig
 from models.loader import load_model
+from passes.ops_int8 import PackedInt8LinearMethod
 from passes.ops_prepack import PackedLinearMethod
 from passes.ops_prepack_moe import PackedExpertsMethod
 from passes.quant_schemes import (
@@ -90,17 +92,31 @@ def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[s
 
     Eligible: a module exposing ``linear_method`` (None: no quantization scheme took it) and
     a 2-D CPU bf16/fp32 weight that no other module shares.  The LM head is included (it runs
-    outside the compiled graph and is the largest matmul of a small model).  Stacked MoE
-    experts (``moe_method`` None, bf16, the small-M kernel on) get their ``w13`` / ``w2``
-    re-laid out per expert (:class:`passes.ops_prepack_moe.PackedExpertsMethod`)."""
+    outside the compiled graph and is the largest matmul of a small model).  int8 layers of
+    the dynamic per-token and weight-only schemes are re-laid out for the small-M int8 kernel
+    when ``kernel_config.int8_max_rows()`` is above 0.  Stacked MoE experts (``moe_method``
+    None, bf16, the small-M kernel on) get their ``w13`` / ``w2`` re-laid out per expert
+    (:class:`passes.ops_prepack_moe.PackedExpertsMethod`)."""
     if "prepack_linear" not in config.pass_config.passes:
         return []
     owners = Counter(id(p) for _, m in model.named_modules() for p in m.parameters(recurse=False))
     max_rows = config.kernel_config.max_rows()
+    int8_rows = config.kernel_config.int8_max_rows()
     layouts: dict = {}  # per shape: does oneDNN read the panel layout (found once per shape)
     packed = []
     for name, module in model.named_modules():
-        if not hasattr(module, "linear_method") or not PackedLinearMethod.applies_to(module):
+        if not hasattr(module, "linear_method"):
+            continue
+        if int8_rows > 0 and PackedInt8LinearMethod.applies_to(module):
+            if owners[id(module.weight)] > 1:
+                continue
+            int8_method = PackedInt8LinearMethod(module.linear_method, int8_rows)
+            if int8_method.process(module):
+                module.linear_method = int8_method
+                packed.append(name)
+                release_free_memory()
+            continue
+        if not PackedLinearMethod.applies_to(module):
             continue
         if owners[id(module.weight)] > 1:
             continue  # tied: the other owner still reads the plain layout

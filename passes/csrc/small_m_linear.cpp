@@ -11,9 +11,10 @@
 // (24 accumulators in registers); more rows take further passes over k-blocks of the panel
 // that are then in L1/L2.  Panels are split over OpenMP threads (torch's pool: libgomp is shared by soname).
 //
-// No torch headers: a C ABI called through ctypes on data pointers (framework/core/
-// native_build.py builds it with -O3 -march=native, or portable -O3 where that fails).  The
-// portable path runs the same layout with plain loops the compiler vectorises.
+// No torch headers: a C ABI on data pointers, called through ctypes (framework/core/
+// native_build.py builds it with -O3 -march=native, or portable -O3 where that fails) or from
+// the piecewise torch ops (csrc/torch_ops.cpp includes this file, hence the named namespace).
+// The portable path runs the same layout with plain loops the compiler vectorises.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -27,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-namespace {
+namespace pw_small_m {
 
 constexpr int kLanes = 64;    // output features per panel
 constexpr int kMaxRows = 6;   // rows per pass over a panel
@@ -200,7 +201,7 @@ void run(const Args& a) {
   }
 }
 
-}  // namespace
+}  // namespace pw_small_m
 
 extern "C" {
 
@@ -210,6 +211,7 @@ extern "C" {
 int piecewise_small_m_linear(const void* x, int64_t x_st, int64_t m, const void* w_packed,
                              const void* bias, void* out, int64_t out_st, int64_t n, int64_t k,
                              int64_t dtype) {
+  using namespace pw_small_m;
   if (dtype != 1) return 1;
   if (m < 0 || n <= 0 || k <= 0 || x_st < k || out_st < n) return 2;
   if (m == 0) return 0;
@@ -220,7 +222,7 @@ int piecewise_small_m_linear(const void* x, int64_t x_st, int64_t m, const void*
 }
 
 // Outputs per panel of the packed layout.
-int64_t piecewise_small_m_linear_lanes() { return kLanes; }
+int64_t piecewise_small_m_linear_lanes() { return pw_small_m::kLanes; }
 
 // Which instruction set the build uses (for logs and benchmarks).
 const char* piecewise_small_m_linear_isa() {

@@ -1,0 +1,509 @@
+// Small-M int8 linears (see passes/int8_small_m.py for the contract): y = x @ (W_q * s_w)^T
+// (+ bias) for the few rows of a decode step, streaming the int8 weight once.
+//
+// Two entries over one weight layout:
+// * W8A8, dynamic per-token activations (piecewise_int8_linear): each row of x (bf16 or fp32)
+//   is quantised in the prologue exactly as passes/ops/activation_quant.py does
+//   (s_x = max(absmax / 127, 1e-10); q = clamp(rint(x / s_x), -128, 127), in fp32), then
+//   offset to unsigned (u = q + 128, in [0, 255]) for VNNI's u8 x s8 product `vpdpbusd`.
+//   The offset is taken back with a per-channel constant computed once at packing:
+//   comp[n] = 128 * sum_k W_q[n][k], so acc[m][n] = sum_k u x W_q - comp[n] = sum_k q x W_q
+//   exactly (int32; no overflow for K < 2^31 / (255 * 128) = 65793).  Epilogue in fp32, in
+//   the reference's order: y = float(acc) * s_x[m] * s_w[n] (+ bias[n]), rounded once to the
+//   output dtype; the library is built with -ffp-contract=off, so no FMA changes a bit and the
+//   result equals dynamic_per_token_quant + torch._int_mm + the scaled-mm epilogue.
+// * weight-only (piecewise_int8_wo_linear): x stays in floating point; each int8 weight is
+//   widened to fp32 in registers (sign-extending shifts + vcvtdq2ps) and FMA'd; y = acc * s_w
+//   (+ bias), one rounding.
+//
+// Layout (re-laid once at load, in Python): panels of 64 output features, 4 consecutive k per
+// 32-bit lane (what vpdpbusd reads):
+//   packed[p][i][j][t] = W_q[64 p + j][4 i + t]    p < ceil(N/64), i < ceil(K/4), j < 64, t < 4
+// zero-padded in N and K: one k-quad of a panel is 256 contiguous bytes (four 16-lane
+// vectors), a panel one contiguous stream.  Up to 6 rows share one pass over a panel (24
+// accumulators); more rows take further passes over k-blocks of the panel held in L1/L2.
+// Panels are split over OpenMP threads (torch's pool: libgomp is shared by soname).
+//
+// No torch headers: a C ABI on data pointers, called through ctypes (tests, the portable build)
+// or from the piecewise torch ops (csrc/torch_ops.cpp includes this file).  Without AVX-512
+// the same layout runs plain loops the compiler vectorises.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PW_I8_AVX512 1
+#include <immintrin.h>
+#if defined(__AVX512VNNI__)
+#define PW_I8_VNNI 1
+#endif
+#endif
+
+namespace pw_int8 {
+
+constexpr int kLanes = 64;            // output features per panel
+constexpr int kQuad = 4;              // k per 32-bit lane
+constexpr int kMaxRows = 6;           // rows per pass over a panel
+constexpr int64_t kBlockQuads = 256;  // k-quads per block (64 KB of a panel) with several passes
+// Below this many weight bytes one thread streams the weight faster than a team wakes up.
+constexpr int64_t kParallelMinBytes = 96 * 1024;
+constexpr float kQMax = 127.0f;
+constexpr float kMinScale = 1e-10f;  // MIN_DYNAMIC_SCALE of passes/ops/quant_utils.py
+
+enum : int64_t { kFloat32 = 0, kBFloat16 = 1 };
+
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load1(const void* p, int64_t i, int64_t dt) {
+  return dt == kBFloat16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i])
+                         : static_cast<const float*>(p)[i];
+}
+
+inline void store1(void* p, int64_t i, float v, int64_t dt) {
+  if (dt == kBFloat16)
+    static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  else
+    static_cast<float*>(p)[i] = v;
+}
+
+#if defined(PW_I8_AVX512)
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+inline __m512 load16(const void* p, int64_t i, __mmask16 mask, int64_t dt) {
+  if (dt == kBFloat16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+}
+
+inline void store16(void* p, int64_t i, __m512 v, __mmask16 mask, int64_t dt) {
+  if (dt == kBFloat16) {  // round to nearest even exactly as f32_to_bf16 (NaN kept quiet)
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + i, mask, _mm512_cvtepi32_epi16(r));
+  } else {
+    _mm512_mask_storeu_ps(static_cast<float*>(p) + i, mask, v);
+  }
+}
+#endif
+
+// --- the prologue: per-token quantisation (W8A8) or widening to fp32 (weight-only) ----------
+
+// Row r of x quantised into u (kq * 4 bytes, the K tail padded with 128, i.e. q = 0); returns
+// the row's scale.
+inline float quantize_row(const void* x, int64_t k, int64_t dt, uint8_t* u, int64_t kpad) {
+#if defined(PW_I8_AVX512)
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = tail_mask(k - i);
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, i, m, dt)));
+  }
+  const float absmax = _mm512_reduce_max_ps(mx);
+#else
+  float absmax = 0.0f;
+  for (int64_t i = 0; i < k; ++i) absmax = std::max(absmax, std::fabs(load1(x, i, dt)));
+#endif
+  const float scale = std::max(absmax / kQMax, kMinScale);
+#if defined(PW_I8_AVX512)
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+  const __m512i off = _mm512_set1_epi32(128);
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = tail_mask(k - i);
+    __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(load16(x, i, m, dt), s));  // rint (RNE)
+    q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), off);
+    _mm512_mask_cvtusepi32_storeu_epi8(u + i, m, q);
+  }
+#else
+  for (int64_t i = 0; i < k; ++i) {
+    float q = std::nearbyint(load1(x, i, dt) / scale);
+    q = std::min(std::max(q, -128.0f), 127.0f);
+    u[i] = static_cast<uint8_t>(static_cast<int32_t>(q) + 128);
+  }
+#endif
+  std::memset(u + k, 128, kpad - k);
+  return scale;
+}
+
+// --- W8A8 panels -------------------------------------------------------------------------------
+
+struct QArgs {
+  const uint8_t* u;  // quantised rows, offset by 128: [m][kq * 4]
+  const float* xs;   // per-row scales [m]
+  int64_t m;
+  const int8_t* w;      // packed
+  const int32_t* comp;  // [n]: 128 * sum_k W_q[n][k]
+  const float* ws;      // [n]
+  const void* bias;     // [n] in dt, or null
+  void* out;
+  int64_t out_st;
+  int64_t n;
+  int64_t kq;  // ceil(K / 4)
+  int64_t dt;  // dtype of x, bias and out
+};
+
+// One pass of MR rows (from m0) over k-quads [i0, i1) of panel p.  `first`: start from zero,
+// else from the partial sums in `buf` (MR x 64 int32); `last`: run the epilogue, else leave the
+// partial sums in `buf`.
+#if defined(PW_I8_VNNI)
+
+template <int MR>
+void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32_t* buf,
+            bool first, bool last) {
+  const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
+  const int64_t ust = a.kq * kQuad;
+  const uint8_t* u = a.u + m0 * ust;
+  __m512i acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < 4; ++b)
+      acc[r][b] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(buf + r * kLanes + 16 * b);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int8_t* wi = w + i * kQuad * kLanes;
+    const __m512i w0 = _mm512_loadu_si512(wi);
+    const __m512i w1 = _mm512_loadu_si512(wi + 64);
+    const __m512i w2 = _mm512_loadu_si512(wi + 128);
+    const __m512i w3 = _mm512_loadu_si512(wi + 192);
+    for (int r = 0; r < MR; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, u + r * ust + kQuad * i, 4);
+      const __m512i xb = _mm512_set1_epi32(quad);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], xb, w2);
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], xb, w3);
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < 4; ++b) _mm512_storeu_si512(buf + r * kLanes + 16 * b, acc[r][b]);
+    return;
+  }
+  const int64_t n0 = p * kLanes;
+  for (int b = 0; b < 4; ++b) {
+    const int64_t left = a.n - n0 - 16 * b;
+    if (left <= 0) break;
+    const __mmask16 mask = tail_mask(left);
+    const __m512i comp = _mm512_maskz_loadu_epi32(mask, a.comp + n0 + 16 * b);
+    const __m512 ws = _mm512_maskz_loadu_ps(mask, a.ws + n0 + 16 * b);
+    const __m512 bias = a.bias ? load16(a.bias, n0 + 16 * b, mask, a.dt) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b], comp));
+      y = _mm512_mul_ps(y, _mm512_set1_ps(a.xs[m0 + r]));
+      y = _mm512_mul_ps(y, ws);
+      if (a.bias) y = _mm512_add_ps(y, bias);
+      store16(a.out, (m0 + r) * a.out_st + n0 + 16 * b, y, mask, a.dt);
+    }
+  }
+}
+
+#else  // portable: the same packed layout, plain loops
+
+template <int MR>
+void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32_t* buf,
+            bool first, bool last) {
+  const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
+  const int64_t ust = a.kq * kQuad;
+  const uint8_t* u = a.u + m0 * ust;
+  int32_t acc[MR][kLanes];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < kLanes; ++j) acc[r][j] = first ? 0 : buf[r * kLanes + j];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int8_t* wi = w + i * kQuad * kLanes;
+    for (int r = 0; r < MR; ++r) {
+      const uint8_t* ur = u + r * ust + kQuad * i;
+      const int32_t u0 = ur[0], u1 = ur[1], u2 = ur[2], u3 = ur[3];
+#pragma omp simd
+      for (int j = 0; j < kLanes; ++j)
+        acc[r][j] += u0 * wi[4 * j] + u1 * wi[4 * j + 1] + u2 * wi[4 * j + 2] + u3 * wi[4 * j + 3];
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < kLanes; ++j) buf[r * kLanes + j] = acc[r][j];
+    return;
+  }
+  const int64_t n0 = p * kLanes;
+  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
+  for (int r = 0; r < MR; ++r) {
+    const int64_t row = (m0 + r) * a.out_st + n0;
+    for (int64_t j = 0; j < valid; ++j) {
+      float y = static_cast<float>(acc[r][j] - a.comp[n0 + j]);
+      y = y * a.xs[m0 + r];
+      y = y * a.ws[n0 + j];
+      if (a.bias) y = y + load1(a.bias, n0 + j, a.dt);
+      store1(a.out, row + j, y, a.dt);
+    }
+  }
+}
+
+#endif
+
+// --- weight-only panels ---------------------------------------------------------------------
+
+struct WArgs {
+  const float* x;  // rows widened to fp32: [m][kq * 4], K tail zero
+  int64_t m;
+  const int8_t* w;   // packed
+  const float* ws;   // [n]
+  const void* bias;  // [n] in dt, or null
+  void* out;
+  int64_t out_st;
+  int64_t n;
+  int64_t kq;
+  int64_t dt;
+};
+
+#if defined(PW_I8_AVX512)
+
+template <int MR>
+void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
+            bool last) {
+  const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
+  const int64_t xst = a.kq * kQuad;
+  const float* x = a.x + m0 * xst;
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < 4; ++b)
+      acc[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(buf + r * kLanes + 16 * b);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int8_t* wi = w + i * kQuad * kLanes;
+    for (int b = 0; b < 4; ++b) {
+      const __m512i v = _mm512_loadu_si512(wi + 64 * b);
+      // byte t of each lane, sign-extended: (v << (24 - 8t)) >> 24 (arithmetic)
+      const __m512 f0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
+      const __m512 f1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24));
+      const __m512 f2 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24));
+      const __m512 f3 = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24));
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * xst + kQuad * i;
+        __m512 s = acc[r][b];
+        s = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), f0, s);
+        s = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), f1, s);
+        s = _mm512_fmadd_ps(_mm512_set1_ps(xr[2]), f2, s);
+        acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(xr[3]), f3, s);
+      }
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < 4; ++b) _mm512_storeu_ps(buf + r * kLanes + 16 * b, acc[r][b]);
+    return;
+  }
+  const int64_t n0 = p * kLanes;
+  for (int b = 0; b < 4; ++b) {
+    const int64_t left = a.n - n0 - 16 * b;
+    if (left <= 0) break;
+    const __mmask16 mask = tail_mask(left);
+    const __m512 ws = _mm512_maskz_loadu_ps(mask, a.ws + n0 + 16 * b);
+    const __m512 bias = a.bias ? load16(a.bias, n0 + 16 * b, mask, a.dt) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      __m512 y = _mm512_mul_ps(acc[r][b], ws);
+      if (a.bias) y = _mm512_add_ps(y, bias);
+      store16(a.out, (m0 + r) * a.out_st + n0 + 16 * b, y, mask, a.dt);
+    }
+  }
+}
+
+#else
+
+template <int MR>
+void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
+            bool last) {
+  const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
+  const int64_t xst = a.kq * kQuad;
+  const float* x = a.x + m0 * xst;
+  float acc[MR][kLanes];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < kLanes; ++j) acc[r][j] = first ? 0.0f : buf[r * kLanes + j];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int8_t* wi = w + i * kQuad * kLanes;
+    for (int r = 0; r < MR; ++r) {
+      const float* xr = x + r * xst + kQuad * i;
+      const float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
+#pragma omp simd
+      for (int j = 0; j < kLanes; ++j)
+        acc[r][j] += x0 * wi[4 * j] + x1 * wi[4 * j + 1] + x2 * wi[4 * j + 2] + x3 * wi[4 * j + 3];
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < kLanes; ++j) buf[r * kLanes + j] = acc[r][j];
+    return;
+  }
+  const int64_t n0 = p * kLanes;
+  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
+  for (int r = 0; r < MR; ++r) {
+    const int64_t row = (m0 + r) * a.out_st + n0;
+    for (int64_t j = 0; j < valid; ++j) {
+      float y = acc[r][j] * a.ws[n0 + j];
+      if (a.bias) y = y + load1(a.bias, n0 + j, a.dt);
+      store1(a.out, row + j, y, a.dt);
+    }
+  }
+}
+
+#endif
+
+// --- the driver: panels over threads, rows in passes of <= 6 ----------------------------------
+
+// One panel, all rows.  Rows go in passes of <= 6 (balanced: 8 rows -> 4 + 4).  One pass streams
+// the whole panel; with several passes the panel is cut into k-blocks small enough to stay in
+// L1/L2 across the passes (partial sums wait in `buf`), so the weight is read from memory once.
+template <class Acc, class Panel>
+void run_panel(int64_t m, int64_t kq, int64_t p, std::vector<Acc>& buf, Panel panel) {
+  const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
+  const int64_t rows = (m + passes - 1) / passes;
+  if (passes == 1) return panel(p, 0, m, 0, kq, nullptr, true, true);
+  buf.resize(m * kLanes);
+  for (int64_t i0 = 0; i0 < kq; i0 += kBlockQuads) {
+    const int64_t i1 = std::min(kq, i0 + kBlockQuads);
+    for (int64_t m0 = 0; m0 < m; m0 += rows)
+      panel(p, m0, std::min(rows, m - m0), i0, i1, buf.data() + m0 * kLanes, i0 == 0, i1 == kq);
+  }
+}
+
+template <class Acc, class Panel>
+void run_all(int64_t m, int64_t n, int64_t kq, Panel panel) {
+  const int64_t panels = (n + kLanes - 1) / kLanes;
+  const bool parallel = panels > 1 && n * kq * kQuad >= kParallelMinBytes;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<Acc> buf;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) run_panel<Acc>(m, kq, p, buf, panel);
+  }
+}
+
+void run_quantized(const QArgs& a) {
+  run_all<int32_t>(a.m, a.n, a.kq,
+                   [&a](int64_t p, int64_t m0, int64_t mr, int64_t i0, int64_t i1, int32_t* buf,
+                        bool first, bool last) {
+                     switch (mr) {
+                       case 1: return qpanel<1>(a, p, m0, i0, i1, buf, first, last);
+                       case 2: return qpanel<2>(a, p, m0, i0, i1, buf, first, last);
+                       case 3: return qpanel<3>(a, p, m0, i0, i1, buf, first, last);
+                       case 4: return qpanel<4>(a, p, m0, i0, i1, buf, first, last);
+                       case 5: return qpanel<5>(a, p, m0, i0, i1, buf, first, last);
+                       default: return qpanel<6>(a, p, m0, i0, i1, buf, first, last);
+                     }
+                   });
+}
+
+void run_weight_only(const WArgs& a) {
+  run_all<float>(a.m, a.n, a.kq,
+                 [&a](int64_t p, int64_t m0, int64_t mr, int64_t i0, int64_t i1, float* buf,
+                      bool first, bool last) {
+                   switch (mr) {
+                     case 1: return wpanel<1>(a, p, m0, i0, i1, buf, first, last);
+                     case 2: return wpanel<2>(a, p, m0, i0, i1, buf, first, last);
+                     case 3: return wpanel<3>(a, p, m0, i0, i1, buf, first, last);
+                     case 4: return wpanel<4>(a, p, m0, i0, i1, buf, first, last);
+                     case 5: return wpanel<5>(a, p, m0, i0, i1, buf, first, last);
+                     default: return wpanel<6>(a, p, m0, i0, i1, buf, first, last);
+                   }
+                 });
+}
+
+inline int check(int64_t m, int64_t x_st, int64_t out_st, int64_t n, int64_t k, int64_t dt) {
+  if (dt != kFloat32 && dt != kBFloat16) return 1;
+  if (m < 0 || n <= 0 || k <= 0 || x_st < k || out_st < n) return 2;
+  return 0;
+}
+
+inline const char* byte_offset(const void* p, int64_t elems, int64_t dt) {
+  return static_cast<const char*>(p) + elems * (dt == kBFloat16 ? 2 : 4);
+}
+
+}  // namespace pw_int8
+
+extern "C" {
+
+// W8A8 with dynamic per-token activation quantisation.  x [m, k] (row stride x_st) and out
+// [m, n] (row stride out_st) in `dtype` (0 = float32, 1 = bfloat16), as is bias [n] (or null);
+// w the packed int8 weight (layout above), comp [n] int32 = 128 * row sums of W_q, w_scale [n]
+// fp32.  Returns 0, or 1 for a bad dtype, 2 for bad sizes.
+int piecewise_int8_linear(const void* x, int64_t x_st, int64_t m, const void* w_packed,
+                          const int32_t* comp, const float* w_scale, const void* bias, void* out,
+                          int64_t out_st, int64_t n, int64_t k, int64_t dtype) {
+  using namespace pw_int8;
+  if (int rc = check(m, x_st, out_st, n, k, dtype)) return rc;
+  if (m == 0) return 0;
+  const int64_t kq = (k + kQuad - 1) / kQuad, kpad = kq * kQuad;
+  thread_local std::vector<uint8_t> u;
+  thread_local std::vector<float> xs;
+  u.resize(m * kpad);
+  xs.resize(m);
+  for (int64_t r = 0; r < m; ++r)
+    xs[r] = quantize_row(byte_offset(x, r * x_st, dtype), k, dtype, u.data() + r * kpad, kpad);
+  const QArgs a{u.data(), xs.data(), m,      static_cast<const int8_t*>(w_packed),
+                comp,     w_scale,   bias,   out,
+                out_st,   n,         kq,     dtype};
+  run_quantized(a);
+  return 0;
+}
+
+// Weight-only int8: x, bias, out as above; w_scale [n] fp32.
+int piecewise_int8_wo_linear(const void* x, int64_t x_st, int64_t m, const void* w_packed,
+                             const float* w_scale, const void* bias, void* out, int64_t out_st,
+                             int64_t n, int64_t k, int64_t dtype) {
+  using namespace pw_int8;
+  if (int rc = check(m, x_st, out_st, n, k, dtype)) return rc;
+  if (m == 0) return 0;
+  const int64_t kq = (k + kQuad - 1) / kQuad, kpad = kq * kQuad;
+  thread_local std::vector<float> xf;
+  xf.assign(m * kpad, 0.0f);
+  for (int64_t r = 0; r < m; ++r) {
+    const void* xr = byte_offset(x, r * x_st, dtype);
+    for (int64_t i = 0; i < k; ++i) xf[r * kpad + i] = load1(xr, i, dtype);
+  }
+  const WArgs a{xf.data(), m, static_cast<const int8_t*>(w_packed), w_scale, bias, out, out_st, n, kq,
+          dtype};
+  run_weight_only(a);
+  return 0;
+}
+
+// Outputs per panel and k per lane of the packed layout.
+int64_t piecewise_int8_linear_lanes() { return pw_int8::kLanes; }
+int64_t piecewise_int8_linear_quad() { return pw_int8::kQuad; }
+
+// Which instruction set the build uses (for logs and benchmarks).
+const char* piecewise_int8_linear_isa() {
+#if defined(PW_I8_VNNI)
+  return "avx512_vnni";
+#elif defined(PW_I8_AVX512)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__ARM_NEON)
+  return "neon";
+#else
+  return "portable";
+#endif
+}
+
+}  // extern "C"

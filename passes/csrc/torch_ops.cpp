@@ -1,0 +1,199 @@
+// The CPU kernels of the piecewise linear ops, registered with the torch dispatcher
+// (TORCH_LIBRARY_IMPL), so a graph's call of the op reaches C++ directly: no Python op body,
+// no ctypes marshalling.  Built by passes/native_ops.py (framework/core/native_build.py's
+// TorchOpLibrary) and loaded with torch.ops.load_library.
+//
+// The ops' schemas, fakes and Python implementations are defined in Python (framework/core/
+// ops.py define_op; passes/ops_prepack.py, passes/ops_int8.py): each op's Python body is its
+// CompositeExplicitAutograd kernel (any device, and CPU when this library is not loaded); this
+// file adds the CPU kernel, which takes the small-M calls (rows <= the call's max_rows, dtypes
+// and layouts the kernels read) and hands every other call to the op's twin
+// `piecewise::<op>_python`, the same Python body registered under its own name.
+//
+//   packed_linear(x, w, md, bias, N, K, max_rows)                  bf16 small-M kernel
+//   int8_packed_linear(x, w, w_scale, w_comp, bias, N, K, max_rows)  W8A8, quantised in-kernel
+//   int8_wo_packed_linear(x, w, w_scale, bias, N, K, max_rows)      int8 weight-only
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "int8_linear.cpp"
+#include "small_m_linear.cpp"
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::BFloat16: return "torch.bfloat16";
+    case c10::ScalarType::Float: return "torch.float32";
+    case c10::ScalarType::Half: return "torch.float16";
+    case c10::ScalarType::Double: return "torch.float64";
+    case c10::ScalarType::Char: return "torch.int8";
+    case c10::ScalarType::Int: return "torch.int32";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// Rows of x as a [rows, K] matrix, or -1 when x is not [..., K].
+int64_t rows_of(const at::Tensor& x, int64_t k) {
+  if (x.dim() == 0 || x.size(-1) != k || k <= 0) return -1;
+  return x.numel() / k;
+}
+
+at::Tensor as_rows(const at::Tensor& x, int64_t rows, int64_t k) {
+  at::Tensor x2 = x.dim() == 2 ? x : x.reshape({rows, k});
+  return x2.stride(1) == 1 ? x2 : x2.contiguous();
+}
+
+int64_t row_stride(const at::Tensor& x2, int64_t k) {
+  return x2.size(0) > 1 ? x2.stride(0) : k;  // a size-1 dim's stride can be anything
+}
+
+at::Tensor with_rows(const at::Tensor& out, const at::Tensor& x, int64_t n) {
+  if (x.dim() == 2) return out;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return out.view(sizes);
+}
+
+// bias [n] in `dtype`, unit stride (or none); false: not a bias the kernels read.
+bool bias_ok(const OptTensor& bias, int64_t n, c10::ScalarType dtype) {
+  return !bias.has_value() ||
+         (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == dtype &&
+          bias->device().is_cpu());
+}
+
+const void* bias_ptr(const OptTensor& bias, at::Tensor& keep) {
+  if (!bias.has_value()) return nullptr;
+  keep = bias->stride(0) == 1 ? *bias : bias->contiguous();
+  return keep.data_ptr();
+}
+
+int64_t kernel_dtype(c10::ScalarType t) {
+  return t == c10::ScalarType::BFloat16 ? pw_int8::kBFloat16 : pw_int8::kFloat32;
+}
+
+bool panel_shape(const at::Tensor& w, int64_t n, int64_t k, int64_t lanes, int64_t per_lane) {
+  return w.dim() == 4 && w.size(0) == (n + lanes - 1) / lanes &&
+         w.size(1) == (k + per_lane - 1) / per_lane && w.size(2) == lanes &&
+         w.size(3) == per_lane && w.is_contiguous() && w.device().is_cpu();
+}
+
+// --- bf16: packed_linear ----------------------------------------------------------------------
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTensor& md,
+                         const OptTensor& bias, int64_t n, int64_t k, int64_t max_rows) {
+  TORCH_CHECK_TYPE(x.scalar_type() == w.scalar_type(), "piecewise::packed_linear: x (",
+                   dtype_name(x.scalar_type()), ") and w (", dtype_name(w.scalar_type()),
+                   ") differ");
+  const int64_t rows = rows_of(x, k);
+  if (rows >= 0 && rows <= max_rows && x.scalar_type() == c10::ScalarType::BFloat16 &&
+      panel_shape(w, n, k, pw_small_m::kLanes, 2)) {
+    TORCH_CHECK_VALUE(bias_ok(bias, n, w.scalar_type()), "piecewise::packed_linear: bias ",
+                      bias->sizes(), " ", dtype_name(bias->scalar_type()), " for w (", n, ", ",
+                      k, ") ", dtype_name(w.scalar_type()));
+    const at::Tensor x2 = as_rows(x, rows, k);
+    at::Tensor b;
+    const void* bp = bias_ptr(bias, b);
+    at::Tensor out = at::empty({rows, n}, x.options());
+    const int rc = piecewise_small_m_linear(x2.data_ptr(), row_stride(x2, k), rows, w.data_ptr(),
+                                            bp, out.data_ptr(), n, n, k, 1);
+    TORCH_CHECK(rc == 0, "piecewise::packed_linear: kernel error ", rc, " for x ", x.sizes(),
+                ", w (", n, ", ", k, ")");
+    return with_rows(out, x, n);
+  }
+  static const auto fallback =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("piecewise::packed_linear_python", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                            const OptTensor&, int64_t, int64_t, int64_t)>();
+  return fallback.call(x, w, md, bias, n, k, max_rows);
+}
+
+// --- int8: W8A8 and weight-only -----------------------------------------------------------------
+
+bool float_rows(const at::Tensor& x) {
+  return x.scalar_type() == c10::ScalarType::BFloat16 || x.scalar_type() == c10::ScalarType::Float;
+}
+
+bool per_channel(const at::Tensor& t, int64_t n, c10::ScalarType dtype) {
+  return t.numel() == n && t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu();
+}
+
+at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                              const at::Tensor& w_comp, const OptTensor& bias, int64_t n,
+                              int64_t k, int64_t max_rows) {
+  const int64_t rows = rows_of(x, k);
+  if (rows >= 0 && rows <= max_rows && float_rows(x) && x.device().is_cpu() &&
+      w.scalar_type() == c10::ScalarType::Char && panel_shape(w, n, k, pw_int8::kLanes, 4) &&
+      per_channel(w_scale, n, c10::ScalarType::Float) &&
+      per_channel(w_comp, n, c10::ScalarType::Int) && bias_ok(bias, n, x.scalar_type())) {
+    const at::Tensor x2 = as_rows(x, rows, k);
+    at::Tensor b;
+    const void* bp = bias_ptr(bias, b);
+    at::Tensor out = at::empty({rows, n}, x.options());
+    const int rc = piecewise_int8_linear(
+        x2.data_ptr(), row_stride(x2, k), rows, w.data_ptr(), w_comp.data_ptr<int32_t>(),
+        w_scale.data_ptr<float>(), bp, out.data_ptr(), n, n, k, kernel_dtype(x.scalar_type()));
+    TORCH_CHECK(rc == 0, "piecewise::int8_packed_linear: kernel error ", rc, " for x ",
+                x.sizes(), ", w (", n, ", ", k, ")");
+    return with_rows(out, x, n);
+  }
+  static const auto fallback =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("piecewise::int8_packed_linear_python", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const OptTensor&, int64_t, int64_t, int64_t)>();
+  return fallback.call(x, w, w_scale, w_comp, bias, n, k, max_rows);
+}
+
+at::Tensor int8_wo_packed_linear(const at::Tensor& x, const at::Tensor& w,
+                                 const at::Tensor& w_scale, const OptTensor& bias, int64_t n,
+                                 int64_t k, int64_t max_rows) {
+  const int64_t rows = rows_of(x, k);
+  if (rows >= 0 && rows <= max_rows && float_rows(x) && x.device().is_cpu() &&
+      w.scalar_type() == c10::ScalarType::Char && panel_shape(w, n, k, pw_int8::kLanes, 4) &&
+      per_channel(w_scale, n, c10::ScalarType::Float) && bias_ok(bias, n, x.scalar_type())) {
+    const at::Tensor x2 = as_rows(x, rows, k);
+    at::Tensor b;
+    const void* bp = bias_ptr(bias, b);
+    at::Tensor out = at::empty({rows, n}, x.options());
+    const int rc = piecewise_int8_wo_linear(x2.data_ptr(), row_stride(x2, k), rows, w.data_ptr(),
+                                            w_scale.data_ptr<float>(), bp, out.data_ptr(), n, n,
+                                            k, kernel_dtype(x.scalar_type()));
+    TORCH_CHECK(rc == 0, "piecewise::int8_wo_packed_linear: kernel error ", rc, " for x ",
+                x.sizes(), ", w (", n, ", ", k, ")");
+    return with_rows(out, x, n);
+  }
+  static const auto fallback =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("piecewise::int8_wo_packed_linear_python", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const OptTensor&, int64_t, int64_t, int64_t)>();
+  return fallback.call(x, w, w_scale, bias, n, k, max_rows);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(piecewise, CPU, m) {
+  m.impl("packed_linear", TORCH_FN(packed_linear));
+  m.impl("int8_packed_linear", TORCH_FN(int8_packed_linear));
+  m.impl("int8_wo_packed_linear", TORCH_FN(int8_wo_packed_linear));
+}
+
+extern "C" {
+// Which instruction sets the kernels of this build use (for logs and benchmarks).
+const char* piecewise_torch_ops_isa() {
+  static const std::string isa = std::string(piecewise_small_m_linear_isa()) + "," +
+                                 piecewise_int8_linear_isa();
+  return isa.c_str();
+}
+}

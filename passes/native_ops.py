@@ -1,0 +1,73 @@
+"""The C++ CPU kernels of the piecewise linear ops, registered with the torch dispatcher.
+
+``piecewise::packed_linear`` (bf16 small-M), ``int8_packed_linear`` (W8A8) and
+``int8_wo_packed_linear`` (int8 weight-only) are defined in Python (schema, fake, and a Python
+body as their ``CompositeExplicitAutograd`` kernel).  :func:`load` builds
+``csrc/torch_ops.cpp`` against torch's headers (once per machine and torch version, cached
+under ``~/.cache/piecewise/kernels`` like every kernel library) and loads it: its
+``TORCH_LIBRARY_IMPL(piecewise, CPU, ...)`` block adds a C++ CPU kernel to each op.  From then
+on a graph's call of the op goes from the dispatcher straight into C++ -- no Python op body, no
+ctypes marshalling; calls the kernels do not take (more rows than the call's ``max_rows``,
+other dtypes or layouts) are handed to the op's Python twin ``piecewise::<op>_python``.
+
+The registration is process-wide (like the ops themselves), and changes no result: the C++
+kernel computes what the Python body computes.  The engine's model preparation calls
+:func:`load` when it re-lays a weight for a kernel; where the library cannot be built (no
+compiler, no torch headers) the Python bodies run, with one logged warning.
+``PIECEWISE_NATIVE_OPS_PORTABLE=1`` forces the portable build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+from framework.core.native_build import KernelBuildError, TorchOpLibrary, compiler
+from passes.int8_small_m import CSRC
+
+logger = logging.getLogger(__name__)
+
+LIBRARY = TorchOpLibrary(
+    "piecewise_ops",
+    CSRC / "torch_ops.cpp",
+    portable_env="PIECEWISE_NATIVE_OPS_PORTABLE",
+    extra_flags=("-ffp-contract=off",),
+    depends=(CSRC / "small_m_linear.cpp", CSRC / "int8_linear.cpp"),
+)
+
+OPS = ("packed_linear", "int8_packed_linear", "int8_wo_packed_linear")
+"""The ``piecewise::`` ops that get a C++ CPU kernel."""
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> bool:
+    """Register the C++ kernels (once per process; building the library on first use).
+    False, with one warning, where it cannot be built: the ops' Python bodies then run."""
+    if compiler() is None:
+        return False
+    import passes.ops_int8  # noqa: F401  (define the ops and their Python twins first)
+    import passes.ops_prepack  # noqa: F401
+
+    try:
+        LIBRARY.load()
+    except KernelBuildError as e:
+        logger.warning(
+            "piecewise C++ ops unavailable, the linear ops run their Python bodies: %s", e
+        )
+        return False
+    return True
+
+
+def loaded() -> bool:
+    """:func:`load` ran here and succeeded (without building anything)."""
+    return load.cache_info().currsize > 0 and load()
+
+
+def isa() -> str:
+    """The instruction sets of the loaded library's kernels (``bf16 kernel,int8 kernel``)."""
+    if not load():
+        return "unavailable"
+    lib = ctypes.CDLL(str(LIBRARY.library_path()))
+    lib.piecewise_torch_ops_isa.restype = ctypes.c_char_p
+    return lib.piecewise_torch_ops_isa().decode()
