@@ -257,4 +257,5 @@ _WORKER_ATTRS = (
     "compiled",
     "runner",
     "packed_layers",
+    "weights_path",
 )
