@@ -81,7 +81,9 @@ def run(model: str, cache: Path, inductor: Path, args: argparse.Namespace, tree:
 
 def _breakdown(r: dict) -> str:
     parts = [f"{k.removesuffix('_s')} {r[k]:.2f}" for k in PARTS if r.get(k) is not None]
-    return ", ".join(parts) + (f" [weights cache: {r['weights_cache']}]" if "weights_cache" in r else "")
+    return ", ".join(parts) + (
+        f" [weights cache: {r['weights_cache']}]" if "weights_cache" in r else ""
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -276,6 +276,7 @@ def _load_file(
                 if map_ok and block is None and expert is None and shard is None:
                     mapped = _map_whole(raw, offsets[hf_name], _TORCH_DTYPES[dtype], target)
                     if mapped is not None:
+                        target = None  # the old storage goes before the map is read
                         param.data = mapped  # the same Parameter (a tied one stays tied)
                         _check_finite(mapped, hf_name, check)
                         param = target = mapped = None

@@ -73,6 +73,8 @@ class _Encoder:
     def encode(self, v: Any, where: str, depth: int = 0) -> Any:
         if depth > _MAX_DEPTH:
             raise NotCacheable(f"{where}: nested too deeply")
+        if isinstance(v, enum.Enum):  # before int/str: an IntEnum is an int
+            return {"enum": _name_of(type(v), where), "value": self.encode(v.value, where, depth)}
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
         if isinstance(v, torch.Tensor):
@@ -106,17 +108,13 @@ class _Encoder:
                     for k, x in v.items()
                 ]
             }
-        if isinstance(v, enum.Enum):
-            return {"enum": _name_of(type(v), where), "value": self.encode(v.value, where, depth)}
         if inspect.isclass(v) or inspect.isfunction(v) or inspect.isbuiltin(v):
             return {"ref": _name_of(v, where, allow_torch=True)}
         cls = type(v)
         if hasattr(v, "__dict__") and not _has_slots(cls):
             return {
                 "object": _name_of(cls, where),
-                "state": {
-                    k: self.encode(x, f"{where}.{k}", depth + 1) for k, x in vars(v).items()
-                },
+                "state": {k: self.encode(x, f"{where}.{k}", depth + 1) for k, x in vars(v).items()},
             }
         raise NotCacheable(f"{where}: {cls.__module__}.{cls.__qualname__} has no plain form")
 
@@ -131,7 +129,11 @@ def _name_of(obj: Any, where: str, allow_torch: bool = False) -> str:
     if not module or not qualname or module.split(".")[0] not in roots or "<" in qualname:
         raise NotCacheable(f"{where}: {obj!r} is not a named object of {roots}")
     name = f"{module}:{qualname}"
-    if _resolve(name) is not obj:
+    try:
+        found = _resolve(name)
+    except (ImportError, AttributeError, ValueError):
+        found = None
+    if found is not obj:
         raise NotCacheable(f"{where}: {name} does not name {obj!r}")
     return name
 

@@ -272,7 +272,9 @@ class WeightCache:
         """The key's store, opened (its directories created) on first use: a start that
         finds nothing and saves nothing leaves nothing behind."""
         if self._store is None:
-            self._store = ArtifactStore(self.root, self.key, self.factors, self.rank, self.model_tag)
+            self._store = ArtifactStore(
+                self.root, self.key, self.factors, self.rank, self.model_tag
+            )
         return self._store
 
     def load(self) -> Optional[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
@@ -351,11 +353,10 @@ class WeightCache:
         }
         self.store.store_blob(META_BLOB, json.dumps(stamp).encode())
 
-    def save(
-        self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
-    ) -> Optional[Path]:
+    def save(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Optional[Path]:
         """Write the tensors and ``meta`` (plain JSON data) atomically; None when the disk
         refused (one :class:`CacheWriteWarning`, from the store)."""
+
         def write(tmp: Path) -> None:
             write_safetensors(tmp, tensors, {"piecewise": json.dumps(meta)})
 

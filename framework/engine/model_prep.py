@@ -204,6 +204,8 @@ def _restore(cache, got, model_dir, dtype, quantization, strict) -> Optional[Pre
     model.requires_grad_(False)
     model.eval()
     check = getattr(model, "weight_check", None)
+    if check is not None:
+        check.check_s = 0.0  # nothing was checked now (the start that computed them did)
     if check is not None and check.non_finite:  # as the start that computed them said
         message = (
             f"{model_dir}: tensor(s) {check.non_finite[:5]} hold NaN or inf values; the "

@@ -217,9 +217,8 @@ def test_tensors_stored_as_held_are_mapped_not_read(llama_checkpoint):
     parameter (quantization, re-layout) releases its map; writes never reach the file."""
     import gc
 
-    from safetensors.torch import load_file
-
     from mapped import address_mapped, file_backed
+    from safetensors.torch import load_file
 
     file = llama_checkpoint / "model.safetensors"
     hf = load_file(str(file))
@@ -234,7 +233,9 @@ def test_tensors_stored_as_held_are_mapped_not_read(llama_checkpoint):
     cast, _ = load_model(llama_checkpoint, torch.bfloat16)
     assert not file_backed(cast.model.embed_tokens.weight, file)
     emb.data.add_(1.0)  # copy on write: the file keeps its bytes
-    assert torch.equal(load_file(str(file))["model.embed_tokens.weight"], hf["model.embed_tokens.weight"])
+    assert torch.equal(
+        load_file(str(file))["model.embed_tokens.weight"], hf["model.embed_tokens.weight"]
+    )
     o_proj = layer.self_attn.o_proj
     ptr = o_proj.weight.data_ptr()
     del o_proj.weight

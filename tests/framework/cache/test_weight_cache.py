@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from mapped import file_backed
 
 from framework.cache.module_state import NotCacheable, describe, restore, snapshot
 from framework.cache.store import CacheCorruptionWarning, CacheWriteWarning
@@ -25,7 +26,6 @@ from framework.engine.model_prep import prepare_model
 from models.loader import build_model
 from passes.registry import level_passes
 from tests.disk_faults import refuse_writes
-from mapped import file_backed
 
 
 def config_for(cache_dir, **kernel) -> CompilationConfig:
@@ -95,7 +95,9 @@ def test_changed_checkpoint_quantization_or_kernel_config_is_another_entry(ckpt,
     config = config_for(root)
     base = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)
     assert base.weights_cache == "written"
-    other_kernel = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config_for(root, small_m_max_rows=8))
+    other_kernel = prepare_model(
+        str(ckpt), torch.bfloat16, "cpu", None, config_for(root, small_m_max_rows=8)
+    )
     assert other_kernel.weights_cache == "written"
     assert other_kernel.weights_path != base.weights_path
     layer = other_kernel.model.model.layers[0].self_attn.qkv_proj
@@ -105,6 +107,11 @@ def test_changed_checkpoint_quantization_or_kernel_config_is_another_entry(ckpt,
         base.weights_path,
         other_kernel.weights_path,
     )
+    # The first configurations still hit.
+    again = prepare_model(
+        str(ckpt), torch.bfloat16, "cpu", None, config_for(root, small_m_max_rows=8)
+    )
+    assert again.weights_cache == "hit"
     # Rewrite one tensor of the checkpoint: the old entry must not be used.
     _scale_tensor(ckpt / "model.safetensors", "model.embed_tokens.weight", 2.0)
     changed = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)
@@ -112,9 +119,6 @@ def test_changed_checkpoint_quantization_or_kernel_config_is_another_entry(ckpt,
     emb_old = base.model.model.embed_tokens.weight
     emb_new = changed.model.model.embed_tokens.weight
     assert torch.equal(emb_new, (emb_old.float() * 2).to(torch.bfloat16))
-    # And the unchanged configurations still hit.
-    again = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config_for(root, small_m_max_rows=8))
-    assert again.weights_cache == "hit"
 
 
 def _scale_tensor(file: Path, name: str, factor: float) -> None:

@@ -8,11 +8,10 @@ import shutil
 
 import pytest
 import torch
-
+from mapped import file_backed
 from transformers import AutoModelForCausalLM
 
 from framework import LLM, CompilationConfig
-from mapped import file_backed
 
 PROMPTS = [[3, 17, 42, 9, 100, 7, 64, 5, 11, 23, 19, 4, 8, 15, 16, 42, 99, 1], [8, 1, 250]]
 NEW = 8
@@ -22,7 +21,10 @@ def hf_greedy(path, prompt, n):
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
@@ -33,6 +35,7 @@ def _llm(path, cache_dir, dtype, quantization=None) -> LLM:
         str(path),
         dtype=dtype,
         quantization=quantization,
+        optimization_level=2,
         max_num_seqs=2,
         max_model_len=64,
         cache_dir=cache_dir,
