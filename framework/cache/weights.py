@@ -4,7 +4,8 @@ start (no read, no copy, no re-layout: the pages come from the page cache as the
 touches them).
 
 Layout: one :class:`~framework.cache.store.ArtifactStore` directory per key, as for compiled
-pieces (``<root>/<key>/rank_<r>/weights-<tag>/``), whose ``factors.json`` says what the key
+pieces but in a folder of their own (``<root>/weights/<key>/rank_<r>/weights-<tag>/``; ``python
+-m framework.cache ls <root>/weights`` lists them), whose ``factors.json`` says what the key
 covers (:func:`weight_factors`: the checkpoint's identity, dtype, quantization, kernel settings
 and passes, tensor parallelism, the processing code, torch and the CPU).  The store's one entry
 :data:`ENTRY` is the file ``artifacts/processed_weights.bin`` (safetensors, every tensor
@@ -35,7 +36,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from framework.cache.files import file_sha256, remove
+from framework.cache.files import file_sha256, is_environment_error, remove, tmp_path
 from framework.cache.key import compute_cache_key, source_factors, tp_factors
 from framework.cache.store import INDEX_FILE, ArtifactStore, CacheCorruptionWarning
 
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 """Version of this file format and of the module-state description (a new key when bumped)."""
+SUBDIR = "weights"
 ENTRY = "processed_weights"
 META_BLOB = "processed_weights.json"
 ALIGN = 64
@@ -257,7 +259,10 @@ class WeightCache:
     """One key's processed weights: :meth:`load` maps them, :meth:`save` writes them."""
 
     def __init__(self, root: str | Path, factors: Mapping[str, Any], model_tag: str) -> None:
-        self.root, self.factors, self.model_tag = Path(root).expanduser(), factors, model_tag
+        # A folder of its own under the cache root: the same layout as the compiled pieces'
+        # (``python -m framework.cache ls|verify|prune <root>/weights``), kept apart from them.
+        root = Path(root).expanduser() / SUBDIR
+        self.root, self.factors, self.model_tag = root, factors, model_tag
         self.key = compute_cache_key(factors)[0]
         self.rank = int(factors["tensor_parallel"]["rank"])
         self.dir = self.root / self.key / f"rank_{self.rank}" / model_tag
@@ -332,8 +337,27 @@ class WeightCache:
         logger.info("%s changed since it was written: hashing it in full", self.path)
         if file_sha256(self.path) != record.get("sha256"):
             return "sha256 mismatch (corrupted)"
-        self._stamp(raw)  # intact (e.g. a copied cache): the next start takes the fast check
+        with self.store.lock():  # a read-only cache: the lock turns the store read-only
+            if self.store.writable:  # intact (e.g. a copied cache): the next start is fast
+                self._stamp(raw)
         return None
+
+    def _writable(self) -> bool:
+        """Whether the cache can take a file, probed before opening the store: a disk that
+        refuses (full, read-only) is one log line here, not a second warning beside the
+        compiled pieces' store's own."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = tmp_path(self.dir, "probe")
+            with open(probe, "wb") as f:
+                f.write(b"0")
+            os.unlink(probe)
+        except OSError as e:
+            if not is_environment_error(e):
+                raise
+            logger.warning("processed weights not cached: cannot write to %s (%s)", self.dir, e)
+            return False
+        return True
 
     def _stamp(self, raw: bytes) -> None:
         """Record what the verified file is now.  A recent mtime is first set back by
@@ -356,6 +380,9 @@ class WeightCache:
     def save(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Optional[Path]:
         """Write the tensors and ``meta`` (plain JSON data) atomically; None when the disk
         refused (one :class:`CacheWriteWarning`, from the store)."""
+
+        if not self._writable():
+            return None
 
         def write(tmp: Path) -> None:
             write_safetensors(tmp, tensors, {"piecewise": json.dumps(meta)})

@@ -160,14 +160,33 @@ def test_a_corrupted_file_is_recomputed_with_a_warning_naming_it(ckpt, tmp_path,
     assert_same_model(third.model, first.model)
 
 
-def test_a_full_disk_is_one_warning_and_the_model_still_loads(ckpt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("when", ["probe", "write"])
+def test_a_full_disk_is_one_warning_and_the_model_still_loads(
+    ckpt, tmp_path, monkeypatch, caplog, when
+):
+    """Refused at the probe (a full or read-only root): one log line, no second warning
+    beside the compile store's; refused while writing the file: the store's one
+    CacheWriteWarning.  Either way the model comes back, computed."""
     root = tmp_path / "cache"
     config = config_for(root)
     reference = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config_for(tmp_path / "ok"))
     root.mkdir()
-    refuse_writes(monkeypatch, root, errno.ENOSPC)
-    with pytest.warns(CacheWriteWarning):
-        got = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)
+    if when == "probe":
+        refuse_writes(monkeypatch, root, errno.ENOSPC)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CacheWriteWarning)
+            got = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)
+        assert "processed weights not cached" in caplog.text and str(root) in caplog.text
+    else:
+        import framework.cache.weights as weights
+
+        def full(path, tensors, metadata):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+        monkeypatch.setattr(weights, "write_safetensors", full)
+        with pytest.warns(CacheWriteWarning, match="No space left"):
+            got = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)
+        assert not list(root.rglob("*.bin")) and not list(root.rglob(".tmp-*"))
     assert got.weights_cache == "miss" and got.weights_path is None
     assert_same_model(got.model, reference.model)
 
