@@ -21,6 +21,7 @@ the model expects (missing / unexpected), then per tensor check dtype and shape 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 import time
 import warnings
@@ -158,9 +159,19 @@ def load_weights(
     model: nn.Module,
     model_dir: Union[str, Path],
     loaded: Optional[Callable[[str], None]] = None,
+    *,
+    map_weights: bool = True,
 ) -> WeightCheck:
     """Copy every checkpoint tensor into the (materialized) model, cast to its dtype;
     returns which of them hold NaN or inf (see :class:`WeightCheck`).
+
+    ``map_weights``: a tensor stored exactly as the parameter holds it (same dtype, the whole
+    tensor: not a row block of a merged projection, an expert's slot or a tensor-parallel
+    slice) is not copied: the parameter becomes a private memory map of its bytes in the
+    file (:func:`_map_whole`; pages are read as they are touched, a write copies the page and
+    never reaches the file).  Whatever later replaces such a parameter (quantization, a
+    re-layout) releases the map.  The file must then not be rewritten *in place* while the
+    model lives (a write through a new file and a rename, as the artifact cache does, is safe).
 
     ``loaded(param_name)`` is called as soon as a parameter is complete (every row block of a
     merged projection read), so a caller can re-lay or quantize it before the next one is
@@ -193,7 +204,7 @@ def load_weights(
     check = WeightCheck()
     remaining = Counter(target[0] for target in expected.values())
     for file, names in by_file.items():
-        _load_file(model, params, file, names, expected, check, remaining, loaded)
+        _load_file(model, params, file, names, expected, check, remaining, loaded, map_weights)
     return check
 
 
@@ -206,6 +217,7 @@ def _load_file(
     check: WeightCheck,
     remaining: Counter,
     loaded: Optional[Callable[[str], None]],
+    map_ok: bool = True,
 ) -> None:
     def done(param_name: str) -> None:
         remaining[param_name] -= 1
@@ -261,6 +273,15 @@ def _load_file(
                     f"{want} (from config.json)"
                 )
             try:
+                if map_ok and block is None and expert is None and shard is None:
+                    mapped = _map_whole(raw, offsets[hf_name], _TORCH_DTYPES[dtype], target)
+                    if mapped is not None:
+                        target = None  # the old storage goes before the map is read
+                        param.data = mapped  # the same Parameter (a tied one stays tied)
+                        _check_finite(mapped, hf_name, check)
+                        param = target = mapped = None
+                        done(param_name)
+                        continue
                 if shard is None:
                     _read_into(raw, offsets[hf_name], _TORCH_DTYPES[dtype], target)
                     _check_finite(target, hf_name, check)
@@ -325,8 +346,8 @@ def _data_offsets(file: Path) -> dict[str, tuple[int, int]]:
 
 def _read_into(raw, span: tuple[int, int], src_dtype: torch.dtype, target: torch.Tensor) -> None:
     """Read a whole tensor's bytes with plain file reads, straight into ``target`` when the
-    dtypes agree, else through chunks converted in place: the checkpoint is never mapped or
-    held beside the model (a mapped file's pages count in the process's resident memory)."""
+    dtypes agree, else through chunks converted in place: what must be re-laid (a row block,
+    a cast) is read, never mapped whole beside the model."""
     begin, end = span
     flat = target.view(-1) if target.is_contiguous() else None
     numel = target.numel()
@@ -358,6 +379,29 @@ def _readinto(raw, view: memoryview) -> None:
         got += n
 
 
+def _map_whole(
+    raw, span: tuple[int, int], src_dtype: torch.dtype, target: torch.Tensor
+) -> Optional[torch.Tensor]:
+    """The tensor at ``span`` of the open file ``raw`` as a private map (``MAP_PRIVATE``,
+    copy-on-write) of just its pages, shaped like ``target``; None where it cannot be mapped
+    as is (another dtype, a non-contiguous target, an empty tensor)."""
+    begin, end = span
+    numel = target.numel()
+    if src_dtype != target.dtype or not target.is_contiguous() or numel == 0:
+        return None
+    if end - begin != numel * src_dtype.itemsize:
+        raise ValueError(f"{end - begin} bytes for {numel} {src_dtype} elements")
+    start = begin - begin % mmap.ALLOCATIONGRANULARITY
+    try:
+        mm = mmap.mmap(raw.fileno(), end - start, offset=start, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        return None  # e.g. a file system without mmap: read it instead
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer on a mapping: it is writable
+        flat = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=begin - start)
+    return flat.view(src_dtype).view(target.shape)
+
+
 def _read(f, sl, name: str, shard) -> torch.Tensor:
     """The whole tensor, or only this rank's slice of it (``get_slice`` reads just those
     bytes)."""
@@ -375,6 +419,21 @@ def _where(files: dict[str, Path], model_dir: Union[str, Path]) -> str:
 def _short(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)} in all)"
+
+
+def build_model(
+    model_dir: Union[str, Path], dtype: Union[torch.dtype, str] = torch.float32
+) -> tuple[nn.Module, ModelConfig]:
+    """The model of a Hugging Face folder built on the meta device (no memory, nothing
+    initialised, no weight read) and its config."""
+    model_dir = Path(model_dir)
+    raw = read_hf_config(model_dir)
+    source = str(model_dir / "config.json")
+    cls = get_model_class(hf_architecture(raw, source), source)
+    config = ModelConfig.from_hf_dict(raw, source=source, dtype=dtype_name(dtype))
+    with torch.device("meta"):
+        model = cls(config)
+    return model, config
 
 
 def load_model(
@@ -396,12 +455,7 @@ def load_model(
     :class:`NonFiniteWeightWarning` names them, or with ``strict`` a :class:`CheckpointError`.
     """
     model_dir = Path(model_dir)
-    raw = read_hf_config(model_dir)
-    source = str(model_dir / "config.json")
-    cls = get_model_class(hf_architecture(raw, source), source)
-    config = ModelConfig.from_hf_dict(raw, source=source, dtype=dtype_name(dtype))
-    with torch.device("meta"):
-        model = cls(config)
+    model, config = build_model(model_dir, dtype)
     # Not ``to_empty``: its empty_like on meta tensors runs through torch._refs, which imports
     # sympy and torch's symbolic shapes (~1 s of every start); the checkpoint fills them.
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))

@@ -449,6 +449,8 @@ def calibrate_activation_scales(model: nn.Module, run: Callable[[], Any]) -> dic
                 module.input_scale.copy_(torch.maximum(module.input_scale, seen.reshape(1)))
 
             handles.append(layer.register_forward_pre_hook(hook))
+    if not statics:
+        return {}  # dynamic or weight-only schemes: nothing to calibrate, no forward to run
     try:
         run()
     finally:

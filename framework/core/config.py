@@ -213,6 +213,9 @@ class CompilationConfig(StrictConfig):
     """Compiler passes run on every piece."""
     use_cache: bool = field(default=True, metadata=NO_HASH)
     """Read and write the on-disk artifact cache."""
+    cache_weights: bool = field(default=True, metadata=NO_HASH)
+    """With ``use_cache``: also keep the processed weights (quantized, re-laid out) in the
+    cache and map them on a warm start (``framework/cache/weights.py``; CPU models)."""
     cache_dir: Optional[str] = field(default=None, metadata=NO_HASH)
     """Root of the artifact cache (default ``$PIECEWISE_CACHE_DIR`` or ~/.cache/piecewise)."""
     debug_dump_path: Optional[str] = field(default=None, metadata=NO_HASH)

@@ -298,4 +298,5 @@ _WORKER_ATTRS = (
     "compiled",
     "runner",
     "packed_layers",
+    "weights_path",
 )

@@ -5,6 +5,11 @@ After :func:`process_weights` every CPU linear the ``prepack_linear`` pass cover
 weight once, packed (``PackedLinearMethod``; int8 layers: ``PackedInt8LinearMethod``); the plain
 originals are gone.  A weight shared
 by several modules (a tied LM head and embedding) stays plain: packing it would hold it twice.
+
+:func:`prepare_model` does all of it through the processed-weights cache
+(:mod:`framework.cache.weights`): the first start loads, quantizes and re-lays the weights and
+saves the result; later starts with the same checkpoint, quantization, kernel settings and code
+map that file instead (nothing read, copied or re-laid out; pages arrive as they are touched).
 """
 
 from __future__ import annotations
@@ -12,14 +17,18 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
+import time
+import warnings
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from framework.core.config import CompilationConfig
 from framework.core.quantization import QuantizationConfig
-from models.loader import load_model
+from models.loader import CheckpointError, NonFiniteWeightWarning, build_model, load_model
 from passes.ops_int8 import PackedInt8LinearMethod
 from passes.ops_prepack import PackedLinearMethod
 from passes.ops_prepack_moe import PackedExpertsMethod
@@ -135,6 +144,141 @@ def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[s
         packed.append(name)
         release_free_memory()
     return packed
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedModel:
+    """What :func:`prepare_model` returns: the processed model and how it came to be."""
+
+    model: torch.nn.Module
+    model_config: Any
+    quantized: tuple[Any, Optional[str], Any]
+    """(quantization config, its hash, ``{layer: scheme name}``), all None without one."""
+    packed_layers: list[str] = field(default_factory=list)
+    weights_cache: str = "off"
+    """``off`` (no cache), ``hit`` (mapped), ``written`` (computed and saved), ``miss``
+    (computed, the disk refused the write), ``corrupt`` (a bad file was dropped, the weights
+    recomputed and saved again), ``uncacheable`` (:class:`NotCacheable`), ``unprocessed``
+    (nothing was quantized or re-laid out: not cached, the checkpoint itself is mapped)."""
+    weights_path: Optional[str] = None
+    load_s: float = 0.0
+
+
+def prepare_model(
+    model_dir: str,
+    dtype: torch.dtype,
+    device: Any,
+    quantization: Any,
+    config: CompilationConfig,
+    *,
+    strict: bool = False,
+    model_tag: str = "model",
+) -> PreparedModel:
+    """The model of ``model_dir`` loaded, quantized and processed for ``config`` (a resolved
+    compilation config): mapped from the processed-weights cache when it holds this
+    combination, else computed (:func:`load_quantized` + :func:`process_weights`) and saved."""
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    cache = _open_cache(model_dir, dtype, device, quantization, config, model_tag)
+    if cache is not None:
+        got = cache.load()
+        if got is not None:
+            prepared = _restore(cache, got, model_dir, dtype, quantization, strict)
+            if prepared is not None:
+                prepared.load_s = time.perf_counter() - t0
+                return prepared
+    model, model_config, quantized = load_quantized(
+        model_dir, dtype, device, quantization, strict=strict
+    )
+    packed = process_weights(model, config)
+    prepared = PreparedModel(model, model_config, quantized, packed)
+    if cache is not None:
+        _save(cache, prepared, model_dir, dtype)
+    prepared.load_s = time.perf_counter() - t0
+    return prepared
+
+
+def _open_cache(model_dir, dtype, device, quantization, config, model_tag):
+    """The processed-weights cache for this combination, or None where none is kept (cache
+    off, not a CPU model)."""
+    if not (config.use_cache and config.cache_weights) or device.type != "cpu":
+        return None
+    from framework.cache.store import default_cache_dir
+    from framework.cache.weights import WeightCache, weight_factors
+
+    qc = QuantizationConfig.parse(quantization) if quantization is not None else None
+    factors = weight_factors(
+        model_dir,
+        dtype=dtype,
+        quant_hash=qc.compute_hash() if qc is not None else None,
+        kernel_config=config.kernel_config.compute_hash(),
+        passes=list(config.pass_config.passes or []),
+        device=str(device),
+    )
+    return WeightCache(config.cache_dir or default_cache_dir(), factors, f"weights-{model_tag}")
+
+
+def _restore(cache, got, model_dir, dtype, quantization, strict) -> Optional[PreparedModel]:
+    from framework.cache.module_state import restore
+
+    tensors, meta = got
+    model, model_config = build_model(model_dir, dtype)
+    try:
+        restore(model, tensors, meta["state"])
+    except (KeyError, ValueError, TypeError, AttributeError, ImportError) as e:
+        cache.corrupt(f"does not restore this model ({type(e).__name__}: {e})")
+        return None
+    model.requires_grad_(False)
+    model.eval()
+    check = getattr(model, "weight_check", None)
+    if check is not None:
+        check.check_s = 0.0  # nothing was checked now (the start that computed them did)
+    if check is not None and check.non_finite:  # as the start that computed them said
+        message = (
+            f"{model_dir}: tensor(s) {check.non_finite[:5]} hold NaN or inf values; the "
+            f"model's outputs will not be finite"
+        )
+        if strict:
+            raise CheckpointError(message)
+        warnings.warn(message, NonFiniteWeightWarning, stacklevel=3)
+    qc = QuantizationConfig.parse(quantization) if quantization is not None else None
+    layers = meta["quantized_layers"]
+    quantized = (qc, qc.compute_hash(), layers) if qc is not None else (None, None, None)
+    logger.info("processed weights mapped from %s", cache.path)
+    return PreparedModel(
+        model, model_config, quantized, list(meta["packed_layers"]), "hit", str(cache.path)
+    )
+
+
+def _save(cache, prepared: PreparedModel, model_dir, dtype) -> None:
+    from framework.cache.module_state import NotCacheable, describe, restore, snapshot
+
+    if not prepared.packed_layers and not prepared.quantized[2]:
+        prepared.weights_cache = "unprocessed"  # as loaded: the checkpoint is mapped directly
+        return
+    fresh, _ = build_model(model_dir, dtype)
+    try:
+        tensors, state = snapshot(prepared.model, fresh)
+        restore(fresh, tensors, state)  # self-check: the description rebuilds the model
+        if describe(fresh) != describe(prepared.model):
+            raise NotCacheable("the restored model differs from the processed one")
+    except NotCacheable as e:
+        logger.info("processed weights not cached: %s", e)
+        prepared.weights_cache = "uncacheable"
+        return
+    del fresh
+    meta = {
+        "state": state,
+        "packed_layers": prepared.packed_layers,
+        "quantized_layers": prepared.quantized[2],
+    }
+    found = cache.result  # miss, or corrupt (a bad file was dropped)
+    path = cache.save(tensors, meta)
+    prepared.weights_cache = found if found == "corrupt" or path is None else cache.result
+    prepared.weights_path = str(path) if path is not None else None
 
 
 def release_free_memory() -> None:

@@ -31,6 +31,12 @@ class StartupStats:
     """The whole construction."""
     weight_check_s: float = 0.0
     """Part of ``load_s``: the one pass over each weight that looks for NaN/inf."""
+    weights_load_s: float = 0.0
+    """Part of ``load_s``: loading, quantizing and re-laying the weights, or mapping them
+    from the processed-weights cache."""
+    weights_cache: str = "off"
+    """The processed-weights cache: ``hit`` (mapped), ``written`` (computed and saved),
+    ``miss`` (computed, not saved), ``corrupt`` (a bad file dropped), ``uncacheable``, ``off``."""
 
     def as_dict(self) -> dict[str, float]:
         """The keys ``LLM.stats`` has always reported (``compile_s`` only when it ran)."""
@@ -41,6 +47,8 @@ class StartupStats:
         out["capture_time_s"] = self.capture_time_s
         out["startup_s"] = self.startup_s
         out["weight_check_s"] = self.weight_check_s
+        out["weights_load_s"] = self.weights_load_s
+        out["weights_cache"] = self.weights_cache
         return out
 
 
@@ -75,14 +83,31 @@ def compile_stats(c: "CompiledForward") -> dict[str, Any]:
 
 
 def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a shared or tied tensor counts once)."""
-    seen: dict[tuple[str, int], int] = {}
+    """Bytes of the distinct storages behind ``tensors`` (a shared or tied tensor counts once).
+    Tensors that are views into one larger storage (weights mapped from one file) count the
+    bytes they span, not the whole storage each."""
+    spans: dict[tuple[str, int], tuple[int, list]] = {}
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
         s = t.untyped_storage()
-        seen[(str(t.device), s.data_ptr())] = s.nbytes()
-    return sum(seen.values())
+        _, parts = spans.setdefault((str(t.device), s.data_ptr()), (s.nbytes(), []))
+        if t.is_contiguous():
+            parts.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+        else:
+            parts.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+    total = 0
+    for nbytes, parts in spans.values():
+        covered, end = 0, None
+        for begin, stop in sorted(parts):
+            if end is None or begin >= end:
+                covered += stop - begin
+                end = stop
+            elif stop > end:
+                covered += stop - end
+                end = stop
+        total += min(nbytes, covered)
+    return total
 
 
 def process_memory() -> dict[str, int]:

@@ -34,7 +34,7 @@ from framework.cudagraph.setup import setup_graphs
 from framework.engine.block_manager import BlockManager
 from framework.engine.capture import capture_graphs, dummy_batch
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-from framework.engine.model_prep import load_quantized, process_weights
+from framework.engine.model_prep import prepare_model
 from framework.engine.request import ScheduledChunk
 from framework.engine.runner import ModelRunner
 from framework.engine.spec.config import SpeculativeConfig, speculative_config_of
@@ -130,6 +130,7 @@ class Worker:
                 enable_prefix_caching=enable_prefix_caching,
                 has_graphs=self.device.type == "cuda" or emulate_cuda_graphs,
                 strict_weights=strict_weights,
+                model_tag=model_tag,
             )
             self._compile(
                 quant_hash,
@@ -159,16 +160,12 @@ class Worker:
         enable_prefix_caching: bool,
         has_graphs: bool,
         strict_weights: bool = False,
+        model_tag: Optional[str] = None,
     ) -> Optional[str]:
         """Step 1: weights (and quantization), the resolved config, the KV cache and the
         block manager.  Returns the quantization hash.  ``strict_weights``: a checkpoint
         tensor holding NaN or inf is an error, not a warning."""
         self.dtype = parse_dtype(dtype)
-        self.model, self.model_config, quantized = load_quantized(
-            model, self.dtype, self.device, quantization, strict=strict_weights
-        )
-        self.startup.weight_check_s = self.model.weight_check.check_s
-        self.quant_config, quant_hash, self.quantized_layers = quantized
         cc = compilation_config or CompilationConfig()
         if isinstance(cc, dict):
             cc = CompilationConfig.from_dict(cc)
@@ -193,6 +190,23 @@ class Worker:
             # Each rank dumps into its own folder: the ranks' graphs differ (shards, slices).
             dump = self.group.rank_path(self.config.debug_dump_path)
             self.config = self.config.replace(debug_dump_path=dump)
+        prepared = prepare_model(
+            model,
+            self.dtype,
+            self.device,
+            quantization,
+            self.config,
+            strict=strict_weights,
+            model_tag=model_tag or "model",
+        )
+        self.model, self.model_config = prepared.model, prepared.model_config
+        self.packed_layers = prepared.packed_layers
+        self.startup.weight_check_s = self.model.weight_check.check_s
+        self.startup.weights_load_s = prepared.load_s
+        self.startup.weights_cache = prepared.weights_cache
+        self.weights_path = prepared.weights_path
+        """The processed-weights file the model's tensors are mapped from (or were saved to)."""
+        self.quant_config, quant_hash, self.quantized_layers = prepared.quantized
 
         mc = self.model_config
         kv_heads = kv_head_layout(mc.num_kv_heads, self.tp.world_size)[0]  # this rank's heads
@@ -226,7 +240,6 @@ class Worker:
         restore), the runner, static-quantization calibration and the warm-up forward that
         compiles (and saves the program for warm starts)."""
         mc = self.model_config
-        self.packed_layers = process_weights(self.model, self.config)
         self.graphs = setup_graphs(
             self.config,
             attention_backend=attention_backend,
@@ -267,7 +280,11 @@ class Worker:
             self._calibrate(seed)
         if self.config.mode != CompilationMode.NONE:
             t0 = time.perf_counter()
-            self.dummy_run(min(self.config.max_num_tokens, 16))
+            # Cold: the forward that traces (16 tokens, so no size is specialised).  Warm (the
+            # program restored, nothing to trace): one token, which still touches every weight
+            # once, so the first request pays no page faults.
+            warm = bool(self.compiled.stats.get("dynamo_skipped"))
+            self.dummy_run(1 if warm else min(self.config.max_num_tokens, 16))
             if self.compiled.finalize is not None:
                 self.compiled.finalize()
             self.startup.compile_s = time.perf_counter() - t0

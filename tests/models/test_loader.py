@@ -209,3 +209,36 @@ def test_folder_without_weights(tmp_path, llama_checkpoint):
     path = derive_checkpoint(llama_checkpoint, tmp_path / "c")
     (path / "model.safetensors").rename(path / "weights.safetensors")
     _expect_error(path, r"no model\.safetensors", r"weights\.safetensors")
+
+
+def test_tensors_stored_as_held_are_mapped_not_read(llama_checkpoint):
+    """A checkpoint tensor in the parameter's dtype and layout becomes a private map of the
+    file (no read, no copy); merged projections and cast tensors are read; replacing a mapped
+    parameter (quantization, re-layout) releases its map; writes never reach the file."""
+    import gc
+
+    from mapped import address_mapped, file_backed
+    from safetensors.torch import load_file
+
+    file = llama_checkpoint / "model.safetensors"
+    hf = load_file(str(file))
+    model, _ = load_model(llama_checkpoint, torch.float32)
+    layer = model.model.layers[0]
+    emb = model.model.embed_tokens.weight
+    assert file_backed(emb, file) and file_backed(layer.self_attn.o_proj.weight, file)
+    assert file_backed(layer.input_layernorm.weight, file)
+    assert not file_backed(layer.self_attn.qkv_proj.weight, file)  # q, k, v: merged rows
+    assert torch.equal(emb, hf["model.embed_tokens.weight"])
+    assert torch.equal(layer.mlp.down_proj.weight, hf["model.layers.0.mlp.down_proj.weight"])
+    cast, _ = load_model(llama_checkpoint, torch.bfloat16)
+    assert not file_backed(cast.model.embed_tokens.weight, file)
+    emb.data.add_(1.0)  # copy on write: the file keeps its bytes
+    assert torch.equal(
+        load_file(str(file))["model.embed_tokens.weight"], hf["model.embed_tokens.weight"]
+    )
+    o_proj = layer.self_attn.o_proj
+    ptr = o_proj.weight.data_ptr()
+    del o_proj.weight
+    o_proj.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+    gc.collect()
+    assert not address_mapped(ptr, file)

@@ -137,6 +137,15 @@ def test_static_activation_scales_need_calibration(shorthand, scheme):
     assert (got - want).norm() / want.norm() < 0.08
 
 
+@pytest.mark.parametrize("shorthand", ["int8_per_token", "int8_per_channel_weight_only"])
+def test_nothing_to_calibrate_runs_no_forward(shorthand):
+    """Dynamic and weight-only schemes have no static scale: calibration returns at once
+    instead of running a (start-up, eager) forward for nothing."""
+    model = ToyModel()
+    qs.quantize_model(model, shorthand)
+    assert qs.calibrate_activation_scales(model, lambda: pytest.fail("ran a forward")) == {}
+
+
 def test_graph_carries_quant_op_then_scaled_mm():
     """What the fusion passes rely on: RMSNorm -> dynamic_per_token_quant -> int8_scaled_mm,
     and silu*mul -> dynamic_per_token_quant -> int8_scaled_mm, and no float matmul left for

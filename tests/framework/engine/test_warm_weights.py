@@ -1,0 +1,78 @@
+"""A warm ``LLM`` maps its processed weights: the second engine on the same checkpoint and
+settings finds the processed-weights cache entry the first wrote, its tensors are views of that
+file's pages, and its greedy tokens equal the cold engine's and transformers'."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from mapped import file_backed
+from transformers import AutoModelForCausalLM
+
+from framework import LLM, CompilationConfig
+
+PROMPTS = [[3, 17, 42, 9, 100, 7, 64, 5, 11, 23, 19, 4, 8, 15, 16, 42, 99, 1], [8, 1, 250]]
+NEW = 8
+
+
+def hf_greedy(path, prompt, n):
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _llm(path, cache_dir, dtype, quantization=None) -> LLM:
+    return LLM(
+        str(path),
+        dtype=dtype,
+        quantization=quantization,
+        optimization_level=2,
+        max_num_seqs=2,
+        max_model_len=64,
+        cache_dir=cache_dir,
+        compilation_config=CompilationConfig(progress_bar=False),
+    )
+
+
+def _check_warm(ckpt, compile_cache_dir, dtype, quantization=None):
+    cold = _llm(ckpt, compile_cache_dir, dtype, quantization)
+    assert cold.stats["weights_cache"] == "written"
+    want = cold.generate(PROMPTS, NEW, ignore_eos=True)
+    warm = _llm(ckpt, compile_cache_dir, dtype, quantization)
+    assert warm.stats["weights_cache"] == "hit"
+    assert warm.stats["dynamo_traces"] == 0 and warm.stats["compile_compiles"] == 0
+    assert warm.weights_path == cold.weights_path
+    tensors = list(warm.model.parameters()) + list(warm.model.buffers())
+    assert tensors and all(file_backed(t, warm.weights_path) for t in tensors)
+    assert warm.packed_layers == cold.packed_layers
+    assert warm.quantized_layers == cold.quantized_layers
+    assert warm.packed_layers or warm.quantized_layers
+    got = warm.generate(PROMPTS, NEW, ignore_eos=True)
+    assert got == want
+    return want
+
+
+def test_warm_llm_maps_weights_and_matches_cold_and_transformers(
+    llama_checkpoint, compile_cache_dir, tmp_path
+):
+    ckpt = tmp_path / "llama"
+    shutil.copytree(llama_checkpoint, ckpt)  # its own mtime: its own weights entry
+    out = _check_warm(ckpt, compile_cache_dir, torch.float32)
+    assert out == [hf_greedy(ckpt, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", [None, "int8_per_token"], ids=["bf16", "int8"])
+def test_warm_llm_bf16_and_int8(llama_checkpoint, compile_cache_dir, tmp_path, quant):
+    ckpt = tmp_path / "llama"
+    shutil.copytree(llama_checkpoint, ckpt)
+    _check_warm(ckpt, compile_cache_dir, torch.bfloat16, quant)
