@@ -76,3 +76,11 @@ def test_warm_llm_bf16_and_int8(llama_checkpoint, compile_cache_dir, tmp_path, q
     ckpt = tmp_path / "llama"
     shutil.copytree(llama_checkpoint, ckpt)
     _check_warm(ckpt, compile_cache_dir, torch.bfloat16, quant)
+
+
+@pytest.mark.slow
+def test_warm_llm_maps_packed_moe_experts(tiny_checkpoint, compile_cache_dir, tmp_path):
+    """Stacked MoE experts re-laid out for the small-M kernel are cached and mapped too."""
+    ckpt = tmp_path / "qwen3_moe"
+    shutil.copytree(tiny_checkpoint("qwen3_moe"), ckpt)
+    _check_warm(ckpt, compile_cache_dir, torch.bfloat16)
