@@ -540,6 +540,7 @@ def main(
     project_env = dict(kv.split("=", 1) for kv in args.project_env)
     contenders = list(dict.fromkeys(["project_bf16", *args.contenders]))  # the reference first
     data.setdefault("models", {})
+    data["skipped"] = {}  # said again by this run
     from experiments.bench_measure import make_prompts
 
     plan: dict[str, dict[str, Any]] = {}
@@ -602,8 +603,18 @@ def main(
             if not prep:
                 log(f"[{size}] preparing {c} (compiles on a cold cache)")
                 ref = data.get("reference", {}).get(size) if c != "project_bf16" else None
-                res = runner(dict(jobs[c], reps=0, reference=ref, prepare=True), env_for(c),
-                             args.timeout)
+                try:
+                    res = runner(
+                        dict(jobs[c], reps=0, reference=ref, prepare=True), env_for(c),
+                        args.timeout,
+                    )
+                except Exception as e:
+                    if c == "project_bf16":
+                        raise  # no reference tokens: nothing can be checked
+                    data["skipped"][c] = f"preparation failed: {str(e)[-2000:]}"
+                    del jobs[c]
+                    save(out, data)
+                    continue
                 data["prepare"].append(res)
                 if c == "project_bf16":
                     data.setdefault("reference", {})[size] = {

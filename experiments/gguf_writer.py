@@ -166,6 +166,10 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str = "bf16") -> Pa
     w = GGUFWriter(str(tmp), "llama")
     w.add_name(model_dir.name)
     w.add_file_type(LlamaFileType.MOSTLY_BF16 if kind == "bf16" else LlamaFileType.MOSTLY_Q8_0)
+    if kind == "q8_0":
+        from gguf import GGML_QUANT_VERSION
+
+        w.add_quantization_version(GGML_QUANT_VERSION)
     w.add_context_length(config.get("max_position_embeddings", 2048))
     w.add_embedding_length(hidden)
     w.add_block_count(config["num_hidden_layers"])
