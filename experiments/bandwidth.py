@@ -117,7 +117,10 @@ def read_once(
 
 
 def read_tensors(
-    tensors: list[torch.Tensor], *, threads: Optional[int] = None, repeats: int = 5,
+    tensors: list[torch.Tensor],
+    *,
+    threads: Optional[int] = None,
+    repeats: int = 5,
     method: str = "prefetch",
 ) -> dict[str, Any]:
     """Stream existing CPU tensors' storages where they lie (e.g. a model's weights, in the
@@ -229,9 +232,7 @@ def format_probe(probe: dict[str, Any]) -> str:
     ]
     for r in probe["rows"]:
         pages = "2 MB (THP)" if r["huge_pages"] else "4 KB"
-        lines.append(
-            f"| {r['method']} | {pages} | {r['best_gb_s']:.1f} | {r['median_gb_s']:.1f} |"
-        )
+        lines.append(f"| {r['method']} | {pages} | {r['best_gb_s']:.1f} | {r['median_gb_s']:.1f} |")
     lines.append(f"best: {probe['best_gb_s']:.1f} GB/s ({probe['best_case']})")
     return "\n".join(lines)
 

@@ -1,6 +1,6 @@
 """The project against the engines a CPU user would pick instead: llama.cpp and CTranslate2.
 
-    python -m experiments.bench_peers                       # the full run -> benchmarks/peers_cpu.json
+    python -m experiments.bench_peers              # the full run -> benchmarks/peers_cpu.json
     python -m experiments.bench_peers --sizes tiny --batches 1 --rounds 2   # a short look
     python -m experiments.bench_peers --contenders project_bf16 --sizes 1.1b --batches 1 \\
         --rounds 4 --out spread.json                        # the project's spread alone
@@ -211,7 +211,14 @@ def ensure_ct2(folder: Path, work: Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         log(f"  converting {folder.name} for CTranslate2")
         proc = subprocess.run(
-            [sys.executable, "-m", "experiments.bench_peers", "--convert-ct2", str(folder), str(out)],
+            [
+                sys.executable,
+                "-m",
+                "experiments.bench_peers",
+                "--convert-ct2",
+                str(folder),
+                str(out),
+            ],
             cwd=ROOT,
             env=_child_env({}),
             capture_output=True,
@@ -321,9 +328,17 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         key = f"{r['size']}/{r['contender']}"
         s = rows.setdefault(
             key,
-            {"size": r["size"], "contender": r["contender"], "batches": {}, "start_s": [],
-             "warm_after_torch_s": [], "rss_peak_bytes": [], "rss_peak_first_batch_bytes": [],
-             "others_frac": [], "steal_frac": []},
+            {
+                "size": r["size"],
+                "contender": r["contender"],
+                "batches": {},
+                "start_s": [],
+                "warm_after_torch_s": [],
+                "rss_peak_bytes": [],
+                "rss_peak_first_batch_bytes": [],
+                "others_frac": [],
+                "steal_frac": [],
+            },
         )
         first = r["batches"].get(str(min(int(b) for b in r["batches"]))) if r["batches"] else None
         if first and first.get("rss_after"):
@@ -344,8 +359,14 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     for s in rows.values():
         for b in s["batches"].values():
             b["stats"] = _stats(b["step_ms"]) if b["step_ms"] else None
-        for k in ("start_s", "warm_after_torch_s", "rss_peak_bytes", "rss_peak_first_batch_bytes",
-                  "others_frac", "steal_frac"):
+        for k in (
+            "start_s",
+            "warm_after_torch_s",
+            "rss_peak_bytes",
+            "rss_peak_first_batch_bytes",
+            "others_frac",
+            "steal_frac",
+        ):
             s[k] = _stats(s[k]) if s[k] else None
     return rows
 
@@ -375,22 +396,30 @@ def ratios(summary: dict[str, Any], sizes: list[str], batches: list[int]) -> lis
                 a, b = median_step(summary, size, base, batch), median_step(summary, size, c, batch)
                 if a and b:
                     out.append(
-                        {"size": size, "batch": batch, "ratio": label, "speedup": a / b,
-                         "baseline_ms": a, "contender_ms": b}
+                        {
+                            "size": size,
+                            "batch": batch,
+                            "ratio": label,
+                            "speedup": a / b,
+                            "baseline_ms": a,
+                            "contender_ms": b,
+                        }
                     )
     return out
 
 
-def floors(
-    summary: dict[str, Any], data: dict[str, Any], sizes: list[str]
-) -> dict[str, Any]:
+def floors(summary: dict[str, Any], data: dict[str, Any], sizes: list[str]) -> dict[str, Any]:
     """Per size: bytes streamed per step, the probe's best read bandwidth, every contender's
     own streaming rate at batch 1, the best of them all, and the floor at that bandwidth."""
     probes = [p["best_gb_s"] for p in data["probes"] if "best_gb_s" in p]
     probe = max(probes) if probes else None
     out: dict[str, Any] = {}
-    rate_bytes = {"project_bf16": "bf16", "llamacpp_bf16": "bf16", "hf_eager": "bf16",
-                  "llamacpp_q8_0": "q8_0"}
+    rate_bytes = {
+        "project_bf16": "bf16",
+        "llamacpp_bf16": "bf16",
+        "hf_eager": "bf16",
+        "llamacpp_q8_0": "q8_0",
+    }
     for size in sizes:
         info = data.get("models", {}).get(size)
         if not info:
@@ -431,16 +460,24 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], rat: list, fl: dict)
                 tok = "= ref"
             else:
                 divs = sorted({c["first_divergence"] for c in checks if not c["tokens_match"]})
-                tok = f"differ from step {divs[0]}" + (" (not timed)" if s["contender"] in EXACT
-                                                        else "")
+                tok = f"differ from step {divs[0]}" + (
+                    " (not timed)" if s["contender"] in EXACT else ""
+                )
             lines.append(
                 f"| {s['size']} | {s['contender']} | {b} | "
-                + (f"{st['median']:.2f} | {st['min']:.2f}-{st['max']:.2f} | {st['spread']:.2f} | "
-                   f"{st['n']}" if st else "- | - | - | 0")
+                + (
+                    f"{st['median']:.2f} | {st['min']:.2f}-{st['max']:.2f} | {st['spread']:.2f} | "
+                    f"{st['n']}"
+                    if st
+                    else "- | - | - | 0"
+                )
                 + f" | {tok} |"
             )
-    lines += ["", "| size | contender | start s (median) | peak RSS GB (median) | others' CPU |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| size | contender | start s (median) | peak RSS GB (median) | others' CPU |",
+        "|---|---|---|---|---|",
+    ]
     for s in summary.values():
         lines.append(
             f"| {s['size']} | {s['contender']} | {s['start_s']['median']:.2f} | "
@@ -449,8 +486,9 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], rat: list, fl: dict)
         )
     if rat:
         lines += ["", "| size | batch | ratio | speed-up |", "|---|---|---|---|"]
-        lines += [f"| {r['size']} | {r['batch']} | {r['ratio']} | {r['speedup']:.2f}x |"
-                  for r in rat]
+        lines += [
+            f"| {r['size']} | {r['batch']} | {r['ratio']} | {r['speedup']:.2f}x |" for r in rat
+        ]
     for size, f in fl.items():
         if f["best_gb_s"]:
             lines.append(
@@ -556,8 +594,9 @@ def main(
             "size": size,
             "model_dir": str(folder),
             "batches": args.batches,
-            "prompts": {str(b): make_prompts(b, args.prompt_len, config["vocab_size"])
-                        for b in args.batches},
+            "prompts": {
+                str(b): make_prompts(b, args.prompt_len, config["vocab_size"]) for b in args.batches
+            },
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
             "check_tokens": args.check_tokens,
@@ -591,8 +630,11 @@ def main(
     save(out, data)
 
     def env_for(c: str) -> dict[str, str]:
-        return dict(project_env, OMP_NUM_THREADS=str(args.threads)) if c.startswith(
-            "project") else {"OMP_NUM_THREADS": str(args.threads)}
+        return (
+            dict(project_env, OMP_NUM_THREADS=str(args.threads))
+            if c.startswith("project")
+            else {"OMP_NUM_THREADS": str(args.threads)}
+        )
 
     # the reference tokens and compiled artifacts: the project's untimed preparation
     for size, jobs in plan.items():
@@ -605,7 +647,8 @@ def main(
                 ref = data.get("reference", {}).get(size) if c != "project_bf16" else None
                 try:
                     res = runner(
-                        dict(jobs[c], reps=0, reference=ref, prepare=True), env_for(c),
+                        dict(jobs[c], reps=0, reference=ref, prepare=True),
+                        env_for(c),
                         args.timeout,
                     )
                 except Exception as e:
@@ -648,8 +691,10 @@ def main(
                 save(out, data)
                 b1 = res["batches"].get(str(args.batches[0]), {})
                 if b1.get("timed"):
-                    log(f"  b{args.batches[0]}: {b1['step_ms']:.2f} ms/step, start "
-                        f"{res['start_s']:.2f} s")
+                    log(
+                        f"  b{args.batches[0]}: {b1['step_ms']:.2f} ms/step, start "
+                        f"{res['start_s']:.2f} s"
+                    )
     data["probes"].append(dict(probe(args), when=time.strftime("%Y-%m-%d %H:%M:%S")))
     summary = summarize(data)
     rat = ratios(summary, args.sizes, args.batches)
@@ -658,8 +703,10 @@ def main(
     data["ratios"] = rat
     data["floors"] = fl
     data["targets"] = bench_targets.peer_targets(summary, fl, data["models"])
-    data["markdown"] = markdown(data, summary, rat, fl) + "\n\n" + "\n".join(
-        bench_targets.markdown(data["targets"])
+    data["markdown"] = (
+        markdown(data, summary, rat, fl)
+        + "\n\n"
+        + "\n".join(bench_targets.markdown(data["targets"]))
     )
     save(out, data)
     print(data["markdown"])

@@ -37,7 +37,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 RESULT_MARK = "PEERS_RESULT "
 KINDS = (
@@ -189,13 +189,19 @@ class LlamaCppRunner(Runner):
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.ctx = None
         self.batch_obj = None
-        self.prepare(1)  # the context of the first batch is part of the start
+        self.batch_size = 0
+        self.prepare(job["batches"][0])  # the first batch's context is part of the start
 
     def prepare(self, batch: int) -> None:
+        if batch == self.batch_size:
+            return
         L, job = self.L, self.job
         self._free_ctx()
-        per_seq = -(-(job["prompt_len"] + max(job["new_tokens"] + [job["check_tokens"]]) + 8)
-                    // 256) * 256
+        self.batch_size = batch
+        per_seq = (
+            -(-(job["prompt_len"] + max(job["new_tokens"] + [job["check_tokens"]]) + 8) // 256)
+            * 256
+        )
         cp = L.llama_context_default_params()
         cp.n_ctx = per_seq * batch
         cp.n_batch = max(512, job["prompt_len"] * batch)
@@ -243,11 +249,14 @@ class LlamaCppRunner(Runner):
         L = self.L
         L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
         items = [
-            (tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, tok in
-            enumerate(p)
+            (tok, pos, s, pos == len(p) - 1)
+            for s, p in enumerate(prompts)
+            for pos, tok in enumerate(p)
         ]
         if len(items) > self.capacity:
-            raise RuntimeError(f"prompts of {len(items)} tokens exceed the batch of {self.capacity}")
+            raise RuntimeError(
+                f"prompts of {len(items)} tokens exceed the batch of {self.capacity}"
+            )
         self._decode(items)
         toks = self._argmax(len(prompts))
         out = [[t] for t in toks]
@@ -390,13 +399,14 @@ def diagnose(runner: "ProjectRunner") -> dict[str, Any]:
     try:
         tensors = list(model.parameters()) + list(model.buffers())
         out["weights"] = {
-            k: v
-            for k, v in bandwidth.read_tensors(tensors, repeats=5).items()
-            if k != "seconds"
+            k: v for k, v in bandwidth.read_tensors(tensors, repeats=5).items() if k != "seconds"
         }
         for huge in (True, False):
             row = bandwidth.read_once(
-                256 << 20, threads=out["weights"]["threads"], repeats=5, method="prefetch",
+                256 << 20,
+                threads=out["weights"]["threads"],
+                repeats=5,
+                method="prefetch",
                 huge_pages=huge,
             )
             out["fresh_2mb" if huge else "fresh_4kb"] = row["best_gb_s"]
@@ -448,9 +458,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 row["first_divergence"] = div
                 if div is not None and job["contender"] in EXACT:
                     row["timed"] = False
-                    row["why_not_timed"] = (
-                        f"greedy tokens differ from the reference at step {div}"
-                    )
+                    row["why_not_timed"] = f"greedy tokens differ from the reference at step {div}"
                     res["batches"][str(batch)] = row
                     continue
             if job.get("prepare") or job["reps"] <= 0:

@@ -77,9 +77,7 @@ def test_streamed_bytes_counts_every_weight_but_the_embedding(llama_checkpoint):
     got = bench_peers.streamed_bytes(llama_checkpoint)
     rest = [t for n, t in sd.items() if n != "model.embed_tokens.weight"]
     assert got["bf16"] == 2 * sum(t.numel() for t in rest)
-    assert got["q8_0"] == sum(
-        t.numel() * 34 // 32 if t.dim() == 2 else 4 * t.numel() for t in rest
-    )
+    assert got["q8_0"] == sum(t.numel() * 34 // 32 if t.dim() == 2 else 4 * t.numel() for t in rest)
 
 
 def _fake_process(steps_ms):
@@ -179,9 +177,21 @@ def test_a_failing_contender_is_recorded_and_the_rest_run(tmp_path, llama_checkp
 
     data = bench_peers.main(
         [
-            "--sizes", "tiny", "--model-dirs", f"tiny={llama_checkpoint}", "--batches", "1",
-            "--contenders", "project_bf16", "hf_eager", "--rounds", "2",
-            "--out", str(tmp_path / "p.json"), "--work-dir", str(tmp_path / "w"),
+            "--sizes",
+            "tiny",
+            "--model-dirs",
+            f"tiny={llama_checkpoint}",
+            "--batches",
+            "1",
+            "--contenders",
+            "project_bf16",
+            "hf_eager",
+            "--rounds",
+            "2",
+            "--out",
+            str(tmp_path / "p.json"),
+            "--work-dir",
+            str(tmp_path / "w"),
         ],  # fmt: skip
         runner=flaky,
         probe=lambda args: {"error": "no probe"},
@@ -195,9 +205,21 @@ def test_missing_peer_packages_are_left_out_with_a_reason(tmp_path, llama_checkp
     run, calls = _fake_process({"project_bf16": [10.0]})
     data = bench_peers.main(
         [
-            "--sizes", "tiny", "--model-dirs", f"tiny={llama_checkpoint}", "--batches", "1",
-            "--contenders", "project_bf16", "llamacpp_bf16", "--rounds", "1",
-            "--out", str(tmp_path / "p.json"), "--work-dir", str(tmp_path / "w"),
+            "--sizes",
+            "tiny",
+            "--model-dirs",
+            f"tiny={llama_checkpoint}",
+            "--batches",
+            "1",
+            "--contenders",
+            "project_bf16",
+            "llamacpp_bf16",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path / "p.json"),
+            "--work-dir",
+            str(tmp_path / "w"),
         ],  # fmt: skip
         runner=run,
         probe=lambda args: {"error": "no probe"},
@@ -221,11 +243,35 @@ def test_real_peer_matches_the_projects_tokens(tmp_path, llama_checkpoint, peer)
         pytest.importorskip(m)
     data = bench_peers.main(
         [
-            "--sizes", "tiny", "--model-dirs", f"tiny={llama_checkpoint}", "--batches", "1", "3",
-            "--contenders", "project_bf16", peer, "--rounds", "1", "--reps", "1",
-            "--prompt-len", "8", "--new-tokens", "2", "6", "--check-tokens", "8",
-            "--level", "0", "--threads", "1",
-            "--out", str(tmp_path / "p.json"), "--work-dir", str(tmp_path / "w"),
+            "--sizes",
+            "tiny",
+            "--model-dirs",
+            f"tiny={llama_checkpoint}",
+            "--batches",
+            "1",
+            "3",
+            "--contenders",
+            "project_bf16",
+            peer,
+            "--rounds",
+            "1",
+            "--reps",
+            "1",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "2",
+            "6",
+            "--check-tokens",
+            "8",
+            "--level",
+            "0",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "p.json"),
+            "--work-dir",
+            str(tmp_path / "w"),
         ],  # fmt: skip
         probe=lambda args: {"error": "no probe"},
     )
