@@ -93,6 +93,7 @@ SETTINGS = (
     "level",
     "model_dirs",
     "project_env",
+    "variant",
 )
 """What must match for a rerun to reuse an existing output file's runs."""
 
@@ -390,9 +391,13 @@ RATIOS = (
 
 def ratios(summary: dict[str, Any], sizes: list[str], batches: list[int]) -> list[dict[str, Any]]:
     out = []
+    variants = sorted({s["contender"] for s in summary.values() if "@" in s["contender"]})
+    pairs = list(RATIOS) + [
+        (f"{v} vs {v.partition('@')[0]}", v.partition("@")[0], v) for v in variants
+    ]
     for size in sizes:
         for batch in batches:
-            for label, base, c in RATIOS:
+            for label, base, c in pairs:
                 a, b = median_step(summary, size, base, batch), median_step(summary, size, c, batch)
                 if a and b:
                     out.append(
@@ -538,6 +543,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         metavar="SIZE=DIR",
         help="a Llama checkpoint folder for a size instead of the generated one",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=KEY=VALUE[,KEY=VALUE]",
+        help="also run the project's contenders with this environment, as '<contender>@NAME' "
+        "(e.g. thp=THP_MEM_ALLOC_ENABLE=1): A/B of process set-up, alternated like the rest",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per process")
     p.add_argument("--convert-ct2", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -551,6 +564,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for kv in args.project_env:
         if "=" not in kv:
             p.error(f"--project-env: {kv!r} is not KEY=VALUE")
+    for v in args.variant:
+        name, _, env = v.partition("=")
+        if not name or not env or any("=" not in kv for kv in env.split(",")):
+            p.error(f"--variant: {v!r} is not NAME=KEY=VALUE[,KEY=VALUE]")
     for kv in args.model_dirs:
         if kv.partition("=")[0] not in SIZES or not kv.partition("=")[2]:
             p.error(f"--model-dirs: {kv!r} is not SIZE=DIR with SIZE in {SIZES}")
@@ -576,6 +593,10 @@ def main(
     settings = {k: getattr(args, k) for k in SETTINGS}
     data = load_results(out, settings, args.fresh)
     project_env = dict(kv.split("=", 1) for kv in args.project_env)
+    variants = {
+        v.partition("=")[0]: dict(kv.split("=", 1) for kv in v.partition("=")[2].split(","))
+        for v in args.variant
+    }
     contenders = list(dict.fromkeys(["project_bf16", *args.contenders]))  # the reference first
     data.setdefault("models", {})
     data["skipped"] = {}  # said again by this run
@@ -626,15 +647,19 @@ def main(
             if c == "llamacpp_q8_0":
                 data["models"][size]["q8_0_file_bytes"] = Path(job["gguf"]).stat().st_size
             jobs[c] = job
+        for name in variants:
+            for c in [c for c in list(jobs) if c.startswith("project")]:
+                jobs[f"{c}@{name}"] = dict(jobs[c], name=f"{c}@{name}")
         plan[size] = jobs
     save(out, data)
 
     def env_for(c: str) -> dict[str, str]:
-        return (
-            dict(project_env, OMP_NUM_THREADS=str(args.threads))
-            if c.startswith("project")
-            else {"OMP_NUM_THREADS": str(args.threads)}
-        )
+        kind, _, variant = c.partition("@")
+        env = {"OMP_NUM_THREADS": str(args.threads)}
+        if kind.startswith("project"):
+            env.update(project_env)
+            env.update(variants.get(variant, {}))
+        return env
 
     # the reference tokens and compiled artifacts: the project's untimed preparation
     for size, jobs in plan.items():

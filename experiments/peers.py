@@ -417,7 +417,11 @@ def diagnose(runner: "ProjectRunner") -> dict[str, Any]:
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     t_process = job.get("process_start")  # the launcher's time.time() before the spawn
-    res: dict[str, Any] = {"contender": job["contender"], "size": job["size"], "pid": os.getpid()}
+    res: dict[str, Any] = {
+        "contender": job.get("name", job["contender"]),  # "kind@variant" for a variant
+        "size": job["size"],
+        "pid": os.getpid(),
+    }
     if t_process:
         res["spawn_to_worker_s"] = time.time() - t_process
     res["affinity"] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

@@ -283,3 +283,42 @@ def test_real_peer_matches_the_projects_tokens(tmp_path, llama_checkpoint, peer)
             assert row["tokens_match"], (b, row["tokens"], data["reference"]["tiny"][b])
         assert row["timed"] and row["step_ms"] > 0
     assert torch.tensor(run["batches"]["3"]["tokens"]).shape == (3, 8)
+
+
+def test_a_variant_runs_the_project_with_its_environment(tmp_path, llama_checkpoint):
+    run, calls = _fake_process({"project_bf16": [10.0], "project_bf16@thp": [8.0]})
+    envs = []
+
+    def spy(job, env, timeout):
+        envs.append((job.get("name", job["contender"]), env))
+        res = run(dict(job, contender=job.get("name", job["contender"])), env, timeout)
+        return res
+
+    data = bench_peers.main(
+        [
+            "--sizes",
+            "tiny",
+            "--model-dirs",
+            f"tiny={llama_checkpoint}",
+            "--batches",
+            "1",
+            "--contenders",
+            "project_bf16",
+            "--rounds",
+            "2",
+            "--variant",
+            "thp=THP_MEM_ALLOC_ENABLE=1,OMP_PROC_BIND=true",
+            "--out",
+            str(tmp_path / "p.json"),
+            "--work-dir",
+            str(tmp_path / "w"),
+        ],  # fmt: skip
+        runner=spy,
+        probe=lambda args: {"error": "no probe"},
+    )
+    by = dict(envs[1:3])  # after the one preparation, round 0
+    assert by["project_bf16@thp"]["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert by["project_bf16@thp"]["OMP_PROC_BIND"] == "true"
+    assert "THP_MEM_ALLOC_ENABLE" not in by["project_bf16"]
+    r = {x["ratio"]: x["speedup"] for x in data["ratios"]}
+    assert r["project_bf16@thp vs project_bf16"] == pytest.approx(10 / 8)
