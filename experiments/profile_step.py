@@ -249,18 +249,20 @@ def format_table(result: dict[str, Any]) -> str:
         f"| whole step, unprofiled (median) vs weights' streaming floor | {un:.3f} | | "
         f"{result['weights_bytes'] / 1e6:.2f} | {wfloor:.3f} | {un / wfloor:.2f}× |"
     )
+    return "\n".join(lines)
+
+
+def format_rates(result: dict[str, Any]) -> str:
+    """The rate at which the unprofiled step streams its weights, against the floor's."""
+    bw, un = result["bandwidth"], result["unprofiled_step_ms"]
+    probe = result.get("bandwidth_probe", {})
     achieved = result["weights_bytes"] / (un / 1e3)
-    lines.append(
-        f"\nthe step streams its weights at {achieved / 1e9:.1f} GB/s; the floor's read "
-        f"bandwidth is {bw / 1e9:.1f} GB/s ({result.get('bandwidth_probe', {}).get('probe', '-')}"
-        + (
-            f", {result['bandwidth_probe']['best_case']})"
-            if "best_case" in result.get("bandwidth_probe", {})
-            else ")"
-        )
+    how = probe.get("probe", "-") + (f", {probe['best_case']}" if "best_case" in probe else "")
+    return (
+        f"the step streams its weights at {achieved / 1e9:.1f} GB/s; the floor's read "
+        f"bandwidth is {bw / 1e9:.1f} GB/s ({how})"
         + ("" if achieved <= bw else ": the step beats the probe, so the probe under-measures")
     )
-    return "\n".join(lines)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -309,6 +311,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         f"GB/s, {result['steps']} profiled steps, {time.strftime('%Y-%m-%d %H:%M %Z')}"
     )
     print(format_table(result))
+    print(format_rates(result))
     if "rows" in result["bandwidth_probe"]:
         print(format_probe(result["bandwidth_probe"]))
     return result
