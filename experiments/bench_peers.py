@@ -434,7 +434,7 @@ def floors(summary: dict[str, Any], data: dict[str, Any], sizes: list[str]) -> d
         for c, fmt in rate_bytes.items():
             ms = median_step(summary, size, c, 1)
             best = summary.get(f"{size}/{c}", {}).get("batches", {}).get("1", {}).get("stats")
-            if ms and best:
+            if ms and best and best["min"] > 0:
                 rates[c] = nbytes[fmt] / (best["min"] / 1e3) / 1e9  # best round
         best_bw = max([probe or 0.0, *rates.values()]) or None
         out[size] = {
@@ -448,6 +448,10 @@ def floors(summary: dict[str, Any], data: dict[str, Any], sizes: list[str]) -> d
             else None,
         }
     return out
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def markdown(data: dict[str, Any], summary: dict[str, Any], rat: list, fl: dict) -> str:
@@ -471,7 +475,8 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], rat: list, fl: dict)
             lines.append(
                 f"| {s['size']} | {s['contender']} | {b} | "
                 + (
-                    f"{st['median']:.2f} | {st['min']:.2f}-{st['max']:.2f} | {st['spread']:.2f} | "
+                    f"{st['median']:.2f} | {st['min']:.2f}-{st['max']:.2f} | "
+                    f"{_fmt(st['spread'])} | "
                     f"{st['n']}"
                     if st
                     else "- | - | - | 0"

@@ -322,3 +322,30 @@ def test_a_variant_runs_the_project_with_its_environment(tmp_path, llama_checkpo
     assert "THP_MEM_ALLOC_ENABLE" not in by["project_bf16"]
     r = {x["ratio"]: x["speedup"] for x in data["ratios"]}
     assert r["project_bf16@thp vs project_bf16"] == pytest.approx(10 / 8)
+
+
+def test_markdown_survives_a_round_that_timed_below_zero(tmp_path, llama_checkpoint):
+    """Under load t(short) can exceed t(long): the row says so instead of failing the report."""
+    run, calls = _fake_process({"project_bf16": [-1.0, 2.0]})
+    data = bench_peers.main(
+        [
+            "--sizes",
+            "tiny",
+            "--model-dirs",
+            f"tiny={llama_checkpoint}",
+            "--batches",
+            "1",
+            "--contenders",
+            "project_bf16",
+            "--rounds",
+            "2",
+            "--out",
+            str(tmp_path / "p.json"),
+            "--work-dir",
+            str(tmp_path / "w"),
+        ],  # fmt: skip
+        runner=run,
+        probe=lambda args: {"error": "no probe"},
+    )
+    assert data["summary"]["tiny/project_bf16"]["batches"]["1"]["stats"]["spread"] is None
+    assert "| tiny | project_bf16 | 1 | 0.50 | -1.00-2.00 | - | 2 |" in data["markdown"]
