@@ -121,17 +121,19 @@ def measure_per_token(
 
 def streaming_floor(contenders: list[Contender], args: argparse.Namespace) -> Optional[dict]:
     """The weights' streaming floor of a decode step: every weight but the embedding table
-    read once, at this machine's measured read bandwidth (at the current thread count)."""
-    from experiments.bandwidth import measure_read_bandwidth
+    read once, at this machine's read bandwidth measured by the native probe (at the current
+    thread count; :func:`experiments.bandwidth.floor_bandwidth`)."""
+    from experiments.bandwidth import floor_bandwidth
     from experiments.profile_step import step_bytes
 
     o2 = [c for c in contenders if c.name == "O2"]
     if not o2:
         return None
-    bandwidth = measure_read_bandwidth()
+    bandwidth, probe = floor_bandwidth()
     weights = step_bytes(o2[0].llm, 1, args.prompt_len)["weights"]
     return {
         "bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_probe": probe.get("best_case", probe["probe"]),
         "weight_bytes": weights,
         "floor_ms": weights / bandwidth * 1e3,
         "prompt_len": args.prompt_len,

@@ -207,3 +207,106 @@ def markdown(targets_: list[dict]) -> list[str]:
             f"| {t['target']} | {t['want']} | {t['got']:.3f} | {'met' if t['met'] else 'NOT met'} |"
         )
     return lines
+
+
+# ----------------------------------------------------------------------------- peers
+# The targets against llama.cpp (``experiments.bench_peers``), the issue's numbers exactly:
+# (size, batch, baseline, contender, wanted speed-up = baseline median / contender median).
+PEER_SPEEDUP_TARGETS = (
+    ("tiny", 1, "llamacpp_bf16", "project_bf16", 1.15),
+    ("tiny", 1, "llamacpp_q8_0", "project_int8", 1.1),
+    ("1.1b", 1, "llamacpp_bf16", "project_bf16", 1.4),
+    ("1.1b", 1, "llamacpp_q8_0", "project_int8", 1.3),
+    ("1.1b", 1, "project_bf16", "project_int8", 1.6),
+    ("tiny", 8, "llamacpp_bf16", "project_bf16", 1.6),
+    ("tiny", 32, "llamacpp_bf16", "project_bf16", 1.6),
+    ("1.1b", 8, "llamacpp_bf16", "project_bf16", 1.6),
+    ("1.1b", 32, "llamacpp_bf16", "project_bf16", 1.6),
+)
+PEER_FLOOR_TARGET = 1.15  # 1.1B bf16 b1 step / (weights' bytes / best measured read bandwidth)
+PEER_RSS_EXTRA_BYTES = 600 * 10**6  # 1.1B peak RSS <= checkpoint bytes + 0.6 GB
+PEER_WARM_S_TARGET = 2.5  # 1.1B warm LLM(...) after import torch
+PEER_SPREAD_TARGET = 1.10  # 1.1B bf16 b1 max / min over (at least) 4 fresh processes
+PEER_SPREAD_PROCESSES = 4
+PEER_LABELS = {
+    "project_bf16": "project bf16",
+    "project_int8": "project int8",
+    "llamacpp_bf16": "llama.cpp bf16",
+    "llamacpp_q8_0": "llama.cpp q8_0",
+}
+
+
+def peer_targets(
+    summary: dict[str, Any],
+    floors: dict[str, Any],
+    models: dict[str, Any],
+) -> list[dict]:
+    """The peer benchmark's targets that the run has the numbers for (see the issue table)."""
+    out = []
+
+    def step(size: str, contender: str, batch: int) -> Optional[dict]:
+        b = summary.get(f"{size}/{contender}", {}).get("batches", {}).get(str(batch))
+        return b["stats"] if b and b.get("stats") else None
+
+    for size, batch, base, c, want in PEER_SPEEDUP_TARGETS:
+        a, b = step(size, base, batch), step(size, c, batch)
+        if a and b:
+            got = a["median"] / b["median"]
+            what = (
+                f"{size}, b{batch}: {PEER_LABELS[c]} vs {PEER_LABELS[base]}"
+                if base != "project_bf16"
+                else f"{size}, b{batch}: int8 vs bf16 inside the project"
+            )
+            out.append(_target(what, f">= {want}x", got, got >= want))
+    f = floors.get("1.1b")
+    s = step("1.1b", "project_bf16", 1)
+    if f and f.get("floor_ms") and s:
+        got = s["median"] / f["floor_ms"]["bf16"]
+        out.append(
+            _target(
+                "1.1b, b1 bf16 step / (weights' bytes / best measured read bandwidth)",
+                f"<= {PEER_FLOOR_TARGET}x",
+                got,
+                got <= PEER_FLOOR_TARGET,
+            )
+        )
+    info = models.get("1.1b")
+    for c in ("project_bf16", "project_int8"):
+        row = summary.get(f"1.1b/{c}")
+        rss = row and (row.get("rss_peak_first_batch_bytes") or row.get("rss_peak_bytes"))
+        if info and rss:
+            limit = info["checkpoint_bytes"] + PEER_RSS_EXTRA_BYTES
+            got = rss["median"] / 1e9
+            out.append(
+                _target(
+                    f"1.1b peak RSS, {PEER_LABELS[c]} (GB, b1; weights "
+                    f"{info['checkpoint_bytes'] / 1e9:.2f} GB + 0.6)",
+                    f"<= {limit / 1e9:.2f}",
+                    got,
+                    rss["median"] <= limit,
+                )
+            )
+    row = summary.get("1.1b/project_bf16")
+    if row and row.get("warm_after_torch_s"):
+        got = row["warm_after_torch_s"]["median"]
+        out.append(
+            _target(
+                "1.1b warm LLM(...) after import torch (s)",
+                f"<= {PEER_WARM_S_TARGET}",
+                got,
+                got <= PEER_WARM_S_TARGET,
+            )
+        )
+    if s:
+        enough = s["n"] >= PEER_SPREAD_PROCESSES
+        out.append(
+            _target(
+                f"1.1b bf16 b1 spread between fresh processes (max/min of {s['n']}"
+                + ("" if enough else f"; the target needs {PEER_SPREAD_PROCESSES}")
+                + ")",
+                f"<= {PEER_SPREAD_TARGET}",
+                s["spread"],
+                enough and s["spread"] <= PEER_SPREAD_TARGET,
+            )
+        )
+    return out

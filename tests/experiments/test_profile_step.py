@@ -47,6 +47,7 @@ def test_table_lists_every_row_and_the_final_comparison(result):
     for name in profile_step.ROWS:
         assert f"| {name} |" in table
     assert table.splitlines()[-1].startswith("| whole step, unprofiled")
+    assert "read bandwidth is 10.0 GB/s (given)" in profile_step.format_rates(r)
 
 
 def test_split_counts_nested_linears_once():
