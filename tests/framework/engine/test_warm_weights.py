@@ -4,7 +4,9 @@ file's pages, and its greedy tokens equal the cold engine's and transformers'.""
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -28,6 +30,16 @@ def hf_greedy(path, prompt, n):
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def _own_copy(src, dst):
+    """A copy of the checkpoint with fresh mtimes (``copytree`` keeps the source's): its own
+    processed-weights entry, never one another test wrote for the source."""
+    shutil.copytree(src, dst)
+    now = time.time_ns()
+    for f in dst.iterdir():
+        os.utime(f, ns=(now, now))
+    return dst
 
 
 def _llm(path, cache_dir, dtype, quantization=None) -> LLM:
@@ -64,8 +76,7 @@ def _check_warm(ckpt, compile_cache_dir, dtype, quantization=None):
 def test_warm_llm_maps_weights_and_matches_cold_and_transformers(
     llama_checkpoint, compile_cache_dir, tmp_path
 ):
-    ckpt = tmp_path / "llama"
-    shutil.copytree(llama_checkpoint, ckpt)  # its own mtime: its own weights entry
+    ckpt = _own_copy(llama_checkpoint, tmp_path / "llama")
     out = _check_warm(ckpt, compile_cache_dir, torch.float32)
     assert out == [hf_greedy(ckpt, p, NEW) for p in PROMPTS]
 
@@ -73,14 +84,12 @@ def test_warm_llm_maps_weights_and_matches_cold_and_transformers(
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", [None, "int8_per_token"], ids=["bf16", "int8"])
 def test_warm_llm_bf16_and_int8(llama_checkpoint, compile_cache_dir, tmp_path, quant):
-    ckpt = tmp_path / "llama"
-    shutil.copytree(llama_checkpoint, ckpt)
+    ckpt = _own_copy(llama_checkpoint, tmp_path / "llama")
     _check_warm(ckpt, compile_cache_dir, torch.bfloat16, quant)
 
 
 @pytest.mark.slow
 def test_warm_llm_maps_packed_moe_experts(tiny_checkpoint, compile_cache_dir, tmp_path):
     """Stacked MoE experts re-laid out for the small-M kernel are cached and mapped too."""
-    ckpt = tmp_path / "qwen3_moe"
-    shutil.copytree(tiny_checkpoint("qwen3_moe"), ckpt)
+    ckpt = _own_copy(tiny_checkpoint("qwen3_moe"), tmp_path / "qwen3_moe")
     _check_warm(ckpt, compile_cache_dir, torch.bfloat16)
