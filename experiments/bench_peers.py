@@ -49,6 +49,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,7 @@ from typing import Any, Callable, Optional
 
 from experiments import bench_targets
 from experiments.peers import EXACT, KINDS, RESULT_MARK
+from framework.core.files import publish_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "peers_cpu.json"
@@ -199,11 +201,7 @@ def convert_ct2(folder: Path, out: Path) -> None:
         ctranslate2.converters.TransformersConverter(str(srcp), low_cpu_mem_usage=True).convert(
             str(tmp), quantization="int8", force=True
         )
-        if out.exists():
-            import shutil
-
-            shutil.rmtree(out)
-        tmp.rename(out)
+        publish_dir(tmp, out, replace=True)
 
 
 def ensure_ct2(folder: Path, work: Path) -> Path:
@@ -293,7 +291,7 @@ def load_results(path: Path, settings: dict[str, Any], fresh: bool) -> dict[str,
         if data.get("settings") == settings:
             return data
         log(f"{path}: written with other settings; starting over (old file kept as .old)")
-        path.replace(path.with_suffix(path.suffix + ".old"))
+        shutil.copyfile(path, path.with_suffix(path.suffix + ".old"))
     return {"settings": settings, "runs": [], "prepare": [], "probes": [], "skipped": {}}
 
 
