@@ -230,6 +230,53 @@ def _aa_noise(folder: Path) -> list[str]:
 
 
 @table(
+    "spec_bench",
+    "benchmarks/spec_bench_cpu.json",
+    "python -m experiments.bench_spec --rounds 5 --prompts 4 --out benchmarks/spec_bench_cpu.json",
+)
+def _spec_bench(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    res = data["results"]
+    out = [
+        f"{data['date_utc']}, load average {data['machine']['load_average_before'][0]:.2f} "
+        f"before, {data['machine']['torch_threads']} threads.",
+        "",
+        "| workload | batch | tokens/s plain | tokens/s spec | spec / plain [95%] | same tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in sorted(k for k, v in res.items() if isinstance(v, dict) and "speedup" in v):
+        v = res[key]
+        sp = v["speedup"]
+        lo, hi = sp["ci95"]
+        out.append(
+            f"| {key.split(' ')[0]} | {v['batch']} | {v['tokens_per_s']['plain']:.1f} | "
+            f"{v['tokens_per_s']['spec']:.1f} | **{sp['ratio']:.2f}** [{lo:.2f}, {hi:.2f}] | "
+            f"{'yes' if v['same_tokens'] else 'NO'} |"
+        )
+    for name in ("ngram_copy_acceptance", "draft_addition_acceptance"):
+        a = res.get(name)
+        if a:
+            out += [""]
+            out.append(
+                f"{name.split('_acceptance')[0]}: acceptance {a['spec_acceptance_rate']:.2f}, "
+                f"mean accepted length {a['spec_mean_accepted_length']:.2f} "
+                f"(k = {a['spec_num_speculative_tokens']})."
+            )
+    vs = res.get("verify_step")
+    if vs:
+        parts = [
+            f"b{b} {r['ratio_median']:.2f}x "
+            f"({r['verify_ms_median']:.2f} vs {r['decode_ms_median']:.2f} ms)"
+            for b, r in sorted(vs["batches"].items(), key=lambda kv: int(kv[0]))
+        ]
+        out += [
+            "",
+            f"Verify step of 1 + {vs['k']} tokens vs a decode step: " + ", ".join(parts) + ".",
+        ]
+    return out
+
+
+@table(
     "serve_bench",
     "benchmarks/serve_bench_cpu.json",
     "python -m experiments.bench_serve --concurrency 1,16 --requests 32 --max-tokens 64 "
