@@ -11,25 +11,13 @@ import time
 import pytest
 import torch
 from mapped import file_backed
+from paged_harness import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from framework import LLM, CompilationConfig
 
 PROMPTS = [[3, 17, 42, 9, 100, 7, 64, 5, 11, 23, 19, 4, 8, 15, 16, 42, 99, 1], [8, 1, 250]]
 NEW = 8
-
-
-def hf_greedy(path, prompt, n):
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def _own_copy(src, dst):
@@ -78,7 +66,8 @@ def test_warm_llm_maps_weights_and_matches_cold_and_transformers(
 ):
     ckpt = _own_copy(llama_checkpoint, tmp_path / "llama")
     out = _check_warm(ckpt, compile_cache_dir, torch.float32)
-    assert out == [hf_greedy(ckpt, p, NEW) for p in PROMPTS]
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    assert out == [hf_greedy(hf, p, NEW) for p in PROMPTS]
 
 
 @pytest.mark.slow
