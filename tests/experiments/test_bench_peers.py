@@ -29,18 +29,20 @@ class _FakeRunner(peers.Runner):
 
 
 def _job(contender, reference=None, **kw):
-    return dict(
-        contender=contender,
-        size="tiny",
-        batches=[1, 2],
-        prompts={"1": [[5] * 4], "2": [[5] * 4, [6] * 4]},
-        prompt_len=4,
-        new_tokens=[2, 10],
-        check_tokens=6,
-        reps=2,
-        threads=1,
-        reference=reference,
-        **kw,
+    return (
+        dict(
+            contender=contender,
+            size="tiny",
+            batches=[1, 2],
+            prompts={"1": [[5] * 4], "2": [[5] * 4, [6] * 4]},
+            prompt_len=4,
+            new_tokens=[2, 10],
+            check_tokens=6,
+            reps=2,
+            threads=1,
+            reference=reference,
+        )
+        | kw
     )
 
 
@@ -68,6 +70,28 @@ def test_exact_contender_with_other_tokens_is_reported_not_timed(monkeypatch):
     # a preparation run (the reference) only generates the tokens
     prep = peers.run_job(_job("project_bf16", None, prepare=True))["batches"]["1"]
     assert not prep["timed"] and prep["tokens"] == [list(range(6))]
+
+
+def test_a_late_bf16_divergence_is_timed_and_reported_per_sequence(monkeypatch):
+    """Two correct bf16 engines part where near-tied logits meet rounding: the median sequence
+    decides (a misconfigured engine parts on every sequence within a step or two)."""
+    assert peers.agrees_enough([None, 12, 2], 8) and not peers.agrees_enough([2, 1, None], 8)
+    assert peers.divergence_steps([[1, 2], [3]], [[1, 2], [3, 4], [5]]) == [None, 1, 0]
+    monkeypatch.setattr(peers, "build_runner", lambda job: _FakeRunner())
+    same = {"1": [list(range(10))], "2": [list(range(10)), list(range(1, 11))]}
+    res = peers.run_job(_job("llamacpp_bf16", same, check_tokens=10, min_identical=8))
+    assert all(b["timed"] and b["tokens_match"] for b in res["batches"].values())
+    late = {"1": [list(range(9)) + [99]], "2": [[0, 99] + list(range(2, 10)), same["2"][1]]}
+    res = peers.run_job(_job("llamacpp_bf16", late, check_tokens=10, min_identical=8))
+    b1, b2 = res["batches"]["1"], res["batches"]["2"]
+    assert b1["timed"] and b1["divergence_steps"] == [9] and b1["first_divergence"] == 9
+    # one of two sequences parts at step 1: the median (the upper one of two) agrees
+    assert b2["timed"] and b2["divergence_steps"] == [1, None] and b2["first_divergence"] == 1
+    res = peers.run_job(_job("llamacpp_bf16", late, check_tokens=10, min_identical=10))
+    assert (
+        not res["batches"]["1"]["timed"]
+        and "per sequence: [9]" in (res["batches"]["1"]["why_not_timed"])
+    )
 
 
 def test_streamed_bytes_counts_every_weight_but_the_embedding(llama_checkpoint):
