@@ -55,3 +55,32 @@ def test_without_quantization_it_is_plain_loading(llama_checkpoint):
     ref, _ = load_model(llama_checkpoint, torch.float32)
     for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("quant", [None, "int8_per_token"], ids=["bf16", "int8"])
+def test_warm_start_registers_the_linear_ops_cpp_kernels(llama_checkpoint, tmp_path, quant):
+    """A warm start maps the processed weights and runs no method's ``process`` (which is
+    where a cold start registers the C++ kernels): it must register them itself, or every
+    linear call of the restored model runs its op's Python body."""
+    from framework.core.config import CompilationConfig
+    from framework.engine import model_prep
+    from passes import small_m_linear
+    from passes.registry import level_passes
+
+    if not small_m_linear.kernel_available():
+        pytest.skip("no small-M kernel on this machine")
+    cfg = CompilationConfig(level=2, cache_dir=str(tmp_path)).resolve(
+        max_num_tokens=64, level_passes=level_passes, has_cuda=False
+    )
+    cold = model_prep.prepare_model(llama_checkpoint, torch.bfloat16, "cpu", quant, cfg)
+    assert cold.weights_cache == "written" and cold.packed_layers
+    calls = []
+    real = model_prep.native_ops.load
+    try:
+        model_prep.native_ops.load = lambda: calls.append(1) or real()
+        warm = model_prep.prepare_model(llama_checkpoint, torch.bfloat16, "cpu", quant, cfg)
+    finally:
+        model_prep.native_ops.load = real
+    assert warm.weights_cache == "hit" and warm.packed_layers == cold.packed_layers
+    assert calls, "the warm start did not register the C++ kernels"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("piecewise::packed_linear", "CPU")
