@@ -1,8 +1,8 @@
 """One batched sampler for a step: penalties, temperature, top-k, top-p, min-p, sampling,
 log-probabilities, as tensor ops over the whole batch (per-row parameters as tensors).
 
-A batch of greedy requests without penalties or logprobs takes the fast path: one fp32
-argmax, as before sampling existed.
+A batch of greedy requests without penalties or logprobs takes the fast path: one vectorised
+argmax over the rows read as fp32 (:func:`greedy_argmax`), as before sampling existed.
 
 Randomness is counter-based: the noise of a row is a hash of (request seed, output index,
 vocabulary index), so a seeded request draws the same tokens whatever else is in the batch,
@@ -16,6 +16,7 @@ import functools
 import math
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from framework.engine.request import Request
@@ -160,6 +161,24 @@ def process_logits(x: torch.Tensor, params: Sequence) -> tuple[torch.Tensor, Opt
     return x, bound
 
 
+def greedy_argmax(logits: torch.Tensor) -> tuple[list[Optional[int]], list[float]]:
+    """Per row of ``logits [n, V]``: the index of its first maximum and that maximum as a
+    float, NaN first (a row holding a NaN gets a NaN's index and value, as ``torch.max``).
+
+    On CPU the rows are read as fp32 (exact for bf16/fp16 values) by numpy's vectorised
+    ``argmax``: ~9 us for a 32000-way bf16 row against ~50 us for ``x.float().max(-1)``
+    (whose index-tracking reduction is not vectorised) and ~120 us for the bf16 ``argmax``,
+    measured side by side here; 8 rows ~53 us against ~280 us.  Ties go to the first index,
+    as in torch.  Elsewhere ``torch.max`` on fp32 (one transfer of indices and maxima)."""
+    x = logits.float()
+    if x.device.type != "cpu" or x.dim() != 2:
+        values, indices = x.max(dim=-1)
+        return indices.tolist(), values.tolist()
+    rows = x.detach().numpy()
+    idx = rows.argmax(axis=-1)
+    return idx.tolist(), rows[np.arange(rows.shape[0]), idx].tolist()
+
+
 NON_FINITE = "the model's logits are not finite (NaN or inf: check the weights and inputs)"
 
 
@@ -175,20 +194,15 @@ class Sampler:
         self, logits: torch.Tensor, reqs: Sequence[Request]
     ) -> tuple[list[Optional[int]], Optional[list[Optional[dict[int, float]]]]]:
         params = [r.params for r in reqs]
-        x = logits.float()
         if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
-            # argmax over fp32: exact for bf16/fp16 values, and ~3.5x faster than the bf16
-            # argmax kernel on these CPUs (32000-way row: 32 us vs 115 us, side by side).
-            # max() propagates NaN, so its values also tell which rows are not finite.
-            # The check reads the row maxima as Python floats: torch.isfinite on a batch-sized
-            # vector is several dispatches (~50 us a decode step here), per step.
-            values, indices = x.max(dim=-1)
-            tokens: list[Optional[int]] = indices.tolist()
-            for i, v in enumerate(values.tolist()):
+            tokens, maxima = greedy_argmax(logits)
+            # A row whose maximum is not finite holds a NaN or +inf, or is all -inf.
+            for i, v in enumerate(maxima):
                 if not math.isfinite(v):
                     reqs[i].fail(NON_FINITE)
                     tokens[i] = None
             return tokens, None
+        x = logits.float()
         finite = torch.isfinite(x.amax(dim=-1)).tolist()
         for r, ok in zip(reqs, finite):
             if not ok:

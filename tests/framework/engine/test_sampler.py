@@ -212,3 +212,35 @@ def test_top_k_candidates_race_equals_the_full_race(logits):
         noise = uniform_noise(torch.tensor([3]), torch.tensor([step]), V)
         full = (masked.softmax(-1) / -noise.log()).argmax(-1).item()
         assert Sampler()(logits[:1], r)[0] == [full]
+
+
+def test_greedy_fast_path_equals_the_full_sampler_with_ties_and_bf16():
+    """The greedy fast path (numpy's argmax over the rows as fp32) picks what torch picks and
+    what the full sampler picks, ties included (bf16 logits tie often: the first index wins),
+    and fails exactly the rows that are not finite."""
+    from framework.engine.sampler import greedy_argmax
+
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(8, 32000, generator=gen) * 4).bfloat16()
+    top = x.float().amax(dim=-1)
+    for r, cols in enumerate([(5, 31999), (0, 17), (12000, 12001, 20000)]):
+        x[r, list(cols)] = top[r].bfloat16()  # ties with each other (and maybe the old max)
+    x[3, 100] = x[3, 200] = float("inf")  # +inf wins, first one
+    want = x.float().argmax(dim=-1).tolist()
+    assert want == x.float().max(dim=-1).indices.tolist()
+    got, maxima = greedy_argmax(x)
+    assert got == want and maxima == x.float().amax(dim=-1).tolist()
+    fast = Sampler()(x, [req(i, SamplingParams()) for i in range(8)])[0]
+    full = Sampler()(x, [req(i, SamplingParams(logprobs=0)) for i in range(8)])[0]
+    assert fast[:3] == want[:3] and fast[4:] == want[4:] and fast == full
+    assert fast[3] is None  # +inf: not finite, failed alone
+
+    y = x.clone()
+    y[1, 7] = float("nan")
+    y[2] = float("-inf")
+    reqs = [req(i, SamplingParams()) for i in range(8)]
+    tokens = Sampler()(y, reqs)[0]
+    assert [i for i, t in enumerate(tokens) if t is None] == [1, 2, 3]
+    assert all(reqs[i].finish_reason == "error" for i in (1, 2, 3))
+    assert [tokens[i] for i in (0, 4, 5, 6, 7)] == [want[i] for i in (0, 4, 5, 6, 7)]
+    assert greedy_argmax(y)[0][1] == 7  # a NaN is the row's maximum, as in torch.max
