@@ -332,12 +332,26 @@ class HFEagerRunner(Runner):
         return out
 
 
+INT8_HEAD_ENV = "PIECEWISE_PEERS_INT8_HEAD"
+"""``1``: ``project_int8`` quantizes the LM head too (``int8_per_token`` on every linear), as
+the q8_0 GGUF holds ``output.weight`` in q8_0; by default the project leaves the head bf16 (33
+of the tiny model's 57 MB a step).  A variant: ``--variant head=PIECEWISE_PEERS_INT8_HEAD=1``
+runs ``project_int8@head`` beside ``project_int8``."""
+
+
+def project_int8_quantization(env: Any) -> Any:
+    """The quantization ``project_int8`` runs with (see :data:`INT8_HEAD_ENV`)."""
+    if env.get(INT8_HEAD_ENV) == "1":
+        return {"targets": {"lm_head": "int8_per_token", "re:.*": "int8_per_token"}}
+    return "int8_per_token"
+
+
 def build_runner(job: dict[str, Any]) -> Runner:
     kind = job["contender"]
     if kind == "project_bf16":
         return ProjectRunner(job, None)
     if kind == "project_int8":
-        return ProjectRunner(job, "int8_per_token")
+        return ProjectRunner(job, project_int8_quantization(os.environ))
     if kind in ("llamacpp_bf16", "llamacpp_q8_0"):
         return LlamaCppRunner(job)
     if kind == "ct2_int8":

@@ -373,3 +373,16 @@ def test_markdown_survives_a_round_that_timed_below_zero(tmp_path, llama_checkpo
     )
     assert data["summary"]["tiny/project_bf16"]["batches"]["1"]["stats"]["spread"] is None
     assert "| tiny | project_bf16 | 1 | 0.50 | -1.00-2.00 | - | 2 |" in data["markdown"]
+
+
+def test_project_int8_head_variant_quantizes_the_lm_head_too():
+    """``--variant head=PIECEWISE_PEERS_INT8_HEAD=1``: the int8 contender quantizes every
+    linear, the LM head included (as the q8_0 GGUF does); without it the head stays bf16."""
+    from framework.core.quantization import QuantizationConfig
+
+    plain = QuantizationConfig.parse(peers.project_int8_quantization({}))
+    head = QuantizationConfig.parse(peers.project_int8_quantization({peers.INT8_HEAD_ENV: "1"}))
+    layer = "model.layers.0.self_attn.qkv_proj"
+    assert plain.spec_for(layer) == head.spec_for(layer) is not None
+    assert plain.spec_for("lm_head") is None and head.spec_for("lm_head") == head.spec_for(layer)
+    assert head.spec_for("model.embed_tokens") is None
