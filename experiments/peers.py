@@ -39,7 +39,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 RESULT_MARK = "PEERS_RESULT "
 KINDS = (
@@ -158,7 +158,11 @@ class ProjectRunner(Runner):
             max_num_seqs=max(job["batches"]),
             max_model_len=max(256, longest),
             cache_dir=job["cache_dir"],
-            compilation_config=CompilationConfig(level=job.get("level", 2), progress_bar=False),
+            compilation_config=CompilationConfig(
+                level=job.get("level", 2),
+                progress_bar=False,
+                compile_sizes=project_compile_sizes(os.environ),
+            ),
         )
         self.construct_s = time.perf_counter() - t
         self.decode_times: list[float] = []
@@ -344,6 +348,20 @@ def project_int8_quantization(env: Any) -> Any:
     if env.get(INT8_HEAD_ENV) == "1":
         return {"targets": {"lm_head": "int8_per_token", "re:.*": "int8_per_token"}}
     return "int8_per_token"
+
+
+COMPILE_SIZES_ENV = "PIECEWISE_PEERS_COMPILE_SIZES"
+"""Comma-separated compile sizes for the project's contenders (default: none, the level's).
+A single size compiles the pieces for that exact token count: at batch 1 the kernels then
+have static shapes, and Inductor opens no OpenMP region for them (the dynamic range's kernels
+open one each, ~36 a decode step on the tiny model).  A variant:
+``--variant cs1=PIECEWISE_PEERS_COMPILE_SIZES=1``."""
+
+
+def project_compile_sizes(env: Any) -> Optional[list[int]]:
+    """The compile sizes of :data:`COMPILE_SIZES_ENV`, or None (the level's default)."""
+    raw = env.get(COMPILE_SIZES_ENV, "").strip()
+    return [int(x) for x in raw.split(",") if x.strip()] if raw else None
 
 
 def build_runner(job: dict[str, Any]) -> Runner:

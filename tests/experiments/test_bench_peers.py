@@ -386,3 +386,9 @@ def test_project_int8_head_variant_quantizes_the_lm_head_too():
     assert plain.spec_for(layer) == head.spec_for(layer) is not None
     assert plain.spec_for("lm_head") is None and head.spec_for("lm_head") == head.spec_for(layer)
     assert head.spec_for("model.embed_tokens") is None
+
+
+def test_project_compile_sizes_variant():
+    assert peers.project_compile_sizes({}) is None
+    assert peers.project_compile_sizes({peers.COMPILE_SIZES_ENV: "1"}) == [1]
+    assert peers.project_compile_sizes({peers.COMPILE_SIZES_ENV: "1, 8"}) == [1, 8]
