@@ -73,6 +73,7 @@ LIBRARY = NativeLibrary(
     portable_env="PIECEWISE_INT8_LINEAR_PORTABLE",
     declare=_declare,
     extra_flags=("-ffp-contract=off",),  # the epilogue rounds as torch does: no FMA contraction
+    depends=(CSRC / "panel_loop.h",),
 )
 
 
