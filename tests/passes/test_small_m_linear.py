@@ -185,8 +185,9 @@ def test_a_layer_runs_the_kernel_up_to_its_own_max_rows_past_16(monkeypatch):
     from framework.compat import onednn
 
     large = []
-    real_linear = onednn.linear
+    real_linear, real_unpack = onednn.linear, small_m.unpack
     monkeypatch.setattr(onednn, "linear", lambda *a, **k: large.append(1) or real_linear(*a, **k))
+    monkeypatch.setattr(small_m, "unpack", lambda *a, **k: large.append(1) or real_unpack(*a, **k))
     layer, x, w, b = _layer(65, 192, 96, True, 64)
     check(layer(x[:40]), x[:40], w, b)
     check(layer(x[:64]), x[:64], w, b)
