@@ -188,9 +188,7 @@ def crossover(rows: list[dict], family: str) -> tuple[dict[int, float], int]:
     for r in rows:
         if r["family"] == family:
             by_m.setdefault(r["M"], []).append(r[baseline][0] / r["kernel"][0])
-    gmean = {
-        m: math.exp(sum(math.log(v) for v in vs) / len(vs)) for m, vs in sorted(by_m.items())
-    }
+    gmean = {m: math.exp(sum(math.log(v) for v in vs) / len(vs)) for m, vs in sorted(by_m.items())}
     best = 0
     for m, v in gmean.items():
         if v < 1.0:

@@ -3,10 +3,10 @@
 W8A8: bit for bit what ``dynamic_per_token_quant`` + an exact int8 matmul + the scaled-mm
 epilogue give (the unpacked ``int8_per_token`` path), for bf16 and fp32 activations, M up to
 64 (row passes over k-blocks past 6 rows), bias, K not a multiple of 4, N not a multiple of 64,
-strided rows, threads 1 and 2, the portable build.  Weight-only: within one rounding of the fp32 result.  Then the
-layer level (``PackedInt8LinearMethod``: one copy, same outputs as the unpacked scheme at
-every row count) and the ops (opcheck; the small-M calls never enter Python once the C++
-kernels are loaded)."""
+strided rows, threads 1 and 2, the portable build.  Weight-only: within one rounding of the
+fp32 result, and past 6 rows each row bit for bit what it gives alone.  Then the layer level
+(``PackedInt8LinearMethod``: one copy, same outputs as the unpacked scheme at every row count)
+and the ops (opcheck; the small-M calls never enter Python once the C++ kernels are loaded)."""
 
 import pytest
 import torch

@@ -197,9 +197,7 @@ def test_a_layer_runs_the_kernel_up_to_its_own_max_rows_past_16(monkeypatch):
 
 
 @pytest.mark.skipif(not mkldnn_available(), reason="needs oneDNN (mkldnn)")
-@pytest.mark.parametrize(
-    "m,max_rows", [(1, 16), (16, 16), (19, 16), (40, 64), (64, 64), (67, 64)]
-)
+@pytest.mark.parametrize("m,max_rows", [(1, 16), (16, 16), (19, 16), (40, 64), (64, 64), (67, 64)])
 def test_opcheck(m, max_rows):
     layer, x, _, b = _layer(m, 96, 64, True, max_rows)
     op = torch.ops.piecewise.packed_linear.default
