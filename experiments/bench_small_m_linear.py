@@ -64,11 +64,16 @@ FAMILIES = {
 """Family -> (variants, the baseline the kernel is compared with)."""
 
 
-def _sweep_s(fn, xs, n_copies: int) -> float:
-    t0 = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+"""``cpu``: this thread's CPU time (``--threads 1`` only): on a shared, loaded machine it leaves
+out the time the benchmark waits for a core, which wall time counts."""
+
+
+def _sweep_s(fn, xs, n_copies: int, clock=time.perf_counter) -> float:
+    t0 = clock()
     for i in range(n_copies):
         fn(xs[i], i)
-    return (time.perf_counter() - t0) / n_copies
+    return (clock() - t0) / n_copies
 
 
 def _copies(bytes_per_copy: int, sweep_bytes: int) -> int:
@@ -150,7 +155,13 @@ def _int8_impls(n: int, k: int, copies: int, g: torch.Generator, weight_only: bo
 
 
 def bench_shape(
-    family: str, n: int, k: int, rows: list[int], rounds: int, sweep_bytes: int = SWEEP_BYTES
+    family: str,
+    n: int,
+    k: int,
+    rows: list[int],
+    rounds: int,
+    sweep_bytes: int = SWEEP_BYTES,
+    clock: str = "wall",
 ) -> list[dict]:
     """One weight shape, every row count: ``{"family", "shape", "M", <variant>: (µs, GB/s
     median round, GB/s best round)}`` per M."""
@@ -171,7 +182,7 @@ def bench_shape(
         times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                times[name].append(_sweep_s(impls[name][0], xs, copies))
+                times[name].append(_sweep_s(impls[name][0], xs, copies, CLOCKS[clock]))
         row: dict = {"family": family, "shape": f"{n}x{k}", "M": m}
         for name, ts in times.items():
             t, nbytes = statistics.median(ts), impls[name][1]
@@ -219,9 +230,17 @@ def main(argv=None) -> list[dict]:
     ap.add_argument(
         "--sweep-mb", type=int, default=SWEEP_BYTES >> 20, help="weight copies per timed sweep"
     )
+    ap.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="cpu: the thread's CPU time, for a loaded machine (needs --threads 1)",
+    )
     ap.add_argument("--bandwidth", action="store_true", help="also probe the read bandwidth")
     ap.add_argument("--json", default=None, help="also write the rows and crossovers here")
     args = ap.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu measures one thread's CPU time: use it with --threads 1")
     from passes import native_ops
 
     cpp = native_ops.load()
@@ -230,7 +249,8 @@ def main(argv=None) -> list[dict]:
     load = _loadavg()
     print(
         f"# threads {args.threads}, kernels {native_ops.isa() if cpp else 'Python op bodies'}, "
-        f"median of {args.rounds} round-robin rounds, load average {load}; GB/s of each "
+        f"median of {args.rounds} round-robin rounds, {args.clock} clock, load average {load}; "
+        f"GB/s of each "
         f"variant's own weight bytes"
     )
     if args.bandwidth:
@@ -243,7 +263,9 @@ def main(argv=None) -> list[dict]:
         got = []
         for shape in shapes:
             n, k = (int(v) for v in shape.lower().split("x"))
-            got += bench_shape(family, n, k, args.rows, args.rounds, args.sweep_mb << 20)
+            got += bench_shape(
+                family, n, k, args.rows, args.rounds, args.sweep_mb << 20, args.clock
+            )
         _print_family(family, got)
         gmean, best = crossover(got, family)
         baseline = FAMILIES[family][1]
@@ -258,7 +280,8 @@ def main(argv=None) -> list[dict]:
     print(f"# load average at the end: {after}")
     if args.json:
         with open(args.json, "w") as f:
-            result = {"threads": args.threads, "load": [load, after], "rows": rows}
+            result = {"threads": args.threads, "clock": args.clock, "load": [load, after]}
+            result["rows"] = rows
             json.dump({**result, "summary": summary}, f, indent=1)
     return rows
 

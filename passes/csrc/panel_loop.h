@@ -12,12 +12,12 @@
 // ascending, whatever the blocking), so M, the pass split and the thread count never change a
 // bit of a row's result.
 //
-// Overlap: only the first pass over a block reads memory; the later ones are pure compute.
-// So the passes after the first prefetch the NEXT block of the weight stream (the bytes right
-// after this block: the panel's next block, or the next panel's first), spread evenly over
-// them (`Prefetch`), and DRAM keeps streaming while the rows compute: from a few rows up the
-// time is max(stream, compute), not their sum.  One pass (m <= 6) leaves the streaming to the
-// hardware prefetchers, as before.
+// Overlap: left to the hardware, only the first pass over a block would read memory and the
+// later ones would be pure compute, DRAM idle.  So every pass over a block prefetches its
+// share of the NEXT block of the weight stream (the bytes right after this block: the panel's
+// next block, or the next panel's first), spread evenly over all the passes (`Prefetch`):
+// DRAM keeps streaming while the rows compute, and the time is max(stream, compute), not
+// their sum.  One pass (m <= 6) leaves the streaming to the hardware prefetchers, as before.
 //
 // The kernel supplies `panel(p, m0, mr, i0, i1, buf, first, last, pf)`: rows [m0, m0 + mr)
 // over k-steps [i0, i1) of panel p; `first`: start from zero, else from the partial sums in
@@ -55,8 +55,8 @@ constexpr int kMaxTileRows = 6;  // rows per pass over a panel (the register til
 constexpr int64_t kParallelMinBytes = 96 * 1024;
 
 // The k-steps of the next block one pass prefetches: step i0 + d of this block prefetches step
-// i1 + d of the stream when (d + phase) % every == 0 (every == 0: none).  The passes after the
-// first take phases 0 .. every - 1 with every = passes - 1: each next step exactly once.
+// i1 + d of the stream when (d + phase) % every == 0 (every == 0: none).  The passes over a
+// block take phases 0 .. every - 1 with every = passes: each next step exactly once.
 struct Prefetch {
   int64_t every = 0, phase = 0;
 };
@@ -87,7 +87,7 @@ inline void run_panel(int64_t m, int64_t ksteps, int64_t block, int64_t lanes, i
     const int64_t i1 = std::min(ksteps, i0 + block);
     for (int64_t j = 0; j < rp.passes; ++j) {
       const int64_t m0 = rp.start(j);
-      const Prefetch pf = j == 0 ? Prefetch{} : Prefetch{rp.passes - 1, j - 1};
+      const Prefetch pf{rp.passes, j};
       panel(p, m0, rp.rows(j), i0, i1, buf.data() + m0 * lanes, i0 == 0, i1 == ksteps, pf);
     }
   }
