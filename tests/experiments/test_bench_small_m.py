@@ -71,3 +71,19 @@ def test_step_benchmark_compares_both_variants(llama_checkpoint, compile_cache_d
     assert rows[0]["speedup"] == 1.0 and all(r["median_ms"] > 0 for r in rows)
     assert bms.VARIANTS["small-M"] == small_m.DEFAULT_MAX_ROWS
     assert "| 1 | small-M |" in capsys.readouterr().out
+
+
+def test_cpu_clock_needs_one_thread_and_runs_with_one():
+    """``--clock cpu`` times one thread's CPU time: refused with two threads (the benchmarks of
+    the kernels and of the verify step), and a real measurement with one."""
+    from experiments import bench_verify_step
+
+    with pytest.raises(SystemExit):
+        bml.main(["--clock", "cpu", "--threads", "2", "--shapes", "96x64"])
+    with pytest.raises(SystemExit):
+        bench_verify_step.main(["--clock", "cpu", "--threads", "2"])
+    rows = bml.main(
+        ["--clock", "cpu", "--threads", "1", "--kernels", "bf16", "--shapes", "96x64"]
+        + ["--rows", "8", "--rounds", "1", "--sweep-mb", "1"]
+    )
+    assert rows[0]["M"] == 8 and rows[0]["kernel"][0] > 0
