@@ -41,9 +41,15 @@ from framework.core.native_build import KernelBuildError, NativeLibrary, compile
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_ROWS = 16
+DEFAULT_MAX_ROWS = 64
 """Rows (tokens) up to which the int8 kernels run; more rows go to ``torch._int_mm`` (W8A8)
-or torch's weight-only path.  The default of ``KernelConfig.int8_small_m_max_rows``."""
+or torch's weight-only path.  The default of ``KernelConfig.int8_small_m_max_rows``.
+Measured (``python -m experiments.bench_small_m_linear --kernels int8``, the tiny and 1.1B
+shapes, M = 1..64): the W8A8 kernel's geometric-mean speed-up over ``dynamic_per_token_quant``
++ ``_int_mm`` on a plain weight stays above 1 at every measured M (2.3x at M = 1, 2.3x at 16,
+1.3x at 40, 1.2x at 64; the largest weights trail from M = 40-48), and over what a packed
+layer really runs above max_rows (the same, after unpacking its weight per call) it is
+2.2-32x; so the crossover lies at or past 64, the largest M measured."""
 
 LANES = 64
 """Output channels per panel (``kLanes`` in the .cpp)."""
@@ -73,6 +79,7 @@ LIBRARY = NativeLibrary(
     portable_env="PIECEWISE_INT8_LINEAR_PORTABLE",
     declare=_declare,
     extra_flags=("-ffp-contract=off",),  # the epilogue rounds as torch does: no FMA contraction
+    depends=(CSRC / "panel_loop.h",),
 )
 
 

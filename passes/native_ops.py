@@ -33,7 +33,7 @@ LIBRARY = TorchOpLibrary(
     CSRC / "torch_ops.cpp",
     portable_env="PIECEWISE_NATIVE_OPS_PORTABLE",
     extra_flags=("-ffp-contract=off",),
-    depends=(CSRC / "small_m_linear.cpp", CSRC / "int8_linear.cpp"),
+    depends=(CSRC / "small_m_linear.cpp", CSRC / "int8_linear.cpp", CSRC / "panel_loop.h"),
 )
 
 OPS = ("packed_linear", "int8_packed_linear", "int8_wo_packed_linear")

@@ -1,9 +1,11 @@
 """A hand-written CPU linear for the few rows of a decode step (bf16), near memory bandwidth.
 
-``small_m_linear(x2, w, bias)`` computes ``x2 @ w.T + bias`` for a 2-D bf16 ``x2`` of at most
-:data:`MAX_ROWS` rows with the C++ kernel ``csrc/small_m_linear.cpp`` (AVX512-BF16
-``vdpbf16ps`` where the build targets it; a portable loop elsewhere).  fp32 accumulation, the
-output rounded to nearest even once, after the bias (as ``F.linear`` does).
+``small_m_linear(x2, w, bias)`` computes ``x2 @ w.T + bias`` for a 2-D bf16 ``x2`` with the C++
+kernel ``csrc/small_m_linear.cpp`` (AVX512-BF16 ``vdpbf16ps`` where the build targets it; a
+portable loop elsewhere).  fp32 accumulation, the output rounded to nearest even once, after
+the bias (as ``F.linear`` does).  Any number of rows: past 6 the rows take passes over k-blocks
+of each weight panel held in L1/L2 (``csrc/panel_loop.h``), so the weight is streamed once for
+all rows, and a row's bits never depend on how many rows came with it.
 
 Why: at batch 1 a linear is a GEMV that only has to stream its weight once; oneDNN's
 ``_linear_pointwise`` on a packed weight reaches ~12-17 GB/s here, against ~31 GB/s of read
@@ -34,10 +36,13 @@ from framework.core.native_build import KernelBuildError, NativeLibrary, compile
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_ROWS = 16
-"""Rows (tokens) up to which the kernel beats oneDNN here (``python -m
-experiments.bench_small_m_linear``); batches of more rows go to oneDNN.  The default of
-``KernelConfig.small_m_max_rows``."""
+DEFAULT_MAX_ROWS = 64
+"""Rows (tokens) up to which the kernel runs; more rows go to oneDNN.  The default of
+``KernelConfig.small_m_max_rows``.  Measured (``python -m experiments.bench_small_m_linear``,
+the tiny and 1.1B shapes, M = 1..64): the geometric mean of the kernel's speed-up over oneDNN
+stays above 1 at every measured M (1.8x at M = 1, 1.3x at 16, 1.1x at 40 and 64; the tiny LM
+head alone is even from M = 48), so the crossover lies at or past 64, the largest M
+measured: a verify step (b8 x (1 + 4) = 40 rows) and b32 / b64 decode steps run the kernel."""
 
 LANES = 64
 """Output features per panel of the packed layout (``kLanes`` in the .cpp)."""
@@ -58,6 +63,7 @@ LIBRARY = NativeLibrary(
     Path(__file__).resolve().parent / "csrc" / "small_m_linear.cpp",
     portable_env="PIECEWISE_SMALL_M_LINEAR_PORTABLE",
     declare=_declare,
+    depends=(Path(__file__).resolve().parent / "csrc" / "panel_loop.h",),
 )
 
 

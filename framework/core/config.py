@@ -150,14 +150,18 @@ class KernelConfig(StrictConfig):
     )
     """Run bf16 linears of few rows on the small-M kernel (``passes/small_m_linear.py``).
     Default: the environment variable ``PIECEWISE_SMALL_M_LINEAR`` (``0`` turns it off), else on."""
-    small_m_max_rows: int = 16
-    """Rows (tokens) up to which a linear runs the small-M kernel; more go to oneDNN."""
-    int8_small_m_max_rows: int = 16
+    small_m_max_rows: int = 64
+    """Rows (tokens) up to which a linear runs the small-M kernel; more go to oneDNN.  The
+    kernel streams each weight panel once for all rows (row passes over k-blocks in cache), so
+    it leads oneDNN up to at least 64 rows on the tiny and 1.1B shapes
+    (``passes.small_m_linear.DEFAULT_MAX_ROWS``, ``experiments/bench_small_m_linear.py``)."""
+    int8_small_m_max_rows: int = 64
     """Rows up to which an int8 linear (``int8_per_token``, ``int8_per_channel_weight_only``)
     runs the small-M int8 kernel (``passes/int8_small_m.py``; its weight is then re-laid out
     once for it); more go to ``torch._int_mm`` / torch's weight-only path.  0: int8 weights stay
     plain and every call runs torch's path (the quant fusion passes then see the quant op).
-    ``small_m_linear = False`` turns this kernel off too."""
+    ``small_m_linear = False`` turns this kernel off too.  Default: the measured crossover
+    (``passes.int8_small_m.DEFAULT_MAX_ROWS``)."""
 
     def validate(self) -> None:
         if not isinstance(self.small_m_linear, bool):

@@ -20,9 +20,11 @@
 // 32-bit lane (what vpdpbusd reads):
 //   packed[p][i][j][t] = W_q[64 p + j][4 i + t]    p < ceil(N/64), i < ceil(K/4), j < 64, t < 4
 // zero-padded in N and K: one k-quad of a panel is 256 contiguous bytes (four 16-lane
-// vectors), a panel one contiguous stream.  Up to 6 rows share one pass over a panel (24
-// accumulators); more rows take further passes over k-blocks of the panel held in L1/L2.
-// Panels are split over OpenMP threads (torch's pool: libgomp is shared by soname).
+// vectors), a panel one contiguous stream.  Any number of rows: up to 6 share one pass over a
+// panel (24 accumulators); more rows take further passes over k-blocks of the panel held in
+// L1/L2, so the weight is streamed from memory once for all M rows.  Panels are split over
+// OpenMP threads, and the prologue's rows too (the loop is csrc/panel_loop.h, shared with the
+// bf16 kernel).
 //
 // No torch headers: a C ABI on data pointers, called through ctypes (tests, the portable build)
 // or from the piecewise torch ops (csrc/torch_ops.cpp includes this file).  Without AVX-512
@@ -32,9 +34,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "panel_loop.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PW_I8_AVX512 1
 #include <immintrin.h>
@@ -47,10 +48,9 @@ namespace pw_int8 {
 
 constexpr int kLanes = 64;            // output features per panel
 constexpr int kQuad = 4;              // k per 32-bit lane
-constexpr int kMaxRows = 6;           // rows per pass over a panel
+constexpr int kMaxRows = pw_panel::kMaxTileRows;  // rows per pass over a panel
 constexpr int64_t kBlockQuads = 256;  // k-quads per block (64 KB of a panel) with several passes
-// Below this many weight bytes one thread streams the weight faster than a team wakes up.
-constexpr int64_t kParallelMinBytes = 96 * 1024;
+static_assert(kMaxRows == 6, "qpanel<1..6> / wpanel<1..6> below");
 constexpr float kQMax = 127.0f;
 constexpr float kMinScale = 1e-10f;  // MIN_DYNAMIC_SCALE of passes/ops/quant_utils.py
 
@@ -169,12 +169,13 @@ struct QArgs {
 
 // One pass of MR rows (from m0) over k-quads [i0, i1) of panel p.  `first`: start from zero,
 // else from the partial sums in `buf` (MR x 64 int32); `last`: run the epilogue, else leave the
-// partial sums in `buf`.
+// partial sums in `buf`; `pf`: the k-quads of the next block to prefetch (csrc/panel_loop.h;
+// the portable loops leave it to the hardware).
 #if defined(PW_I8_VNNI)
 
 template <int MR>
 void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32_t* buf,
-            bool first, bool last) {
+            bool first, bool last, const pw_panel::Prefetch& pf) {
   const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
   const int64_t ust = a.kq * kQuad;
   const uint8_t* u = a.u + m0 * ust;
@@ -182,8 +183,14 @@ void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32
   for (int r = 0; r < MR; ++r)
     for (int b = 0; b < 4; ++b)
       acc[r][b] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(buf + r * kLanes + 16 * b);
+  const int8_t* next = w + (i1 - i0) * kQuad * kLanes;  // + i * 256: step i1 + (i - i0)
+  int64_t turn = pf.phase;
   for (int64_t i = i0; i < i1; ++i) {
     const int8_t* wi = w + i * kQuad * kLanes;
+    if (pf.every) {
+      if (turn == 0) pw_panel::prefetch_step(next + i * kQuad * kLanes);
+      if (++turn == pf.every) turn = 0;
+    }
     const __m512i w0 = _mm512_loadu_si512(wi);
     const __m512i w1 = _mm512_loadu_si512(wi + 64);
     const __m512i w2 = _mm512_loadu_si512(wi + 128);
@@ -225,7 +232,7 @@ void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32
 
 template <int MR>
 void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32_t* buf,
-            bool first, bool last) {
+            bool first, bool last, const pw_panel::Prefetch& /*pf*/) {
   const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
   const int64_t ust = a.kq * kQuad;
   const uint8_t* u = a.u + m0 * ust;
@@ -282,7 +289,7 @@ struct WArgs {
 
 template <int MR>
 void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
-            bool last) {
+            bool last, const pw_panel::Prefetch& pf) {
   const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
   const int64_t xst = a.kq * kQuad;
   const float* x = a.x + m0 * xst;
@@ -290,8 +297,14 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
   for (int r = 0; r < MR; ++r)
     for (int b = 0; b < 4; ++b)
       acc[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(buf + r * kLanes + 16 * b);
+  const int8_t* next = w + (i1 - i0) * kQuad * kLanes;
+  int64_t turn = pf.phase;
   for (int64_t i = i0; i < i1; ++i) {
     const int8_t* wi = w + i * kQuad * kLanes;
+    if (pf.every) {
+      if (turn == 0) pw_panel::prefetch_step(next + i * kQuad * kLanes);
+      if (++turn == pf.every) turn = 0;
+    }
     for (int b = 0; b < 4; ++b) {
       const __m512i v = _mm512_loadu_si512(wi + 64 * b);
       // byte t of each lane, sign-extended: (v << (24 - 8t)) >> 24 (arithmetic)
@@ -333,7 +346,7 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
 
 template <int MR>
 void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
-            bool last) {
+            bool last, const pw_panel::Prefetch& /*pf*/) {
   const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
   const int64_t xst = a.kq * kQuad;
   const float* x = a.x + m0 * xst;
@@ -369,64 +382,51 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
 
 #endif
 
-// --- the driver: panels over threads, rows in passes of <= 6 ----------------------------------
+// --- the driver: csrc/panel_loop.h (panels over threads, rows in passes of <= 6) ----------
 
-// One panel, all rows.  Rows go in passes of <= 6 (balanced: 8 rows -> 4 + 4).  One pass streams
-// the whole panel; with several passes the panel is cut into k-blocks small enough to stay in
-// L1/L2 across the passes (partial sums wait in `buf`), so the weight is read from memory once.
-template <class Acc, class Panel>
-void run_panel(int64_t m, int64_t kq, int64_t p, std::vector<Acc>& buf, Panel panel) {
-  const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
-  const int64_t rows = (m + passes - 1) / passes;
-  if (passes == 1) return panel(p, 0, m, 0, kq, nullptr, true, true);
-  buf.resize(m * kLanes);
-  for (int64_t i0 = 0; i0 < kq; i0 += kBlockQuads) {
-    const int64_t i1 = std::min(kq, i0 + kBlockQuads);
-    for (int64_t m0 = 0; m0 < m; m0 += rows)
-      panel(p, m0, std::min(rows, m - m0), i0, i1, buf.data() + m0 * kLanes, i0 == 0, i1 == kq);
+template <class Prologue>
+void run_quantized(const QArgs& a, const Prologue& prologue) {
+  pw_panel::run_panels<int32_t>(
+      a.m, (a.n + kLanes - 1) / kLanes, a.kq, kBlockQuads, kLanes, a.n * a.kq * kQuad, prologue,
+      [&a](int64_t p, int64_t m0, int64_t mr, int64_t i0, int64_t i1, int32_t* buf, bool first,
+           bool last, const pw_panel::Prefetch& pf) {
+        switch (mr) {
+          case 1: return qpanel<1>(a, p, m0, i0, i1, buf, first, last, pf);
+          case 2: return qpanel<2>(a, p, m0, i0, i1, buf, first, last, pf);
+          case 3: return qpanel<3>(a, p, m0, i0, i1, buf, first, last, pf);
+          case 4: return qpanel<4>(a, p, m0, i0, i1, buf, first, last, pf);
+          case 5: return qpanel<5>(a, p, m0, i0, i1, buf, first, last, pf);
+          default: return qpanel<6>(a, p, m0, i0, i1, buf, first, last, pf);
+        }
+      });
+}
+
+template <class Prologue>
+void run_weight_only(const WArgs& a, const Prologue& prologue) {
+  pw_panel::run_panels<float>(
+      a.m, (a.n + kLanes - 1) / kLanes, a.kq, kBlockQuads, kLanes, a.n * a.kq * kQuad, prologue,
+      [&a](int64_t p, int64_t m0, int64_t mr, int64_t i0, int64_t i1, float* buf, bool first,
+           bool last, const pw_panel::Prefetch& pf) {
+        switch (mr) {
+          case 1: return wpanel<1>(a, p, m0, i0, i1, buf, first, last, pf);
+          case 2: return wpanel<2>(a, p, m0, i0, i1, buf, first, last, pf);
+          case 3: return wpanel<3>(a, p, m0, i0, i1, buf, first, last, pf);
+          case 4: return wpanel<4>(a, p, m0, i0, i1, buf, first, last, pf);
+          case 5: return wpanel<5>(a, p, m0, i0, i1, buf, first, last, pf);
+          default: return wpanel<6>(a, p, m0, i0, i1, buf, first, last, pf);
+        }
+      });
+}
+
+// Row r of x widened to fp32 (kpad floats, the K tail zero).
+inline void widen_row(const void* x, int64_t k, int64_t dt, float* xf, int64_t kpad) {
+  if (dt == kBFloat16) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    for (int64_t i = 0; i < k; ++i) xf[i] = bf16_to_f32(xb[i]);
+  } else {
+    std::memcpy(xf, x, static_cast<size_t>(k) * sizeof(float));
   }
-}
-
-template <class Acc, class Panel>
-void run_all(int64_t m, int64_t n, int64_t kq, Panel panel) {
-  const int64_t panels = (n + kLanes - 1) / kLanes;
-  const bool parallel = panels > 1 && n * kq * kQuad >= kParallelMinBytes;
-#pragma omp parallel if (parallel)
-  {
-    std::vector<Acc> buf;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) run_panel<Acc>(m, kq, p, buf, panel);
-  }
-}
-
-void run_quantized(const QArgs& a) {
-  run_all<int32_t>(a.m, a.n, a.kq,
-                   [&a](int64_t p, int64_t m0, int64_t mr, int64_t i0, int64_t i1, int32_t* buf,
-                        bool first, bool last) {
-                     switch (mr) {
-                       case 1: return qpanel<1>(a, p, m0, i0, i1, buf, first, last);
-                       case 2: return qpanel<2>(a, p, m0, i0, i1, buf, first, last);
-                       case 3: return qpanel<3>(a, p, m0, i0, i1, buf, first, last);
-                       case 4: return qpanel<4>(a, p, m0, i0, i1, buf, first, last);
-                       case 5: return qpanel<5>(a, p, m0, i0, i1, buf, first, last);
-                       default: return qpanel<6>(a, p, m0, i0, i1, buf, first, last);
-                     }
-                   });
-}
-
-void run_weight_only(const WArgs& a) {
-  run_all<float>(a.m, a.n, a.kq,
-                 [&a](int64_t p, int64_t m0, int64_t mr, int64_t i0, int64_t i1, float* buf,
-                      bool first, bool last) {
-                   switch (mr) {
-                     case 1: return wpanel<1>(a, p, m0, i0, i1, buf, first, last);
-                     case 2: return wpanel<2>(a, p, m0, i0, i1, buf, first, last);
-                     case 3: return wpanel<3>(a, p, m0, i0, i1, buf, first, last);
-                     case 4: return wpanel<4>(a, p, m0, i0, i1, buf, first, last);
-                     case 5: return wpanel<5>(a, p, m0, i0, i1, buf, first, last);
-                     default: return wpanel<6>(a, p, m0, i0, i1, buf, first, last);
-                   }
-                 });
+  std::fill(xf + k, xf + kpad, 0.0f);
 }
 
 inline int check(int64_t m, int64_t x_st, int64_t out_st, int64_t n, int64_t k, int64_t dt) {
@@ -458,12 +458,13 @@ int piecewise_int8_linear(const void* x, int64_t x_st, int64_t m, const void* w_
   thread_local std::vector<float> xs;
   u.resize(m * kpad);
   xs.resize(m);
-  for (int64_t r = 0; r < m; ++r)
-    xs[r] = quantize_row(byte_offset(x, r * x_st, dtype), k, dtype, u.data() + r * kpad, kpad);
-  const QArgs a{u.data(), xs.data(), m,      static_cast<const int8_t*>(w_packed),
-                comp,     w_scale,   bias,   out,
-                out_st,   n,         kq,     dtype};
-  run_quantized(a);
+  uint8_t* const up = u.data();
+  float* const xsp = xs.data();
+  const QArgs a{up,     xsp, m,  static_cast<const int8_t*>(w_packed), comp, w_scale, bias, out,
+                out_st, n,   kq, dtype};
+  run_quantized(a, [=](int64_t r) {
+    xsp[r] = quantize_row(byte_offset(x, r * x_st, dtype), k, dtype, up + r * kpad, kpad);
+  });
   return 0;
 }
 
@@ -476,14 +477,13 @@ int piecewise_int8_wo_linear(const void* x, int64_t x_st, int64_t m, const void*
   if (m == 0) return 0;
   const int64_t kq = (k + kQuad - 1) / kQuad, kpad = kq * kQuad;
   thread_local std::vector<float> xf;
-  xf.assign(m * kpad, 0.0f);
-  for (int64_t r = 0; r < m; ++r) {
-    const void* xr = byte_offset(x, r * x_st, dtype);
-    for (int64_t i = 0; i < k; ++i) xf[r * kpad + i] = load1(xr, i, dtype);
-  }
-  const WArgs a{xf.data(), m, static_cast<const int8_t*>(w_packed), w_scale, bias, out, out_st, n, kq,
-          dtype};
-  run_weight_only(a);
+  xf.resize(m * kpad);
+  float* const xp = xf.data();
+  const WArgs a{xp, m, static_cast<const int8_t*>(w_packed), w_scale, bias, out, out_st, n, kq,
+                dtype};
+  run_weight_only(a, [=](int64_t r) {
+    widen_row(byte_offset(x, r * x_st, dtype), k, dtype, xp + r * kpad, kpad);
+  });
   return 0;
 }
 

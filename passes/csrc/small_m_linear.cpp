@@ -7,9 +7,11 @@
 // zero-padded in N and K, so one k-pair of a panel is 256 contiguous bytes (four 16-lane
 // vectors) and a panel is one contiguous stream.  With AVX512-BF16 (vdpbf16ps) each vector
 // of a k-pair meets the broadcast pair (x[2i], x[2i+1]) of each row: 16 outputs x 2 products
-// per instruction, no horizontal reductions.  Up to 6 rows share one pass over a panel
-// (24 accumulators in registers); more rows take further passes over k-blocks of the panel
-// that are then in L1/L2.  Panels are split over OpenMP threads (torch's pool: libgomp is shared by soname).
+// per instruction, no horizontal reductions.  Any number of rows: up to 6 share one pass over
+// a panel (24 accumulators in registers); more rows take further passes over k-blocks of the
+// panel that are then in L1/L2, so the weight is streamed from memory once for all M rows.
+// Panels are split over OpenMP threads (the loop is csrc/panel_loop.h, shared with the int8
+// kernels).
 //
 // No torch headers: a C ABI on data pointers, called through ctypes (framework/core/
 // native_build.py builds it with -O3 -march=native, or portable -O3 where that fails) or from
@@ -19,9 +21,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "panel_loop.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512BF16__)
 #define PW_AVX512BF16 1
@@ -30,11 +31,11 @@
 
 namespace pw_small_m {
 
-constexpr int kLanes = 64;    // output features per panel
-constexpr int kMaxRows = 6;   // rows per pass over a panel
+constexpr int kLanes = 64;                             // output features per panel
+constexpr int kMaxRows = pw_panel::kMaxTileRows;       // rows per pass over a panel
 constexpr int64_t kBlockPairs = 256;  // k-pairs per block (64 KB of a panel) with several passes
-// Below this many weight bytes one thread streams the weight faster than a team wakes up.
-constexpr int64_t kParallelMinBytes = 96 * 1024;
+constexpr int64_t kParallelMinBytes = pw_panel::kParallelMinBytes;
+static_assert(kMaxRows == 6, "panel<1..6> below");
 
 inline float bf16_to_f32(uint16_t x) {
   uint32_t u = static_cast<uint32_t>(x) << 16;
@@ -65,14 +66,15 @@ struct Args {
 
 // One pass of MR rows (from m0) over k-pairs [i0, i1) of panel p.  `first`: start from zero,
 // else from the partial sums in `buf` (MR x 64 floats); `last`: add the bias, round and store
-// the outputs, else leave the partial sums in `buf`.
+// the outputs, else leave the partial sums in `buf`; `pf`: the k-pairs of the next block to
+// prefetch (csrc/panel_loop.h).
 #if defined(PW_AVX512BF16)
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 template <int MR>
-void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
-           bool last) {
+void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf,
+              bool first, bool last, const pw_panel::Prefetch& pf) {
   const int64_t kp = (a.k + 1) / 2, full = std::min(i1, a.k / 2);
   const uint16_t* w = a.w + p * kp * 2 * kLanes;
   const uint16_t* x = a.x + m0 * a.x_st;
@@ -80,8 +82,14 @@ void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* 
   for (int r = 0; r < MR; ++r)
     for (int b = 0; b < 4; ++b)
       acc[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(buf + r * kLanes + 16 * b);
+  const uint16_t* next = w + (i1 - i0) * 2 * kLanes;  // + i * 2 * kLanes: step i1 + (i - i0)
+  int64_t turn = pf.phase;
   for (int64_t i = i0; i < full; ++i) {
     const uint16_t* wi = w + i * 2 * kLanes;
+    if (pf.every) {
+      if (turn == 0) pw_panel::prefetch_step(next + i * 2 * kLanes);
+      if (++turn == pf.every) turn = 0;
+    }
     const __m512bh w0 = as_bh(_mm512_loadu_si512(wi));
     const __m512bh w1 = as_bh(_mm512_loadu_si512(wi + 32));
     const __m512bh w2 = as_bh(_mm512_loadu_si512(wi + 64));
@@ -129,8 +137,8 @@ void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* 
 #else  // portable: the same packed layout, plain loops
 
 template <int MR>
-void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
-           bool last) {
+void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf,
+              bool first, bool last, const pw_panel::Prefetch&) {
   const int64_t kp = (a.k + 1) / 2;
   const uint16_t* w = a.w + p * kp * 2 * kLanes;
   const uint16_t* x = a.x + m0 * a.x_st;
@@ -168,37 +176,41 @@ void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* 
 
 #endif
 
+// The pass without prefetching (the signature callers of this file have used).
+template <int MR>
+void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
+           bool last) {
+  panel_pf<MR>(a, p, m0, i0, i1, buf, first, last, pw_panel::Prefetch{});
+}
+
 using PanelFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, float*, bool, bool);
 constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,   panel<1>, panel<2>, panel<3>,
                                            panel<4>, panel<5>, panel<6>};
+using PanelPfFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, float*, bool, bool,
+                           const pw_panel::Prefetch&);
+constexpr PanelPfFn kPanelsPf[kMaxRows + 1] = {nullptr,      panel_pf<1>, panel_pf<2>,
+                                               panel_pf<3>, panel_pf<4>, panel_pf<5>,
+                                               panel_pf<6>};
 
-// One panel, all rows.  Rows go in passes of <= 6 (balanced: 8 rows -> 4 + 4).  One pass
-// streams the whole panel; with several passes the panel is cut into k-blocks small enough to
-// stay in L1/L2 across the passes (partial sums wait in `buf`), so the weight is read from
-// memory once whatever K is.
-void run_panel(const Args& a, int64_t p, std::vector<float>& buf) {
-  const int64_t kp = (a.k + 1) / 2;
-  const int64_t passes = (a.m + kMaxRows - 1) / kMaxRows;
-  const int64_t rows = (a.m + passes - 1) / passes;
-  if (passes == 1) return kPanels[a.m](a, p, 0, 0, kp, nullptr, true, true);
-  buf.resize(a.m * kLanes);
-  for (int64_t i0 = 0; i0 < kp; i0 += kBlockPairs) {
-    const int64_t i1 = std::min(kp, i0 + kBlockPairs);
-    for (int64_t m0 = 0; m0 < a.m; m0 += rows)
-      kPanels[std::min(rows, a.m - m0)](a, p, m0, i0, i1, buf.data() + m0 * kLanes, i0 == 0,
-                                        i1 == kp);
+// A pass of rows over k-pairs of a panel, for the shared driver (csrc/panel_loop.h).
+struct PanelPass {
+  const Args& a;
+  void operator()(int64_t p, int64_t m0, int64_t mr, int64_t i0, int64_t i1, float* buf,
+                  bool first, bool last, const pw_panel::Prefetch& pf) const {
+    kPanelsPf[mr](a, p, m0, i0, i1, buf, first, last, pf);
   }
+};
+
+// One panel, all rows (rows in balanced passes of <= 6 over k-blocks held in L1/L2: the
+// weight is read from memory once whatever M is).
+void run_panel(const Args& a, int64_t p, std::vector<float>& buf) {
+  pw_panel::run_panel<float>(a.m, (a.k + 1) / 2, kBlockPairs, kLanes, p, buf, PanelPass{a});
 }
 
+// Every panel, over OpenMP threads.
 void run(const Args& a) {
-  const int64_t panels = (a.n + kLanes - 1) / kLanes;
-  const bool parallel = panels > 1 && a.n * a.k * 2 >= kParallelMinBytes;
-#pragma omp parallel if (parallel)
-  {
-    std::vector<float> buf;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) run_panel(a, p, buf);
-  }
+  pw_panel::run_panels<float>(a.m, (a.n + kLanes - 1) / kLanes, (a.k + 1) / 2, kBlockPairs,
+                              kLanes, a.n * a.k * 2, pw_panel::NoPrologue{}, PanelPass{a});
 }
 
 }  // namespace pw_small_m

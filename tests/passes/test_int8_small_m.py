@@ -2,11 +2,11 @@
 
 W8A8: bit for bit what ``dynamic_per_token_quant`` + an exact int8 matmul + the scaled-mm
 epilogue give (the unpacked ``int8_per_token`` path), for bf16 and fp32 activations, M up to
-DEFAULT_MAX_ROWS, bias, K not a multiple of 4, N not a multiple of 64, strided rows, threads 1
-and 2, the portable build.  Weight-only: within one rounding of the fp32 result.  Then the
-layer level (``PackedInt8LinearMethod``: one copy, same outputs as the unpacked scheme at
-every row count) and the ops (opcheck; the small-M calls never enter Python once the C++
-kernels are loaded)."""
+64 (row passes over k-blocks past 6 rows), bias, K not a multiple of 4, N not a multiple of 64,
+strided rows, threads 1 and 2, the portable build.  Weight-only: within one rounding of the
+fp32 result, and past 6 rows each row bit for bit what it gives alone.  Then the layer level
+(``PackedInt8LinearMethod``: one copy, same outputs as the unpacked scheme at every row count)
+and the ops (opcheck; the small-M calls never enter Python once the C++ kernels are loaded)."""
 
 import pytest
 import torch
@@ -51,10 +51,14 @@ def kernel(x, w_q, scale, b, portable=None):
 SHAPES = [(2560, 256), (512, 1408), (1024, 512), (100, 33), (7, 3), (64, 128), (130, 4096)]
 
 
+ROWS = (1, 2, 5, 7, 8, 16, 17, 24, 31, 40, 64)
+"""One pass (<= 6 rows), several passes over k-blocks, up to a verify / b64 step's 64."""
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_w8a8_equals_the_reference_bit_for_bit(n, k, dtype):
-    for m in (1, 2, 5, 7, 8, i8.DEFAULT_MAX_ROWS):
+    for m in ROWS:
         for bias in (False, True):
             x, w_q, scale, b = make(m, n, k, bias, dtype, seed=m)
             out, ref = kernel(x, w_q, scale, b), reference(x, w_q, scale, b)
@@ -64,9 +68,12 @@ def test_w8a8_equals_the_reference_bit_for_bit(n, k, dtype):
 
 def test_portable_build_equals_the_reference():
     assert i8.isa(portable=True) in ("portable", "avx2", "avx512", "neon")
-    for n, k, m in [(100, 33, 3), (1024, 512, 1), (512, 1408, 16), (64, 128, 7)]:
+    for n, k, m in [(100, 33, 3), (1024, 512, 1), (512, 1408, 16), (64, 128, 7), (130, 2051, 40)]:
         x, w_q, scale, b = make(m, n, k, True)
         assert torch.equal(kernel(x, w_q, scale, b, portable=True), reference(x, w_q, scale, b))
+    x, w_q, scale, b = make(64, 130, 2051, True, torch.float32)
+    out = i8.run_packed_weight_only(x, i8.pack(w_q), scale, b, 130, portable=True)
+    check_weight_only(out, x, w_q, scale, b)
 
 
 def test_zero_rows_large_values_and_strided_rows():
@@ -81,17 +88,35 @@ def test_zero_rows_large_values_and_strided_rows():
     assert kernel(x[:0], w_q, scale, b).shape == (0, 192)
 
 
-def test_threads_give_identical_results():
-    x, w_q, scale, b = make(3, 2816, 512, True)
+@pytest.mark.parametrize("m", [3, 40])
+def test_threads_give_identical_results(m):
+    """Panels and the prologue's rows are split over the threads; every output is computed by
+    one thread in one order, so 1 and 2 threads agree bit for bit (both kernels)."""
+    x, w_q, scale, b = make(m, 2816, 1408, True)
     before = torch.get_num_threads()
     try:
-        outs = []
+        outs, wo = [], []
         for t in (1, 2):
             torch.set_num_threads(t)
             outs.append(kernel(x, w_q, scale, b))
+            wo.append(i8.run_packed_weight_only(x, i8.pack(w_q), scale, b, 2816))
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(wo[0], wo[1])
+    assert torch.equal(outs[1], reference(x, w_q, scale, b))
+
+
+@pytest.mark.parametrize("n,k", [(2560, 256), (130, 4096), (100, 1027)])
+def test_weight_only_rows_are_what_each_row_alone_gives(n, k):
+    """Weight-only is not bit-equal to a torch path, so its M > 6 passes are pinned to its own
+    one-pass result: with M rows, row r is bit for bit the M = 1 call on row r."""
+    x, w_q, scale, b = make(64, n, k, True, seed=5)
+    packed = i8.pack(w_q)
+    alone = torch.cat(
+        [i8.run_packed_weight_only(x[r : r + 1], packed, scale, b, n) for r in range(64)]
+    )
+    for m in (7, 16, 40, 64):
+        assert torch.equal(i8.run_packed_weight_only(x[:m], packed, scale, b, n), alone[:m]), m
 
 
 def check_weight_only(out, x, w_q, scale, b):
@@ -106,7 +131,7 @@ def check_weight_only(out, x, w_q, scale, b):
 
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_weight_only_matches_the_fp32_result(n, k):
-    for m, dtype in ((1, BF16), (5, torch.float32), (i8.DEFAULT_MAX_ROWS, BF16)):
+    for m, dtype in ((1, BF16), (5, torch.float32), (16, BF16), (40, torch.float32), (64, BF16)):
         x, w_q, scale, b = make(m, n, k, True, dtype, seed=m)
         out = i8.run_packed_weight_only(x, i8.pack(w_q), scale, b, n)
         assert out.dtype == dtype and out.shape == (m, n)
@@ -129,7 +154,7 @@ def test_pack_layout_unpack_and_compensation():
 # --- the layer and the ops ---------------------------------------------------------------------
 
 
-def _layer(scheme_name, n, k, bias, seed=0, dtype=BF16):
+def _layer(scheme_name, n, k, bias, seed=0, dtype=BF16, max_rows=i8.DEFAULT_MAX_ROWS):
     """A Linear quantised by the scheme (unpacked), and a copy re-laid out for the kernel."""
     from models.layers import Linear
     from passes.ops_int8 import PackedInt8LinearMethod
@@ -147,7 +172,7 @@ def _layer(scheme_name, n, k, bias, seed=0, dtype=BF16):
         apply_scheme(layer, scheme_for(spec)(spec))
         layers.append(layer)
     plain, packed = layers
-    method = PackedInt8LinearMethod(packed.linear_method, i8.DEFAULT_MAX_ROWS)
+    method = PackedInt8LinearMethod(packed.linear_method, max_rows)
     assert PackedInt8LinearMethod.applies_to(packed) and method.process(packed)
     packed.linear_method = method
     return plain, packed
@@ -179,10 +204,20 @@ def _args(layer, x):
     return (x, layer.weight, layer.weight_scale, layer.weight_comp, layer.bias, 96, 64, m.max_rows)
 
 
+def test_a_layer_with_max_rows_64_equals_the_unpacked_scheme_past_16():
+    plain, packed = _layer("int8_per_token", 160, 96, True, max_rows=64)
+    g = torch.Generator().manual_seed(2)
+    for rows in (17, 40, 64, 65):  # kernel up to 64, _int_mm at 65
+        x = torch.randn(rows, 96, generator=g).to(BF16)
+        assert torch.equal(packed(x), plain(x)), rows
+
+
 @pytest.mark.parametrize("scheme", ["int8_per_token", "int8_per_channel_weight_only"])
-@pytest.mark.parametrize("rows", [1, i8.DEFAULT_MAX_ROWS, i8.DEFAULT_MAX_ROWS + 3])
-def test_opcheck(scheme, rows):
-    _, layer = _layer(scheme, 96, 64, True)
+@pytest.mark.parametrize(
+    "rows,max_rows", [(1, 16), (16, 16), (19, 16), (40, 64), (64, 64), (67, 64)]
+)
+def test_opcheck(scheme, rows, max_rows):
+    _, layer = _layer(scheme, 96, 64, True, max_rows=max_rows)
     op = (
         torch.ops.piecewise.int8_wo_packed_linear.default
         if layer.linear_method.weight_only

@@ -45,10 +45,11 @@ def test_every_op_has_a_cpp_cpu_kernel_and_the_build_is_cached():
     assert "," in native_ops.isa()
 
 
-def test_bf16_small_m_call_runs_in_cpp_and_equals_the_python_body(monkeypatch):
-    layer = _layer(96, 64)
-    x = torch.randn(3, 64).to(BF16)
-    args = (x, layer.weight, layer.weight_md, layer.bias, 96, 64, small_m.DEFAULT_MAX_ROWS)
+@pytest.mark.parametrize("rows,max_rows", [(3, small_m.DEFAULT_MAX_ROWS), (40, 64), (64, 64)])
+def test_bf16_small_m_call_runs_in_cpp_and_equals_the_python_body(monkeypatch, rows, max_rows):
+    layer = _layer(96, 64, max_rows=max_rows)
+    x = torch.randn(rows, 64).to(BF16)
+    args = (x, layer.weight, layer.weight_md, layer.bias, 96, 64, max_rows)
     python = torch.ops.piecewise.packed_linear_python(*args)
 
     def no_python(*a, **k):
@@ -57,8 +58,8 @@ def test_bf16_small_m_call_runs_in_cpp_and_equals_the_python_body(monkeypatch):
     monkeypatch.setattr(small_m, "run_packed", no_python)
     native = torch.ops.piecewise.packed_linear(*args)
     assert torch.equal(native, python)
-    x3 = x.view(1, 3, 64)
-    assert torch.equal(torch.ops.piecewise.packed_linear(x3, *args[1:]), python.view(1, 3, 96))
+    x3 = x.view(1, rows, 64)
+    assert torch.equal(torch.ops.piecewise.packed_linear(x3, *args[1:]), python.view(1, rows, 96))
 
 
 def test_cpp_errors_name_the_problem():

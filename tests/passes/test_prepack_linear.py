@@ -33,7 +33,7 @@ def _packed_layer(w, b=None, max_rows=small_m.DEFAULT_MAX_ROWS):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [3, small_m.DEFAULT_MAX_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [3, small_m.DEFAULT_MAX_ROWS + 1, small_m.DEFAULT_MAX_ROWS + 24])
 def test_opcheck_and_numerics(dtype, rows):
     x, w, b = (
         torch.randn(rows, 64, dtype=dtype),
@@ -89,7 +89,7 @@ def test_bf16_panel_layout_is_onednn_layout_and_large_m_matches_the_old_path_bit
     assert layer.linear_method.layout == "panel" and layer.weight_md is not None
     assert torch.equal(layer.weight, small_m.pack(w))
     old = torch.ops.mkldnn._reorder_linear_weight(w)
-    for rows in (small_m.DEFAULT_MAX_ROWS + 1, 64, 200):
+    for rows in (small_m.DEFAULT_MAX_ROWS + 1, small_m.DEFAULT_MAX_ROWS + 48, 200):
         x = torch.randn(rows, 512, dtype=torch.bfloat16)
         ref = torch.ops.mkldnn._linear_pointwise(x, old, b, "none", [], "")
         assert torch.equal(layer(x), ref)

@@ -1,8 +1,9 @@
 """The small-M bf16 linear kernel (passes/small_m_linear.py) against torch: fp32 F.linear of
 the same bf16 inputs, then one rounding.  The default tiny model's shapes and the LM head, the
-test models' shapes, M = 1..DEFAULT_MAX_ROWS, bias, K odd / not a multiple of 32, N not a multiple
-of 64 (panel tails), strided rows, threads 1 and 2, the portable build, the dispatch inside
-``piecewise::packed_linear`` and opcheck."""
+test models' shapes, M = 1..64 (past 6 rows the kernel runs row passes over k-blocks of
+each panel: every row's bits are what that row alone gives), bias, K odd / not a multiple of
+32, N not a multiple of 64 (panel tails), strided rows, threads 1 and 2, the portable build,
+the dispatch inside ``piecewise::packed_linear`` and opcheck."""
 
 import pytest
 import torch
@@ -50,25 +51,46 @@ SHAPES = [
 ]
 
 
+ROWS = (1, 2, 5, 7, 8, 16, 17, 24, 31, 40, 64)
+"""Row counts: one pass (<= 6 rows), several passes over k-blocks (balanced: 7 -> 4 + 3, 31 ->
+6 + 5 x 5), up to the 64 a speculative verify step or a b64 decode step can bring."""
+MAX_TESTED = 64
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_fp32_reference(n, k, bias):
-    for m in (1, 2, 5, 7, 8, small_m.DEFAULT_MAX_ROWS):
+    for m in ROWS:
         x, w, b = make(m, n, k, bias, seed=m)
         check(small_m.small_m_linear(x, w, b), x, w, b)
 
 
 def test_every_row_count_and_the_lm_head():
-    x, w, b = make(small_m.DEFAULT_MAX_ROWS, 2816, 512, True)
-    for m in range(1, small_m.DEFAULT_MAX_ROWS + 1):
+    x, w, b = make(MAX_TESTED, 2816, 512, True)
+    for m in range(1, MAX_TESTED + 1):
         check(small_m.small_m_linear(x[:m], w, b), x[:m], w, b)
-    x, w, _ = make(1, 32000, 512, False)
+    x, w, _ = make(40, 32000, 512, False)
+    check(small_m.small_m_linear(x[:1], w, None), x[:1], w, None)
     check(small_m.small_m_linear(x, w, None), x, w, None)
 
 
-def test_threads_give_identical_results():
+@pytest.mark.parametrize("n,k", [(2816, 512), (130, 4096), (100, 1025), (64, 128)])
+def test_each_row_is_what_the_row_alone_gives(n, k):
+    """Row passes and k-blocks never change a row's arithmetic (one order, k ascending): with
+    M rows, row r is bit for bit the result of the M = 1 call on row r -- the single-pass path,
+    unchanged from the first kernel, so M <= 16 gives the bits it always gave.  K = 4096 and
+    1025 take several k-blocks (256 pairs each), 1025 with the odd last k."""
+    x, w, b = make(MAX_TESTED, n, k, True, seed=3)
+    packed = small_m.pack(w)
+    alone = torch.cat([small_m.run_packed(x[r : r + 1], packed, b, n) for r in range(len(x))])
+    for m in (7, 16, 31, MAX_TESTED):
+        assert torch.equal(small_m.run_packed(x[:m], packed, b, n), alone[:m]), m
+
+
+@pytest.mark.parametrize("m", [3, 40])
+def test_threads_give_identical_results(m):
     """Each output is computed by one thread in one order: 1 and 2 threads agree bit for bit."""
-    x, w, b = make(3, 2816, 512, True)
+    x, w, b = make(m, 2816, 1408, True)
     before = torch.get_num_threads()
     try:
         outs = []
@@ -92,7 +114,7 @@ def test_strided_rows_and_empty_input():
 
 def test_portable_build_matches_reference():
     assert small_m.isa(portable=True) in ("portable", "avx2", "avx512", "neon")
-    for n, k, m in [(100, 33, 3), (1024, 512, 1), (512, 1408, 16)]:
+    for n, k, m in [(100, 33, 3), (1024, 512, 1), (512, 1408, 16), (130, 1025, 40), (64, 96, 64)]:
         x, w, b = make(m, n, k, True)
         check(small_m.small_m_linear(x, w, b, portable=True), x, w, b)
 
@@ -157,12 +179,30 @@ def test_packed_linear_dispatches_by_rows(monkeypatch):
 
 
 @pytest.mark.skipif(not mkldnn_available(), reason="needs oneDNN (mkldnn)")
-@pytest.mark.parametrize("m", [1, small_m.DEFAULT_MAX_ROWS, small_m.DEFAULT_MAX_ROWS + 3])
-def test_opcheck(m):
-    layer, x, _, b = _layer(m, 96, 64, True, small_m.DEFAULT_MAX_ROWS)
+def test_a_layer_runs_the_kernel_up_to_its_own_max_rows_past_16(monkeypatch):
+    """max_rows = 64: 40 and 64 rows (a verify step, a b64 decode step) run the kernel, 65 run
+    oneDNN; both agree with the reference."""
+    from framework.compat import onednn
+
+    large = []
+    real_linear, real_unpack = onednn.linear, small_m.unpack
+    monkeypatch.setattr(onednn, "linear", lambda *a, **k: large.append(1) or real_linear(*a, **k))
+    monkeypatch.setattr(small_m, "unpack", lambda *a, **k: large.append(1) or real_unpack(*a, **k))
+    layer, x, w, b = _layer(65, 192, 96, True, 64)
+    check(layer(x[:40]), x[:40], w, b)
+    check(layer(x[:64]), x[:64], w, b)
+    assert large == []
+    check(layer(x), x, w, b)
+    assert len(large) == 1
+
+
+@pytest.mark.skipif(not mkldnn_available(), reason="needs oneDNN (mkldnn)")
+@pytest.mark.parametrize("m,max_rows", [(1, 16), (16, 16), (19, 16), (40, 64), (64, 64), (67, 64)])
+def test_opcheck(m, max_rows):
+    layer, x, _, b = _layer(m, 96, 64, True, max_rows)
     op = torch.ops.piecewise.packed_linear.default
     for bias in (None, b):
-        args = (x, layer.weight, layer.weight_md, bias, 96, 64, small_m.DEFAULT_MAX_ROWS)
+        args = (x, layer.weight, layer.weight_md, bias, 96, 64, max_rows)
         torch.library.opcheck(op, args)
 
 
@@ -175,3 +215,33 @@ def test_packed_linear_refuses_a_bias_of_another_dtype():
         torch.ops.piecewise.packed_linear(
             x, layer.weight, layer.weight_md, b.float(), 96, 64, small_m.DEFAULT_MAX_ROWS
         )
+
+
+def test_the_engine_defaults_are_the_kernels_own():
+    """``KernelConfig`` (framework, below passes) spells the defaults out; they are the kernels'
+    measured crossovers (``DEFAULT_MAX_ROWS``, ``python -m experiments.bench_small_m_linear``)."""
+    from framework.core.config import KernelConfig
+    from passes import int8_small_m as i8
+
+    assert KernelConfig().small_m_max_rows == small_m.DEFAULT_MAX_ROWS
+    assert KernelConfig().int8_small_m_max_rows == i8.DEFAULT_MAX_ROWS
+
+
+def test_every_included_source_is_in_the_build_key():
+    """A kernel library is rebuilt when any file it #includes changes: each quoted include of
+    its source (followed through the included files) is one of its ``depends``."""
+    import re
+
+    from passes import int8_small_m as i8
+    from passes import native_ops
+
+    for library in (small_m.LIBRARY, i8.LIBRARY, native_ops.LIBRARY):
+        seen, todo = set(), [library.source]
+        while todo:
+            text = todo.pop().read_text()
+            for name in re.findall(r'^#include "([^"]+)"', text, flags=re.M):
+                path = library.source.parent / name
+                if path not in seen:
+                    seen.add(path)
+                    todo.append(path)
+        assert seen and seen <= set(library.depends), (library.name, seen - set(library.depends))

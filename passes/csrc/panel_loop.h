@@ -1,0 +1,119 @@
+// The driver the small-M kernels share (small_m_linear.cpp, int8_linear.cpp): the weight is
+// laid out in panels of `lanes` output features, each panel one contiguous stream; panels are
+// split over OpenMP threads, and inside a panel every row of x meets the panel's bytes while
+// they are in cache, so the weight is read from memory ONCE whatever M is.
+//
+// Inside a panel the rows go in passes of at most kMaxTileRows (the register tile: 6 rows x 4
+// vectors of 16 lanes = 24 accumulators), balanced (8 rows -> 4 + 4, 16 -> 6 + 5 + 5, 40 ->
+// five passes of 6 and two of 5).  One pass streams the whole panel.  With several passes the
+// panel is cut into k-blocks (`block` k-steps; 64 KB of a panel in both kernels) that stay in
+// L1/L2 while every pass runs over them; the partial sums of the rows wait in `buf` (m x lanes
+// accumulators) between blocks.  Each output is computed by one thread in one order (k
+// ascending, whatever the blocking), so M, the pass split and the thread count never change a
+// bit of a row's result.
+//
+// Overlap: left to the hardware, only the first pass over a block would read memory and the
+// later ones would be pure compute, DRAM idle.  So every pass over a block prefetches its
+// share of the NEXT block of the weight stream (the bytes right after this block: the panel's
+// next block, or the next panel's first), spread evenly over all the passes (`Prefetch`):
+// DRAM keeps streaming while the rows compute, and the time is max(stream, compute), not
+// their sum.  One pass (m <= 6) leaves the streaming to the hardware prefetchers, as before.
+//
+// The kernel supplies `panel(p, m0, mr, i0, i1, buf, first, last, pf)`: rows [m0, m0 + mr)
+// over k-steps [i0, i1) of panel p; `first`: start from zero, else from the partial sums in
+// `buf` (mr x lanes, row-major); `last`: run the epilogue and store, else leave the partial
+// sums in `buf`; `pf`: which k-steps of the next block to prefetch.  An optional
+// `prologue(r)` prepares row r of x (quantise, widen) before any panel runs, the rows split
+// over the same threads.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace pw_panel {
+
+// Prefetch the 4 cache lines (256 bytes: one k-step of a 64-lane panel in both layouts) at p.
+inline void prefetch_step(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* c = static_cast<const char*>(p);
+  __builtin_prefetch(c, 0, 2);
+  __builtin_prefetch(c + 64, 0, 2);
+  __builtin_prefetch(c + 128, 0, 2);
+  __builtin_prefetch(c + 192, 0, 2);
+#else
+  (void)p;
+#endif
+}
+
+constexpr int kMaxTileRows = 6;  // rows per pass over a panel (the register tile's height)
+// Below this much weight traffic (bytes x row passes) one thread finishes before a team wakes.
+constexpr int64_t kParallelMinBytes = 96 * 1024;
+
+// The k-steps of the next block one pass prefetches: step i0 + d of this block prefetches step
+// i1 + d of the stream when (d + phase) % every == 0 (every == 0: none).  The passes over a
+// block take phases 0 .. every - 1 with every = passes: each next step exactly once.
+struct Prefetch {
+  int64_t every = 0, phase = 0;
+};
+
+// m rows in passes of at most kMaxTileRows whose sizes differ by at most one.
+struct RowPasses {
+  int64_t passes, base, extra;
+  explicit RowPasses(int64_t m)
+      : passes((m + kMaxTileRows - 1) / kMaxTileRows),
+        base(passes ? m / passes : 0),
+        extra(passes ? m % passes : 0) {}
+  int64_t start(int64_t j) const { return j * base + std::min(j, extra); }
+  int64_t rows(int64_t j) const { return base + (j < extra ? 1 : 0); }
+};
+
+// Every row pass of panel p over k-steps [0, ksteps).
+template <class Acc, class Panel>
+inline void run_panel(int64_t m, int64_t ksteps, int64_t block, int64_t lanes, int64_t p,
+                      std::vector<Acc>& buf, const Panel& panel) {
+  const RowPasses rp(m);
+  if (rp.passes == 1) {
+    panel(p, int64_t{0}, m, int64_t{0}, ksteps, static_cast<Acc*>(nullptr), true, true,
+          Prefetch{});
+    return;
+  }
+  buf.resize(static_cast<size_t>(m * lanes));
+  for (int64_t i0 = 0; i0 < ksteps; i0 += block) {
+    const int64_t i1 = std::min(ksteps, i0 + block);
+    for (int64_t j = 0; j < rp.passes; ++j) {
+      const int64_t m0 = rp.start(j);
+      const Prefetch pf{rp.passes, j};
+      panel(p, m0, rp.rows(j), i0, i1, buf.data() + m0 * lanes, i0 == 0, i1 == ksteps, pf);
+    }
+  }
+}
+
+struct NoPrologue {
+  void operator()(int64_t) const {}
+};
+
+// All `panels` panels over OpenMP threads (torch's pool: libgomp is shared by soname), static
+// schedule; `prologue` first, for every row.  `weight_bytes`: the bytes one pass over the
+// whole weight reads (the parallel threshold).
+template <class Acc, class Prologue, class Panel>
+void run_panels(int64_t m, int64_t panels, int64_t ksteps, int64_t block, int64_t lanes,
+                int64_t weight_bytes, const Prologue& prologue, const Panel& panel) {
+  const bool parallel = panels > 1 && weight_bytes * RowPasses(m).passes >= kParallelMinBytes;
+#pragma omp parallel if (parallel)
+  {
+    if constexpr (!std::is_same_v<Prologue, NoPrologue>) {
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < m; ++r) prologue(r);
+    }  // (the implicit barrier: every row is ready before any panel runs)
+    std::vector<Acc> buf;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) run_panel<Acc>(m, ksteps, block, lanes, p, buf, panel);
+  }
+}
+
+}  // namespace pw_panel
