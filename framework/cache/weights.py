@@ -39,6 +39,7 @@ import torch
 from framework.cache.files import file_sha256, is_environment_error, remove, tmp_path
 from framework.cache.key import compute_cache_key, source_factors, tp_factors
 from framework.cache.store import INDEX_FILE, ArtifactStore, CacheCorruptionWarning
+from framework.core.huge_pages import HugePageAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,33 @@ def read_header(path: Path) -> tuple[dict[str, Any], int, bytes]:
                 f"buffer for {numel} {dtype} elements (truncated or corrupt)"
             )
     return header, base, raw
+
+
+def read_resident(
+    path: Path, tensors: dict[str, torch.Tensor], names: list[str], allocator: HugePageAllocator
+) -> int:
+    """Replace each ``tensors[name]`` (a view of :func:`map_safetensors`' map of ``path``) by
+    a copy of its bytes read from the file into ``allocator``'s memory (huge pages); returns
+    the bytes read.  The mapped pages of those tensors are never touched (no resident copy
+    beside the read one: the read goes through the page cache, which is not this process's
+    memory)."""
+    done = 0
+    with open(path, "rb", buffering=0) as f:
+        for name in names:
+            t = tensors[name]
+            offset = t.data_ptr() - t.untyped_storage().data_ptr()  # the map starts at byte 0
+            out = allocator.empty(t.shape, t.dtype)
+            nbytes = t.numel() * t.element_size()
+            buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            got = 0
+            while got < nbytes:
+                n = os.preadv(f.fileno(), [buf[got:]], offset + got)
+                if n <= 0:
+                    raise WeightFileError(f"{path}: tensor {name!r} ends early ({got} bytes)")
+                got += n
+            tensors[name] = out
+            done += nbytes
+    return done
 
 
 def map_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -282,9 +310,15 @@ class WeightCache:
             )
         return self._store
 
-    def load(self) -> Optional[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+    def load(
+        self, allocator: Optional[HugePageAllocator] = None
+    ) -> Optional[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
         """The mapped tensors and the metadata saved with them, or None (nothing stored, or
-        a file that fails verification: one warning naming it, the entry is dropped)."""
+        a file that fails verification: one warning naming it, the entry is dropped).
+
+        ``allocator`` (enabled): the tensors the metadata lists as ``resident`` (those a
+        decode step streams) are read into its huge-page memory instead (:func:`read_resident`);
+        the rest stay mapped."""
         if not (self.dir / INDEX_FILE).is_file():
             return None
         record = self.store.entries().get(ENTRY)
@@ -298,6 +332,8 @@ class WeightCache:
             try:
                 tensors, metadata = map_safetensors(self.path)
                 meta = json.loads(metadata["piecewise"])
+                if allocator is not None and meta.get("resident") and allocator.available():
+                    read_resident(self.path, tensors, list(meta.get("resident", ())), allocator)
             except (OSError, WeightFileError, KeyError, ValueError, RuntimeError) as e:
                 problem = f"cannot map it ({type(e).__name__}: {e})"
             else:

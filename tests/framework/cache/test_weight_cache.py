@@ -90,6 +90,47 @@ def test_second_preparation_maps_the_file_the_first_wrote(ckpt, tmp_path, quant)
         )
 
 
+@pytest.mark.parametrize("quant", [None, "int8_per_token"], ids=["bf16", "int8"])
+def test_streamed_weights_are_read_into_huge_page_memory_the_rest_mapped(ckpt, tmp_path, quant):
+    """A warm start reads the re-laid-out weights of the allocator's size or more (the tiny
+    model's are small: its threshold is lowered to reach them) from the file into huge-page
+    memory, 2 MB aligned, with the cold model's values; everything else stays mapped; with
+    huge pages off (transparent_hugepage ``never``) everything is mapped, as before."""
+    from framework.core.huge_pages import HUGE_PAGE, HugePageAllocator
+    from framework.engine.model_prep import relaid_parameters
+
+    config = config_for(tmp_path / "cache")
+
+    def alloc(mode="madvise"):
+        return HugePageAllocator(mode=mode, min_bytes=16 << 10)
+
+    first = prepare_model(str(ckpt), torch.bfloat16, "cpu", quant, config, allocator=alloc())
+    assert first.weights_cache == "written"
+    a = alloc()
+    second = prepare_model(str(ckpt), torch.bfloat16, "cpu", quant, config, allocator=a)
+    assert second.weights_cache == "hit"
+    assert_same_model(second.model, first.model)
+    streamed = {
+        id(p)
+        for n in second.packed_layers
+        for p in relaid_parameters(second.model.get_submodule(n)).values()
+        if p.numel() * p.element_size() >= a.min_bytes
+    }
+    assert streamed and a.huge_bytes > 0
+    for name, t in tensors_of(second.model).items():
+        if id(t) in streamed:
+            assert not file_backed(t, second.weights_path), name
+            assert t.data_ptr() % HUGE_PAGE == 0, name
+        else:
+            assert file_backed(t, second.weights_path), name
+    off = alloc("never")
+    third = prepare_model(str(ckpt), torch.bfloat16, "cpu", quant, config, allocator=off)
+    assert third.weights_cache == "hit" and off.huge_bytes == 0
+    assert_same_model(third.model, first.model)
+    for name, t in tensors_of(third.model).items():
+        assert file_backed(t, third.weights_path), name
+
+
 def test_changed_checkpoint_quantization_or_kernel_config_is_another_entry(ckpt, tmp_path):
     root = tmp_path / "cache"
     config = config_for(root)
