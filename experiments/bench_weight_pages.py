@@ -46,14 +46,13 @@ VARIANTS = ("as_loaded", "anon_4k", "anon_2m", "mapped", "mapped_huge")
 
 def streamed(llm) -> dict[str, torch.nn.Parameter]:
     """The re-laid-out parameters of the engine's packed layers, by name."""
-    out = {}
-    for name in llm.packed_layers:
-        module = llm.model.get_submodule(name)
-        for attr in ("weight", "w13", "w2"):
-            p = module._parameters.get(attr)
-            if p is not None:
-                out[f"{name}.{attr}"] = p
-    return out
+    from framework.engine.model_prep import relaid_parameters
+
+    return {
+        f"{name}.{attr}": p
+        for name in llm.packed_layers
+        for attr, p in relaid_parameters(llm.model.get_submodule(name)).items()
+    }
 
 
 def anon_4k(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         use(v)
         tokens[v] = llm.generate(prompt, args.steps, ignore_eos=True)
         b = hp.page_backing(list(placements[v].values()))
-        info[v].update(rss_gb=b.rss / 1e9, anon_huge_gb=b.anon_huge / 1e9, file_pmd_gb=b.file_pmd / 1e9)
+        info[v].update(
+            rss_gb=b.rss / 1e9, anon_huge_gb=b.anon_huge / 1e9, file_pmd_gb=b.file_pmd / 1e9
+        )
         print(f"# {v}: {info[v]}", flush=True)
     names = list(placements)
     for r in range(args.rounds):

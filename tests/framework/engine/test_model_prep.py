@@ -71,7 +71,7 @@ def test_packed_weights_move_to_huge_page_memory_and_compute_the_same(llama_chec
     config = CompilationConfig(pass_config=PassConfig(passes=["prepack_linear"]))
     prompts, new = [[3, 17, 42, 9, 100, 7], [8, 1, 250]], 6
     tokens = {}
-    for threshold in (None, 64 << 10):
+    for threshold in (None, 8 << 10):
         model, _, _ = load_quantized(llama_checkpoint, torch.bfloat16, "cpu", quant)
         alloc = HugePageAllocator(mode="madvise", **({"min_bytes": threshold} if threshold else {}))
         packed = process_weights(model, config, alloc)
@@ -85,4 +85,4 @@ def test_packed_weights_move_to_huge_page_memory_and_compute_the_same(llama_chec
             assert all(p.data_ptr() % HUGE_PAGE == 0 for p in big)
             assert all(isinstance(p, torch.nn.Parameter) and not p.requires_grad for p in big)
         tokens[threshold] = PagedHarness(model).greedy(prompts, new)
-    assert tokens[None] == tokens[64 << 10]
+    assert tokens[None] == tokens[8 << 10]
