@@ -215,17 +215,17 @@ def prepare_model(
     compilation config): mapped from the processed-weights cache when it holds this
     combination, else computed (:func:`load_quantized` + :func:`process_weights`) and saved.
 
-    The re-laid-out weights a decode step streams (a huge page or more each) live in
-    huge-page memory (``allocator``, default a new
-    :class:`~framework.core.huge_pages.HugePageAllocator`): a cold start moves them there
-    after packing, a warm start reads them from the file into it rather than mapping them
-    (``resident`` in the file's metadata); everything else is mapped."""
+    The re-laid-out weights a decode step streams (a huge page or more each) live in huge
+    pages: a cold start moves them into ``allocator``'s memory after packing (default a new
+    :class:`~framework.core.huge_pages.HugePageAllocator`); a warm start maps the file, whose
+    large tensors lie on 2 MB boundaries, advised ``MADV_HUGEPAGE``
+    (:mod:`framework.cache.weights`), nothing copied."""
     t0 = time.perf_counter()
     device = torch.device(device)
     allocator = HugePageAllocator() if allocator is None else allocator
     cache = _open_cache(model_dir, dtype, device, quantization, config, model_tag)
     if cache is not None:
-        got = cache.load(allocator)
+        got = cache.load()
         if got is not None:
             prepared = _restore(cache, got, model_dir, dtype, quantization, strict)
             if prepared is not None:
@@ -237,7 +237,7 @@ def prepare_model(
     packed = process_weights(model, config, allocator)
     prepared = PreparedModel(model, model_config, quantized, packed)
     if cache is not None:
-        _save(cache, prepared, model_dir, dtype, allocator.min_bytes)
+        _save(cache, prepared, model_dir, dtype)
     prepared.load_s = time.perf_counter() - t0
     return prepared
 
@@ -294,7 +294,7 @@ def _restore(cache, got, model_dir, dtype, quantization, strict) -> Optional[Pre
     )
 
 
-def _save(cache, prepared: PreparedModel, model_dir, dtype, resident_bytes: int) -> None:
+def _save(cache, prepared: PreparedModel, model_dir, dtype) -> None:
     from framework.cache.module_state import NotCacheable, describe, restore, snapshot
 
     if not prepared.packed_layers and not prepared.quantized[2]:
@@ -311,19 +311,10 @@ def _save(cache, prepared: PreparedModel, model_dir, dtype, resident_bytes: int)
         prepared.weights_cache = "uncacheable"
         return
     del fresh
-    # What a decode step streams (the re-laid-out weights of `resident_bytes` or more): a
-    # warm start reads these into huge-page memory rather than mapping them.
-    streamed = {
-        p.data_ptr()
-        for name in prepared.packed_layers
-        for p in relaid_parameters(prepared.model.get_submodule(name)).values()
-        if p.numel() * p.element_size() >= resident_bytes
-    }
     meta = {
         "state": state,
         "packed_layers": prepared.packed_layers,
         "quantized_layers": prepared.quantized[2],
-        "resident": [k for k, t in tensors.items() if t.data_ptr() in streamed],
     }
     found = cache.result  # miss, or corrupt (a bad file was dropped)
     path = cache.save(tensors, meta)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import struct
 import warnings
@@ -88,47 +89,6 @@ def test_second_preparation_maps_the_file_the_first_wrote(ckpt, tmp_path, quant)
         assert len([k for k in f.keys() if not k.startswith("__pad")]) == len(
             {id(t) for t in tensors_of(second.model).values()}
         )
-
-
-@pytest.mark.parametrize("quant", [None, "int8_per_token"], ids=["bf16", "int8"])
-def test_streamed_weights_are_read_into_huge_page_memory_the_rest_mapped(ckpt, tmp_path, quant):
-    """A warm start reads the re-laid-out weights of the allocator's size or more (the tiny
-    model's are small: its threshold is lowered to reach them) from the file into huge-page
-    memory, 2 MB aligned, with the cold model's values; everything else stays mapped; with
-    huge pages off (transparent_hugepage ``never``) everything is mapped, as before."""
-    from framework.core.huge_pages import HUGE_PAGE, HugePageAllocator
-    from framework.engine.model_prep import relaid_parameters
-
-    config = config_for(tmp_path / "cache")
-
-    def alloc(mode="madvise"):
-        return HugePageAllocator(mode=mode, min_bytes=16 << 10)
-
-    first = prepare_model(str(ckpt), torch.bfloat16, "cpu", quant, config, allocator=alloc())
-    assert first.weights_cache == "written"
-    a = alloc()
-    second = prepare_model(str(ckpt), torch.bfloat16, "cpu", quant, config, allocator=a)
-    assert second.weights_cache == "hit"
-    assert_same_model(second.model, first.model)
-    streamed = {
-        id(p)
-        for n in second.packed_layers
-        for p in relaid_parameters(second.model.get_submodule(n)).values()
-        if p.numel() * p.element_size() >= a.min_bytes
-    }
-    assert streamed and a.huge_bytes > 0
-    for name, t in tensors_of(second.model).items():
-        if id(t) in streamed:
-            assert not file_backed(t, second.weights_path), name
-            assert t.data_ptr() % HUGE_PAGE == 0, name
-        else:
-            assert file_backed(t, second.weights_path), name
-    off = alloc("never")
-    third = prepare_model(str(ckpt), torch.bfloat16, "cpu", quant, config, allocator=off)
-    assert third.weights_cache == "hit" and off.huge_bytes == 0
-    assert_same_model(third.model, first.model)
-    for name, t in tensors_of(third.model).items():
-        assert file_backed(t, third.weights_path), name
 
 
 def test_changed_checkpoint_quantization_or_kernel_config_is_another_entry(ckpt, tmp_path):
@@ -260,6 +220,43 @@ def test_file_format_round_trip_is_aligned_and_mapped(tmp_path):
     assert torch.equal(again["c"], tensors["c"])
     header = json.loads(path.read_bytes()[8 : 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]])
     assert header["__metadata__"] == {"k": "v"}
+
+
+def test_large_tensors_lie_on_huge_page_boundaries_and_map_as_huge_pages(tmp_path):
+    """Tensors of 2 MB or more start on 2 MB boundaries of the file (the rest 64-byte aligned),
+    safetensors itself still reads the file, and the map is advised MADV_HUGEPAGE: where the
+    page cache holds the file in 2 MB folios (a Linux 6.x ext4/xfs page cache, as written
+    here) the big tensors map as huge pages."""
+    from safetensors.torch import load_file
+
+    from framework.core.huge_pages import HUGE_PAGE, page_backing, thp_mode
+
+    tensors = {
+        "small": torch.randn(3, 5).to(torch.bfloat16),
+        "big": torch.randn(2048, 1536),  # 12 MB
+        "odd": torch.arange(11, dtype=torch.int8),
+        "big2": torch.randn(1024, 1025).to(torch.bfloat16),  # just over 2 MB
+    }
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, tensors, {"k": "v"})
+    header, base, _ = read_header(path)
+    for name, t in tensors.items():
+        start = base + header[name]["data_offsets"][0]
+        big = t.numel() * t.element_size() >= HUGE_PAGE
+        assert start % (HUGE_PAGE if big else 64) == 0, name
+    plain = load_file(str(path))
+    got, meta = map_safetensors(path)
+    assert meta == {"k": "v"}
+    for name, t in tensors.items():
+        assert torch.equal(got[name], t) and torch.equal(plain[name], t), name
+    backing = page_backing(got["big"])
+    assert backing.rss >= 12 << 20 or backing.rss == 0  # touched above (or no /proc)
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split() for line in f]
+    fs = max((m for m in mounts if str(path).startswith(m[1])), key=lambda m: len(m[1]))[2]
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    if fs == "ext4" and thp_mode() is not None and release >= (6, 16):
+        assert backing.file_pmd >= HUGE_PAGE, backing  # at least one 2 MB block mapped huge
 
 
 class _Foreign:
