@@ -14,11 +14,12 @@ re-laid-out weights of its packed layers (every linear, the LM head) are given, 
 * ``anon_4k``: a copy in anonymous memory advised ``MADV_NOHUGEPAGE`` (4 KB pages: what
   torch's allocator gives a large tensor with transparent huge pages in ``madvise`` mode);
 * ``anon_2m``: a copy from :class:`framework.core.huge_pages.HugePageAllocator` (2 MB pages);
-* ``mapped``: the processed-weights file mapped as the warm start mapped it before huge pages
-  (``map_safetensors``: a private map, 4 KB pages unless the page cache holds huge folios);
-* ``mapped_huge``: the same map advised ``MADV_HUGEPAGE`` before first touch, then
-  ``MADV_COLLAPSE`` (file pages mapped as huge pages where the kernel and the page cache
-  allow it).
+* ``mapped``: a second map of the processed-weights file, as the warm start maps it
+  (``map_safetensors``: private, advised ``MADV_HUGEPAGE``; huge pages where the page cache
+  holds the file in 2 MB folios -- a file written before its large tensors were 2 MB aligned
+  maps mostly in 4 KB pages);
+* ``mapped_huge``: the same, then ``MADV_COLLAPSE`` (file pages collapsed into huge pages:
+  ``EINVAL`` on kernels without ``CONFIG_READ_ONLY_THP_FOR_FS``).
 
 Swapping is ``param.data = other`` on the engine's own parameters (the compiled program reads
 them through the same objects).  Each variant's backing is read from ``/proc/self/smaps``
