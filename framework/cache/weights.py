@@ -9,8 +9,17 @@ pieces but in a folder of their own (``<root>/weights/<key>/rank_<r>/weights-<ta
 covers (:func:`weight_factors`: the checkpoint's identity, dtype, quantization, kernel settings
 and passes, tensor parallelism, the processing code, torch and the CPU).  The store's one entry
 :data:`ENTRY` is the file ``artifacts/processed_weights.bin`` (safetensors, every tensor
-64-byte aligned); the blob :data:`META_BLOB` holds what the file was when written (size, inode,
-mtime, the sha256 of its header).
+64-byte aligned, every tensor of 2 MB or more 2 MB aligned); the blob :data:`META_BLOB` holds
+what the file was when written (size, inode, mtime, the sha256 of its header).
+
+Huge pages: a decode step streams the re-laid-out weights, and 4 KB pages cost it (one TLB
+entry per 4 KB; ``framework.core.huge_pages``).  The map is advised ``MADV_HUGEPAGE`` before
+anything touches it, and the large tensors lie on 2 MB boundaries of the file, so where the
+page cache holds a 2 MB folio of the file (Linux 6.x with large-folio page caches -- ext4 since
+6.16, xfs -- writes them, and reads through an advised map fill them) the kernel maps it as one
+huge page (``FilePmdMapped`` in ``/proc/self/smaps``): nothing copied, the page cache shared by
+every process using the file.  Folios the page cache already holds in 4 KB pieces stay so
+(collapsing file pages needs ``CONFIG_READ_ONLY_THP_FOR_FS``); such pages map as before.
 
 Verification: the store records the file's sha256 (hashed once, when written).  A warm start does
 not re-hash gigabytes: it checks that the file is the one written (size, inode and mtime as
@@ -39,17 +48,19 @@ import torch
 from framework.cache.files import file_sha256, is_environment_error, remove, tmp_path
 from framework.cache.key import compute_cache_key, source_factors, tp_factors
 from framework.cache.store import INDEX_FILE, ArtifactStore, CacheCorruptionWarning
+from framework.core.huge_pages import HUGE_PAGE, MADV_HUGEPAGE, madvise
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 """Version of this file format and of the module-state description (a new key when bumped)."""
 SUBDIR = "weights"
 ENTRY = "processed_weights"
 META_BLOB = "processed_weights.json"
 ALIGN = 64
+"""Every tensor's bytes start at a multiple of this many bytes from the start of the file (a
+tensor of a huge page or more: at a multiple of the huge page)."""
 BACKDATE_NS = 10 * 10**9
-"""Every tensor's bytes start at a multiple of this many bytes from the start of the file."""
 
 DTYPES = {
     "BOOL": torch.bool,
@@ -76,20 +87,21 @@ class WeightFileError(ValueError):
 
 
 # ----------------------------------------------------------------------------- file format
-def write_safetensors(
-    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
-) -> None:
-    """Write ``tensors`` (CPU, dense) as a safetensors file at ``path``, each tensor's bytes
-    :data:`ALIGN`-aligned (padding entries ``__pad<i>__`` keep the byte buffer hole-free, as
-    the format requires)."""
+def _layout(
+    tensors: Mapping[str, torch.Tensor], base: int
+) -> tuple[dict[str, Any], list[tuple[int, Optional[torch.Tensor]]]]:
+    """Header entries and the byte runs of the data, for data starting at file byte ``base``:
+    each tensor at a multiple of :data:`ALIGN` from the start of the file, one of
+    :data:`~framework.core.huge_pages.HUGE_PAGE` bytes or more at a multiple of that."""
     header: dict[str, Any] = {}
     order: list[tuple[int, Optional[torch.Tensor]]] = []
     offset = 0
     for name, t in tensors.items():
         if t.dtype not in CODES:
             raise TypeError(f"processed weights: tensor {name!r} has dtype {t.dtype} (no code)")
-        if offset % ALIGN:
-            pad = ALIGN - offset % ALIGN
+        nbytes = t.numel() * t.element_size()
+        pad = -(base + offset) % (HUGE_PAGE if nbytes >= HUGE_PAGE else ALIGN)
+        if pad:
             header[f"__pad{len(order)}__"] = {
                 "dtype": "U8",
                 "shape": [pad],
@@ -97,7 +109,6 @@ def write_safetensors(
             }
             order.append((pad, None))
             offset += pad
-        nbytes = t.numel() * t.element_size()
         header[name] = {
             "dtype": CODES[t.dtype],
             "shape": list(t.shape),
@@ -105,10 +116,28 @@ def write_safetensors(
         }
         order.append((nbytes, t))
         offset += nbytes
-    header["__metadata__"] = dict(metadata)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    start = 8 + len(raw)
-    raw += b" " * (-start % ALIGN)  # the format allows trailing spaces in the header
+    return header, order
+
+
+def write_safetensors(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> None:
+    """Write ``tensors`` (CPU, dense) as a safetensors file at ``path``.  Every tensor starts
+    :data:`ALIGN`-aligned in the file, and one of a huge page (2 MB) or more on a huge-page
+    boundary: the page cache then holds it in 2 MB folios (as written, and as read back
+    through a map advised ``MADV_HUGEPAGE``), which a map of the file at a 2 MB-aligned
+    address maps as huge pages.  Padding entries ``__pad<i>__`` keep the byte buffer
+    hole-free, as the format requires; the header is padded with spaces to where the data
+    starts (a multiple of 4096 bytes)."""
+    base = 4096
+    while True:
+        header, order = _layout(tensors, base)
+        header["__metadata__"] = dict(metadata)
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        if 8 + len(raw) <= base:
+            break
+        base = -(-(8 + len(raw) + 4096) // 4096) * 4096  # pads moved: lay out again
+    raw += b" " * (base - 8 - len(raw))  # the format allows trailing spaces in the header
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
@@ -167,6 +196,10 @@ def map_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
     size = path.stat().st_size
     storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
+    if size >= HUGE_PAGE:  # before any page is touched (see the module docstring)
+        err = madvise(flat.data_ptr(), size, MADV_HUGEPAGE)
+        if err is not None:
+            logger.debug("%s: madvise(MADV_HUGEPAGE) failed (errno %s)", path, err)
     tensors = {}
     for name, meta in header.items():
         if name == "__metadata__" or (name.startswith("__pad") and name.endswith("__")):

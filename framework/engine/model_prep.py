@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from framework.core.config import CompilationConfig
+from framework.core.huge_pages import HugePageAllocator
 from framework.core.quantization import QuantizationConfig
 from models.loader import CheckpointError, NonFiniteWeightWarning, build_model, load_model
 from passes import native_ops
@@ -95,10 +96,16 @@ def load_quantized(
     return model, model_config, (qc, qc.compute_hash(), layers)
 
 
-def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[str]:
+def process_weights(
+    model: torch.nn.Module,
+    config: CompilationConfig,
+    allocator: Optional[HugePageAllocator] = None,
+) -> list[str]:
     """Re-lay every eligible linear weight of ``model`` once, in place, when the
     ``prepack_linear`` pass is on; returns the names of the layers (and stacked MoE experts)
-    packed.
+    packed.  Each re-laid tensor then moves into huge-page memory (``allocator``, default a
+    new :class:`~framework.core.huge_pages.HugePageAllocator`; :func:`place_relaid`): what a
+    decode step streams is read through 2 MB pages.
 
     Eligible: a module exposing ``linear_method`` (None: no quantization scheme took it) and
     a 2-D CPU bf16/fp32 weight that no other module shares.  The LM head is included (it runs
@@ -109,6 +116,7 @@ def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[s
     (:class:`passes.ops_prepack_moe.PackedExpertsMethod`)."""
     if "prepack_linear" not in config.pass_config.passes:
         return []
+    allocator = HugePageAllocator() if allocator is None else allocator
     owners = Counter(id(p) for _, m in model.named_modules() for p in m.parameters(recurse=False))
     max_rows = config.kernel_config.max_rows()
     int8_rows = config.kernel_config.int8_max_rows()
@@ -124,6 +132,7 @@ def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[s
             if int8_method.process(module):
                 module.linear_method = int8_method
                 packed.append(name)
+                place_relaid(module, allocator)
                 release_free_memory()
             continue
         if not PackedLinearMethod.applies_to(module):
@@ -134,6 +143,7 @@ def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[s
         if method.process(module, layouts):
             module.linear_method = method
             packed.append(name)
+            place_relaid(module, allocator)
             release_free_memory()  # the original's pages go back to the system now
     expert_layouts: dict = {}
     for name, experts in list(expert_modules(model)):
@@ -143,8 +153,31 @@ def process_weights(model: torch.nn.Module, config: CompilationConfig) -> list[s
         method.process(experts, expert_layouts)
         experts.moe_method = method
         packed.append(name)
+        place_relaid(experts, allocator)
         release_free_memory()
     return packed
+
+
+RELAID = ("weight", "w13", "w2")
+"""The parameters a packed layer holds re-laid out: a linear's ``weight``, stacked experts'
+``w13`` and ``w2``."""
+
+
+def relaid_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The re-laid-out parameters of a packed module (:data:`RELAID`), by attribute."""
+    return {a: p for a in RELAID if (p := module._parameters.get(a)) is not None}
+
+
+def place_relaid(module: torch.nn.Module, allocator: HugePageAllocator) -> None:
+    """Move a packed module's re-laid-out parameters into ``allocator``'s memory (huge pages
+    where available; tensors under its ``min_bytes`` stay).  The Parameter objects stay the
+    same (``.data`` is replaced); the old storage is freed once the copy is made, so at most
+    two copies of one weight exist at a time."""
+    for p in relaid_parameters(module).values():
+        data = p.data
+        placed = allocator.place(data)
+        if placed is not data:
+            p.data = placed
 
 
 logger = logging.getLogger(__name__)
@@ -177,12 +210,20 @@ def prepare_model(
     *,
     strict: bool = False,
     model_tag: str = "model",
+    allocator: Optional[HugePageAllocator] = None,
 ) -> PreparedModel:
     """The model of ``model_dir`` loaded, quantized and processed for ``config`` (a resolved
     compilation config): mapped from the processed-weights cache when it holds this
-    combination, else computed (:func:`load_quantized` + :func:`process_weights`) and saved."""
+    combination, else computed (:func:`load_quantized` + :func:`process_weights`) and saved.
+
+    The re-laid-out weights a decode step streams (a huge page or more each) live in huge
+    pages: a cold start moves them into ``allocator``'s memory after packing (default a new
+    :class:`~framework.core.huge_pages.HugePageAllocator`); a warm start maps the file, whose
+    large tensors lie on 2 MB boundaries, advised ``MADV_HUGEPAGE``
+    (:mod:`framework.cache.weights`), nothing copied."""
     t0 = time.perf_counter()
     device = torch.device(device)
+    allocator = HugePageAllocator() if allocator is None else allocator
     cache = _open_cache(model_dir, dtype, device, quantization, config, model_tag)
     if cache is not None:
         got = cache.load()
@@ -194,7 +235,7 @@ def prepare_model(
     model, model_config, quantized = load_quantized(
         model_dir, dtype, device, quantization, strict=strict
     )
-    packed = process_weights(model, config)
+    packed = process_weights(model, config, allocator)
     prepared = PreparedModel(model, model_config, quantized, packed)
     if cache is not None:
         _save(cache, prepared, model_dir, dtype)

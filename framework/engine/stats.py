@@ -127,13 +127,6 @@ def process_memory() -> dict[str, int]:
     return out
 
 
-def _relaid(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The re-laid-out tensors of a packed module: a linear's ``weight``, or stacked
-    experts' ``w13`` and ``w2``."""
-    weight = getattr(module, "weight", None)
-    return [weight] if weight is not None else [module.w13, module.w2]
-
-
 def memory_stats(
     model: torch.nn.Module, kv_caches: dict[str, torch.Tensor], packed_layers: list[str]
 ) -> dict[str, int]:
@@ -143,7 +136,11 @@ def memory_stats(
     part of it that is re-laid out for a kernel), ``kv_cache_bytes``, and the process's
     resident memory (``rss_bytes``, ``rss_peak_bytes``)."""
     tensors = list(model.parameters()) + list(model.buffers())
-    packed = [t for name in packed_layers for t in _relaid(model.get_submodule(name))]
+    from framework.engine.model_prep import relaid_parameters
+
+    packed = [
+        t for name in packed_layers for t in relaid_parameters(model.get_submodule(name)).values()
+    ]
     out = {
         "weights_bytes": _storage_bytes(tensors),
         "packed_weight_bytes": _storage_bytes(packed),

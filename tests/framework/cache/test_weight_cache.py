@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import struct
 import warnings
@@ -219,6 +220,43 @@ def test_file_format_round_trip_is_aligned_and_mapped(tmp_path):
     assert torch.equal(again["c"], tensors["c"])
     header = json.loads(path.read_bytes()[8 : 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]])
     assert header["__metadata__"] == {"k": "v"}
+
+
+def test_large_tensors_lie_on_huge_page_boundaries_and_map_as_huge_pages(tmp_path):
+    """Tensors of 2 MB or more start on 2 MB boundaries of the file (the rest 64-byte aligned),
+    safetensors itself still reads the file, and the map is advised MADV_HUGEPAGE: where the
+    page cache holds the file in 2 MB folios (a Linux 6.x ext4/xfs page cache, as written
+    here) the big tensors map as huge pages."""
+    from safetensors.torch import load_file
+
+    from framework.core.huge_pages import HUGE_PAGE, page_backing, thp_mode
+
+    tensors = {
+        "small": torch.randn(3, 5).to(torch.bfloat16),
+        "big": torch.randn(2048, 1536),  # 12 MB
+        "odd": torch.arange(11, dtype=torch.int8),
+        "big2": torch.randn(1024, 1025).to(torch.bfloat16),  # just over 2 MB
+    }
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, tensors, {"k": "v"})
+    header, base, _ = read_header(path)
+    for name, t in tensors.items():
+        start = base + header[name]["data_offsets"][0]
+        big = t.numel() * t.element_size() >= HUGE_PAGE
+        assert start % (HUGE_PAGE if big else 64) == 0, name
+    plain = load_file(str(path))
+    got, meta = map_safetensors(path)
+    assert meta == {"k": "v"}
+    for name, t in tensors.items():
+        assert torch.equal(got[name], t) and torch.equal(plain[name], t), name
+    backing = page_backing(got["big"])
+    assert backing.rss >= 12 << 20 or backing.rss == 0  # touched above (or no /proc)
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split() for line in f]
+    fs = max((m for m in mounts if str(path).startswith(m[1])), key=lambda m: len(m[1]))[2]
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    if fs == "ext4" and thp_mode() is not None and release >= (6, 16):
+        assert backing.file_pmd >= HUGE_PAGE, backing  # at least one 2 MB block mapped huge
 
 
 class _Foreign:

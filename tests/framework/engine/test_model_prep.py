@@ -84,3 +84,34 @@ def test_warm_start_registers_the_linear_ops_cpp_kernels(llama_checkpoint, tmp_p
     assert warm.weights_cache == "hit" and warm.packed_layers == cold.packed_layers
     assert calls, "the warm start did not register the C++ kernels"
     assert torch._C._dispatch_has_kernel_for_dispatch_key("piecewise::packed_linear", "CPU")
+
+
+@pytest.mark.parametrize("quant", [None, "int8_per_token"], ids=["bf16", "int8"])
+def test_packed_weights_move_to_huge_page_memory_and_compute_the_same(llama_checkpoint, quant):
+    """Every re-laid-out weight of the allocator's size or more is a copy in its own
+    2 MB-aligned mapping (the tiny model's weights are small: the threshold is lowered to
+    reach them); the rest stays; the greedy tokens do not change."""
+    from paged_harness import PagedHarness
+
+    from framework.core.config import CompilationConfig, PassConfig
+    from framework.core.huge_pages import HUGE_PAGE, HugePageAllocator
+    from framework.engine.model_prep import process_weights, relaid_parameters
+
+    config = CompilationConfig(pass_config=PassConfig(passes=["prepack_linear"]))
+    prompts, new = [[3, 17, 42, 9, 100, 7], [8, 1, 250]], 6
+    tokens = {}
+    for threshold in (None, 8 << 10):
+        model, _, _ = load_quantized(llama_checkpoint, torch.bfloat16, "cpu", quant)
+        alloc = HugePageAllocator(mode="madvise", **({"min_bytes": threshold} if threshold else {}))
+        packed = process_weights(model, config, alloc)
+        assert packed
+        relaid = [p for n in packed for p in relaid_parameters(model.get_submodule(n)).values()]
+        big = [p for p in relaid if p.numel() * p.element_size() >= alloc.min_bytes]
+        if threshold is None:
+            assert alloc.huge_bytes == sum(p.numel() * p.element_size() for p in big)
+        else:
+            assert big and alloc.huge_bytes == sum(p.numel() * p.element_size() for p in big)
+            assert all(p.data_ptr() % HUGE_PAGE == 0 for p in big)
+            assert all(isinstance(p, torch.nn.Parameter) and not p.requires_grad for p in big)
+        tokens[threshold] = PagedHarness(model).greedy(prompts, new)
+    assert tokens[None] == tokens[8 << 10]

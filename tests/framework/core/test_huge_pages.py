@@ -1,0 +1,116 @@
+"""The huge-page allocator: a tensor of its own mapping, 2 MB aligned, backed by huge pages
+where the kernel gives them (``/proc/self/smaps``), unmapped when the tensor is freed; and
+normal torch memory, with one log line, where transparent huge pages are off."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+
+import pytest
+import torch
+
+from framework.core import huge_pages as hp
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc and THP")
+MB = 1 << 20
+
+
+def mapped(address: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+def test_thp_mode_reads_the_bracketed_word(tmp_path):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert hp.thp_mode(f) == "madvise"
+    f.write_text("always madvise [never]\n")
+    assert hp.thp_mode(f) == "never"
+    assert hp.thp_mode(tmp_path / "absent") is None
+
+
+@linux
+def test_large_tensor_is_huge_page_aligned_and_in_its_own_advised_mapping():
+    alloc = hp.HugePageAllocator(mode="madvise")
+    t = alloc.empty((3, 1024, 1024), torch.bfloat16)  # 6 MB
+    assert t.shape == (3, 1024, 1024) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % hp.HUGE_PAGE == 0
+    assert alloc.huge_bytes == 6 * MB and alloc.plain_bytes == 0
+    t.fill_(1.5)
+    assert float(t.float().sum()) == 1.5 * t.numel()
+    backing = hp.page_backing(t)
+    assert backing.rss >= 6 * MB  # the mapping holds the tensor, touched
+    if hp.thp_mode() in ("madvise", "always"):
+        # Whether the kernel had a free 2 MB block is the machine's; 3 advised blocks and
+        # none huge would mean the advice did not reach the kernel.
+        assert backing.anon_huge >= hp.HUGE_PAGE, backing
+
+
+@linux
+def test_the_mapping_is_freed_with_the_last_tensor_using_it():
+    alloc = hp.HugePageAllocator(mode="madvise")
+    t = alloc.empty((4 * MB,), torch.uint8)
+    view = t[MB:]
+    address = t.data_ptr()
+    t.fill_(7)
+    assert mapped(address)
+    del t
+    gc.collect()
+    assert mapped(address)  # the view still holds it
+    assert int(view[-1]) == 7
+    del view
+    gc.collect()
+    assert not mapped(address)
+
+
+def test_copy_and_place_keep_values():
+    alloc = hp.HugePageAllocator(mode="madvise")
+    src = torch.randn(512, 2048).to(torch.bfloat16)  # 2 MB
+    out = alloc.copy(src)
+    assert torch.equal(out, src) and out.data_ptr() != src.data_ptr()
+    placed = alloc.place(src)
+    assert placed is not src and torch.equal(placed, src)
+    small = torch.randn(16, 16)
+    assert alloc.place(small) is small  # under min_bytes: stays where it is
+
+
+def test_never_fails_closed_to_torch_memory_with_one_log_line(caplog):
+    alloc = hp.HugePageAllocator(mode="never")
+    src = torch.randn(1024, 1024)  # 4 MB
+    with caplog.at_level(logging.INFO, logger=hp.__name__):
+        t = alloc.empty((1024, 1024), torch.float32)
+        u = alloc.empty((2048, 1024), torch.float32)
+        placed = alloc.place(src)
+    assert placed is src  # no pointless copy
+    assert t.shape == (1024, 1024) and u.shape == (2048, 1024)
+    assert alloc.huge_bytes == 0 and alloc.plain_bytes == 12 * MB
+    lines = [r.getMessage() for r in caplog.records if r.name == hp.__name__]
+    assert len(lines) == 1 and "never" in lines[0] and "normal pages" in lines[0]
+    if sys.platform.startswith("linux"):
+        assert hp.page_backing(t).anon_huge == 0 or hp.thp_mode() == "always"
+
+
+def test_unknown_mode_fails_closed():
+    alloc = hp.HugePageAllocator(mode=None)
+    assert not alloc.enabled
+    t = alloc.empty((4 * MB,), torch.uint8)
+    assert t.numel() == 4 * MB and alloc.plain_bytes == 4 * MB
+
+
+@linux
+def test_refused_mapping_fails_closed(monkeypatch, caplog):
+    def refuse(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(hp.mmap, "mmap", refuse)
+    alloc = hp.HugePageAllocator(mode="madvise")
+    with caplog.at_level(logging.INFO, logger=hp.__name__):
+        t = alloc.empty((4 * MB,), torch.uint8)
+    assert t.numel() == 4 * MB and alloc.failures == 1 and alloc.plain_bytes == 4 * MB
+    assert any("refused" in r.getMessage() for r in caplog.records)
