@@ -143,11 +143,33 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ schedule
+    def draft_candidates(self) -> list[Request]:
+        """The requests that may verify drafts in the next step (speculative decoding):
+        the running ones that decode (one new token), then the waiting ones it would admit
+        with their whole remaining prompt (in order, while ``max_num_seqs`` and the token
+        budget leave room for more than the prompt).  Their drafts follow the prompt and
+        are verified in the prefill chunk itself, so the first new tokens need no decode
+        step of their own.  KV is not checked here: :meth:`schedule` drops drafts that
+        find no blocks, and never delays an admission for them."""
+        out = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        budget = self.max_num_tokens - sum(r.num_tokens - r.num_computed for r in self.running)
+        slots = self.max_num_seqs - len(self.running)
+        for req in self.waiting:
+            n = req.num_tokens - req.num_computed
+            if slots <= 0 or n >= budget:
+                break
+            out.append(req)
+            budget -= n
+            slots -= 1
+        return out
+
     def schedule(self, drafts: Optional[dict[int, Sequence[int]]] = None) -> list[ScheduledChunk]:
         """The step's chunks.  ``drafts``: speculative decoding's draft tokens per request
         id; a decoding request with drafts gets a verify chunk of its last token plus as many
         drafts as the token budget, its ``max_tokens`` and the free KV blocks allow (drafts
-        are dropped before anyone is preempted for them)."""
+        are dropped before anyone is preempted for them); an admitted request whose chunk
+        ends its prompt gets its drafts after the prompt the same way (dropped before its
+        admission would wait for them)."""
         budget = self.max_num_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
@@ -188,6 +210,14 @@ class Scheduler:
             evictable_hits = sum(self.allocator.ref_count(b) == 0 for b in hits)
             if need > self.allocator.num_free - evictable_hits:
                 break  # admission control: wait until its next chunk's blocks are free
+            spec: tuple[int, ...] = ()
+            d = drafts.get(req.req_id) if drafts else None
+            if d and start + n == req.num_tokens:  # the chunk ends the prompt: drafts follow
+                room = min(budget - n, req.max_new_tokens - len(req.output) - 1)
+                spec = tuple(int(t) for t in d[: max(room, 0)])
+                more = -(-(start + n + len(spec)) // self.block_size) - len(hits)
+                if spec and more > self.allocator.num_free - evictable_hits:
+                    spec = ()  # no blocks for the drafts: a plain prefill
             self.waiting.popleft()
             self.running.append(req)  # first: recover() finds it whatever raises next
             if self.prefix_caching:
@@ -197,8 +227,9 @@ class Scheduler:
             req.block_ids = list(hits)
             req.num_cached_blocks = len(hits)
             req.num_computed = start
+            n += len(spec)
             self._reserve(req, start + n)
-            chunks.append(ScheduledChunk(req, start, n))
+            chunks.append(ScheduledChunk(req, start, n, spec))
             budget -= n
         return chunks
 

@@ -76,3 +76,51 @@ def test_preemption_and_abort_release_the_proposer_state():
     assert released == [1] and other.num_computed == 0 and other.block_ids == []
     s.abort(0)
     assert released == [1, 0] and s.allocator.num_free == s.allocator.num_usable
+
+
+def test_drafts_verified_in_the_prefill_chunk():
+    """A request admitted with its whole prompt verifies its drafts in the prefill chunk: the
+    chunk is the prompt plus the drafts (cut to max_tokens and the blocks free), and the kept
+    tokens are its first new tokens; a prompt split over steps gets none."""
+    s = Scheduler(BlockManager(32, BS), block_size=BS, max_num_seqs=4, max_num_tokens=64,
+                  max_model_len=64)  # fmt: skip
+    r = Request(0, [1, 2, 3, 4, 5, 6], 4)
+    s.add(r)
+    assert s.draft_candidates() == [r]
+    (c,) = s.schedule({0: [7, 8, 9, 10]})
+    assert (c.start, c.num_tokens, c.spec, c.samples) == (0, 9, (7, 8, 9), True)
+    assert len(r.block_ids) == 3  # positions 0..8
+    s.update([c], [[7, 8, 42]])  # two drafts accepted, the third replaced
+    assert r.output == [7, 8, 42] and r.num_computed == 8 and len(r.block_ids) == 2
+    assert s.draft_candidates() == [r]  # it decodes next
+
+    # No free blocks for the drafts: a plain prefill, admitted all the same.
+    s = Scheduler(BlockManager(4, BS), block_size=BS, max_num_seqs=4, max_num_tokens=64,
+                  max_model_len=64)  # fmt: skip
+    r = Request(0, [1] * 8, 4)
+    s.add(r)
+    taken = s.allocator.allocate(1)  # 2 blocks left: the prompt's, none for drafts
+    (c,) = s.schedule({0: [7, 8, 9]})
+    assert c.spec == () and c.num_tokens == 8 and s.running == [r]
+    s.allocator.free(taken)
+
+    # The token budget splits the prompt: no drafts (and no candidate) until it ends.
+    s = Scheduler(BlockManager(32, BS), block_size=BS, max_num_seqs=4, max_num_tokens=4,
+                  max_model_len=64)  # fmt: skip
+    r = Request(0, [1, 2, 3, 4, 5, 6], 8)
+    s.add(r)
+    assert s.draft_candidates() == []
+    (c,) = s.schedule({0: [7, 8, 9]})
+    assert c.spec == () and c.num_tokens == 4
+
+
+def test_draft_candidates_respect_slots_and_budget():
+    s, r, _ = setup(budget=16)  # r decodes (1 token)
+    waiting = [Request(i, [1] * n, 8) for i, n in ((1, 5), (2, 9), (3, 2))]
+    for w in waiting:
+        s.add(w)
+    # 16 - 1 (r) = 15 tokens: the 5-token prompt, then the 9-token one leave 1; the
+    # 2-token prompt would not fit with any draft, and admissions go in queue order.
+    assert s.draft_candidates() == [r, waiting[0], waiting[1]]
+    s.max_num_seqs = 2
+    assert s.draft_candidates() == [r, waiting[0]]
