@@ -122,5 +122,8 @@ def test_draft_candidates_respect_slots_and_budget():
     # 16 - 1 (r) = 15 tokens: the 5-token prompt, then the 9-token one leave 1; the
     # 2-token prompt would not fit with any draft, and admissions go in queue order.
     assert s.draft_candidates() == [r, waiting[0], waiting[1]]
+    # With k = 4 drafts each: 15 - 4 (r's) = 11, less 5 + 4 leaves 2: the 9-token prompt
+    # would not end in this step.
+    assert s.draft_candidates(4) == [r, waiting[0]]
     s.max_num_seqs = 2
     assert s.draft_candidates() == [r, waiting[0]]
