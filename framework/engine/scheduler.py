@@ -146,23 +146,24 @@ class Scheduler:
     def draft_candidates(self, k: int = 0) -> list[Request]:
         """The requests that may verify drafts in the next step (speculative decoding, up to
         ``k`` drafts each): the running ones that decode (one new token), then the waiting
-        ones it would admit with their whole remaining prompt and at least one draft (in
-        queue order, while ``max_num_seqs`` and the token budget, less ``k`` per candidate
-        before, allow).  Their drafts follow the prompt and are verified in the prefill
-        chunk itself, so the first new tokens need no decode step of their own.  KV is not
-        checked here: :meth:`schedule` drops drafts that find no blocks, and never delays an
-        admission for them."""
+        ones the step would admit, but only when every one of those fits whole, with ``k``
+        drafts each, into the token budget left (so drafts never split a prompt or push an
+        admission to a later step).  Their drafts follow the prompt and are verified in the
+        prefill chunk itself: the first new tokens need no decode step of their own.  KV is
+        not checked here: :meth:`schedule` drops drafts that find no blocks, and never delays
+        an admission for them."""
         out = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         budget = self.max_num_tokens - sum(r.num_tokens - r.num_computed for r in self.running)
         budget -= k * len(out)
         slots = self.max_num_seqs - len(self.running)
+        admitted, tokens = 0, 0
         for req in self.waiting:
-            n = req.num_tokens - req.num_computed
-            if slots <= 0 or n >= budget:
+            if admitted >= slots or tokens >= budget:
                 break
-            out.append(req)
-            budget -= n + k
-            slots -= 1
+            tokens += req.num_tokens - req.num_computed
+            admitted += 1
+        if admitted and tokens + k * admitted <= budget:
+            out += list(self.waiting)[:admitted]
         return out
 
     def schedule(self, drafts: Optional[dict[int, Sequence[int]]] = None) -> list[ScheduledChunk]:

@@ -115,15 +115,13 @@ def test_drafts_verified_in_the_prefill_chunk():
 
 
 def test_draft_candidates_respect_slots_and_budget():
-    s, r, _ = setup(budget=16)  # r decodes (1 token)
+    """Waiting requests are candidates only when all the step would admit fit whole with k
+    drafts each (after the running ones' 1 + k)."""
+    s, r, _ = setup(budget=32)  # r decodes (1 token)
     waiting = [Request(i, [1] * n, 8) for i, n in ((1, 5), (2, 9), (3, 2))]
     for w in waiting:
         s.add(w)
-    # 16 - 1 (r) = 15 tokens: the 5-token prompt, then the 9-token one leave 1; the
-    # 2-token prompt would not fit with any draft, and admissions go in queue order.
-    assert s.draft_candidates() == [r, waiting[0], waiting[1]]
-    # With k = 4 drafts each: 15 - 4 (r's) = 11, less 5 + 4 leaves 2: the 9-token prompt
-    # would not end in this step.
+    assert s.draft_candidates(3) == [r, *waiting]  # 16 + 3 x 3 <= 32 - (1 + 3)
+    assert s.draft_candidates(4) == [r]  # 16 + 3 x 4 > 32 - (1 + 4): none of them
+    s.max_num_seqs = 2  # one admission: 5 + 4 fits
     assert s.draft_candidates(4) == [r, waiting[0]]
-    s.max_num_seqs = 2
-    assert s.draft_candidates() == [r, waiting[0]]
