@@ -145,25 +145,29 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def draft_candidates(self, k: int = 0) -> list[Request]:
         """The requests that may verify drafts in the next step (speculative decoding, up to
-        ``k`` drafts each): the running ones that decode (one new token), then the waiting
-        ones the step would admit, but only when every one of those fits whole, with ``k``
-        drafts each, into the token budget left (so drafts never split a prompt or push an
-        admission to a later step).  Their drafts follow the prompt and are verified in the
-        prefill chunk itself: the first new tokens need no decode step of their own.  KV is
-        not checked here: :meth:`schedule` drops drafts that find no blocks, and never delays
-        an admission for them."""
+        ``k`` drafts each): the running ones that decode (one new token), then the greedy
+        waiting ones the step would admit, but only when every admission fits whole, with
+        ``k`` drafts for each greedy one, into the token budget left (so drafts never split a
+        prompt or push an admission to a later step).  Their drafts follow the prompt and are
+        verified in the prefill chunk itself: the first new tokens need no decode step of
+        their own.  Sampling requests draft from their first decode step on, so whether a
+        step had room for prefill drafts (which depends on the batch) never changes a seeded
+        request's draws.  KV is not checked here: :meth:`schedule` drops drafts that find no
+        blocks, and never delays an admission for them."""
         out = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         budget = self.max_num_tokens - sum(r.num_tokens - r.num_computed for r in self.running)
         budget -= k * len(out)
         slots = self.max_num_seqs - len(self.running)
-        admitted, tokens = 0, 0
+        admitted: list[Request] = []
+        tokens = 0
         for req in self.waiting:
-            if admitted >= slots or tokens >= budget:
+            if len(admitted) >= slots or tokens >= budget:
                 break
             tokens += req.num_tokens - req.num_computed
-            admitted += 1
-        if admitted and tokens + k * admitted <= budget:
-            out += list(self.waiting)[:admitted]
+            admitted.append(req)
+        greedy = [r for r in admitted if r.params.greedy]
+        if greedy and tokens + k * len(greedy) <= budget:
+            out += greedy
         return out
 
     def schedule(self, drafts: Optional[dict[int, Sequence[int]]] = None) -> list[ScheduledChunk]:

@@ -3,6 +3,7 @@ rejected drafts, and EOS / max_tokens inside an accepted run."""
 
 from framework.engine.block_manager import BlockManager
 from framework.engine.request import Request
+from framework.engine.sampling_params import SamplingParams
 from framework.engine.scheduler import Scheduler
 
 BS = 4
@@ -125,3 +126,7 @@ def test_draft_candidates_respect_slots_and_budget():
     assert s.draft_candidates(4) == [r]  # 16 + 3 x 4 > 32 - (1 + 4): none of them
     s.max_num_seqs = 2  # one admission: 5 + 4 fits
     assert s.draft_candidates(4) == [r, waiting[0]]
+    # A sampling request drafts from its first decode step on (batch-independent draws).
+    s, r, _ = setup(budget=32)
+    s.add(Request(9, [1, 2], 8, params=SamplingParams(temperature=0.8)))
+    assert s.draft_candidates(4) == [r]
