@@ -217,7 +217,7 @@ class Scheduler:
             evictable_hits = sum(self.allocator.ref_count(b) == 0 for b in hits)
             if need > self.allocator.num_free - evictable_hits:
                 break  # admission control: wait until its next chunk's blocks are free
-            spec: tuple[int, ...] = ()
+            spec = ()
             d = drafts.get(req.req_id) if drafts else None
             if d and start + n == req.num_tokens:  # the chunk ends the prompt: drafts follow
                 room = min(budget - n, req.max_new_tokens - len(req.output) - 1)

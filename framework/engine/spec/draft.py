@@ -21,8 +21,10 @@ that were accepted since) and then ``k - 1`` single-token steps, each feeding ba
 token just sampled.  Those steps are one tight loop: their KV blocks are reserved up front,
 the inputs are staged once and advanced in place between the forwards
 (``ModelRunner.advance``), the next token is picked on the device (an argmax for greedy
-requests, no sampler), and the tokens come back to the host once, at the end.  Per request the draft keeps the token ids its KV covers and, on every
-call, keeps only their common prefix with ``req.all_tokens()`` (the rollback contract of
+requests, no sampler), and the tokens come back to the host once, at the end.
+
+Per request the draft keeps the token ids its KV covers and, on every call, keeps only their
+common prefix with ``req.all_tokens()`` (the rollback contract of
 ``framework.engine.spec.proposer``): rejected drafts are simply recomputed over.
 
 Greedy requests draft by argmax.  Sampling requests draft from the draft's own distribution q
@@ -525,10 +527,12 @@ class DraftModelProposer:
             dev = runner.device
             seeds = torch.tensor([s.req.seed for s in step], device=dev)
             steps = torch.tensor([len(s.req.output) for s in step], device=dev)
-        tokens, maxima, probs = [], [], []
+        tokens: list[torch.Tensor] = []
+        maxima: list[torch.Tensor] = []
+        probs: list[Optional[torch.Tensor]] = []
         for j in range(num_steps):
             if j:
-                ctx = runner.advance(ctx, tok)
+                ctx = runner.advance(ctx, tokens[-1])
                 if steps is not None:
                     steps = steps + 1
             with set_forward_context(ctx):

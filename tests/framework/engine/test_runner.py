@@ -139,7 +139,9 @@ def test_advance_matches_a_freshly_built_step():
         a.output.append(nxt[0]), b.output.append(nxt[1])
         fresh: list = []
         f = _runner(fresh, pad_to=4)
-        fctx, _, _ = f.build_context([ScheduledChunk(a, 3 + step, 1), ScheduledChunk(b, 2 + step, 1)])
+        fctx, _, _ = f.build_context(
+            [ScheduledChunk(a, 3 + step, 1), ScheduledChunk(b, 2 + step, 1)]
+        )
         with set_forward_context(fctx):
             f.forward(*f.inputs_of(fctx))
         assert got == fresh[-1], step
