@@ -294,22 +294,29 @@ class ModelRunner:
             )
         h = self._np
         bs = self.block_size
-        pos = h["positions"][:n] + 1
-        blocks = h["block_table"][np.arange(n), pos // bs]
-        if (blocks == NULL_BLOCK).any():
-            raise ValueError(
-                "ModelRunner.advance: a request's next position has no KV block in its "
-                "block-table row (reserve the blocks before advancing)"
-            )
+        # A single-token request's context length is its position + 1: the new position.
+        # Plain ints, as in the staging of a decode step (cheaper than array ops at these
+        # sizes); each row's block list is the one the row was written from.
+        pos = md.seq_lens_cpu[:n]
+        slots = []
+        for i, p in enumerate(pos):
+            blocks, written = self._rows[i]  # type: ignore[misc]  # rows 0..n-1 are staged
+            if p // bs >= written:
+                raise ValueError(
+                    f"ModelRunner.advance: request row {i} has no KV block for position {p} "
+                    f"(reserve the blocks before advancing)"
+                )
+            slots.append(blocks[p // bs] * bs + p % bs)
+        seq_lens = [p + 1 for p in pos]
         h["positions"][:n] = pos
-        h["seq_lens"][:n] += 1
-        h["slot_mapping"][:n] = blocks * bs + pos % bs
+        h["slot_mapping"][:n] = slots
+        h["seq_lens"][:n] = seq_lens
         self.input_ids[:n].copy_(next_ids)
         if not self._shared:
             for name in ("positions", "slot_mapping"):
                 getattr(self, name)[:n].copy_(torch.from_numpy(h[name][:n]))
             self.seq_lens[:n].copy_(torch.from_numpy(h["seq_lens"][:n]))
-        seq_lens = [s + 1 for s in md.seq_lens_cpu[:n]] + md.seq_lens_cpu[n:]
+        seq_lens = seq_lens + md.seq_lens_cpu[n:]
         md = AttentionMetadata(
             backend=md.backend,
             num_actual_tokens=n,
