@@ -564,14 +564,27 @@ class DraftModelProposer:
     def _run(self, chunks: list[ScheduledChunk], owners: list[_DraftSeq]) -> None:
         """One draft forward over ``chunks`` (``owners[i]`` owns chunk i); appends the
         sampled drafts (and their q) to their requests."""
-        sampled, _ = self.worker.execute(chunks, record=False)
+        runner = self.runner
+        # The runner's staging and checked forward, without its step bookkeeping: logits of
+        # the sampling rows only, drawn by the draft's sampler.
+        ctx, _, _ = runner.build_context(chunks, record=False)
+        with set_forward_context(ctx):
+            hidden = runner.forward(*runner.inputs_of(ctx))
+        qsl = ctx.attn_metadata[runner.layer_names[0]].query_start_loc_cpu
+        rows = [qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
+        sampled: list[Optional[int]] = []
+        if rows:
+            logits = runner.model.compute_logits(hidden[rows])
+            sampled, _ = self.sampler(logits, [c.req for c in chunks if c.samples])
         self._stats["draft_forward_steps"] += 1
         probs = self.sampler.last_probs
         row = 0
-        for c, s, tok in zip(chunks, owners, sampled):
+        it = iter(sampled)
+        for c, s in zip(chunks, owners):
             c.req.num_computed = c.end
             if not c.samples:
                 continue
+            tok = next(it)
             if probs is not None:
                 s.probs.append(probs[row])
             row += 1
