@@ -158,7 +158,9 @@ class EngineCore:
         """One engine step (the lock is held): schedule, execute, apply the tokens."""
         try:
             spec = self.spec
-            drafts = spec.propose(self.scheduler.running) if spec is not None else None
+            drafts = None
+            if spec is not None:
+                drafts = spec.propose(self.scheduler.draft_candidates(spec.k))
             chunks = self.scheduler.schedule(drafts)
             if not chunks:
                 raise RuntimeError("scheduler produced an empty step with work queued")

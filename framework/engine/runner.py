@@ -138,8 +138,7 @@ class ModelRunner:
                 pos_np[n : n + k] = p
                 prompt = req.prompt
                 if c.spec:  # a verify chunk: known tokens, then the drafts after them
-                    known = [req.token_at(i) for i in range(c.start, req.num_tokens)]
-                    ids_np[n : n + k] = known + list(c.spec)
+                    ids_np[n : n + k] = req.all_tokens()[c.start : req.num_tokens] + list(c.spec)
                 else:
                     ids_np[n : n + k] = (
                         prompt[c.start : c.end]
@@ -270,6 +269,75 @@ class ModelRunner:
                 }
             )
         return ctx, n, n_pad
+
+    def inputs_of(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (padded) token-id and position buffers a context built by
+        :meth:`build_context` runs over."""
+        num_reqs = ctx.attn_metadata[self.layer_names[0]].num_reqs
+        return self._views_for(ctx.batch_descriptor.num_tokens, num_reqs)[:2]
+
+    def advance(self, ctx: ForwardContext, next_ids: torch.Tensor) -> ForwardContext:
+        """The context of the next step of a single-token batch (every request has one query
+        token): each request's position moves one on and its token id becomes
+        ``next_ids[i]`` (a tensor on the runner's device: no host sync).  The padding, the
+        dispatcher's choice and the block-table rows are kept, so every request's KV blocks
+        must already hold the new position (a draft model reserves them before its steps).
+
+        A new metadata object is returned (backends cache per-step data on it); the host
+        arrays are updated in place, which is why only the latest context may run."""
+        md: AttentionMetadata = ctx.attn_metadata[self.layer_names[0]]
+        n = md.num_actual_tokens
+        if md.max_query_len != 1 or md.query_start_loc_cpu[-1] != n:
+            raise ValueError(
+                f"ModelRunner.advance: the context is not a single-token batch "
+                f"(max_query_len={md.max_query_len}, {n} tokens)"
+            )
+        h = self._np
+        bs = self.block_size
+        # A single-token request's context length is its position + 1: the new position.
+        # Plain ints, as in the staging of a decode step (cheaper than array ops at these
+        # sizes); each row's block list is the one the row was written from.
+        pos = md.seq_lens_cpu[:n]
+        slots = []
+        for i, p in enumerate(pos):
+            blocks, written = self._rows[i]  # type: ignore[misc]  # rows 0..n-1 are staged
+            if p // bs >= written:
+                raise ValueError(
+                    f"ModelRunner.advance: request row {i} has no KV block for position {p} "
+                    f"(reserve the blocks before advancing)"
+                )
+            slots.append(blocks[p // bs] * bs + p % bs)
+        seq_lens = [p + 1 for p in pos]
+        h["positions"][:n] = pos
+        h["slot_mapping"][:n] = slots
+        h["seq_lens"][:n] = seq_lens
+        self.input_ids[:n].copy_(next_ids)
+        if not self._shared:
+            for name in ("positions", "slot_mapping"):
+                getattr(self, name)[:n].copy_(torch.from_numpy(h[name][:n]))
+            self.seq_lens[:n].copy_(torch.from_numpy(h["seq_lens"][:n]))
+        seq_lens = seq_lens + md.seq_lens_cpu[n:]
+        md = AttentionMetadata(
+            backend=md.backend,
+            num_actual_tokens=n,
+            num_reqs=md.num_reqs,
+            max_query_len=1,
+            max_seq_len=md.max_seq_len + 1,
+            query_start_loc=md.query_start_loc,
+            seq_lens=md.seq_lens,
+            block_table=md.block_table,
+            slot_mapping=md.slot_mapping,
+            query_start_loc_cpu=md.query_start_loc_cpu,
+            seq_lens_cpu=seq_lens,
+        )
+        return ForwardContext(
+            attn_metadata=dict.fromkeys(self.layer_names, md),
+            kv_caches=ctx.kv_caches,
+            slot_mapping=ctx.slot_mapping,
+            cudagraph_runtime_mode=ctx.cudagraph_runtime_mode,
+            batch_descriptor=ctx.batch_descriptor,
+            padding_mask=ctx.padding_mask,
+        )
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()

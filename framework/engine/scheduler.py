@@ -143,11 +143,40 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ schedule
+    def draft_candidates(self, k: int = 0) -> list[Request]:
+        """The requests that may verify drafts in the next step (speculative decoding, up to
+        ``k`` drafts each): the running ones that decode (one new token), then the greedy
+        waiting ones the step would admit, but only when every admission fits whole, with
+        ``k`` drafts for each greedy one, into the token budget left (so drafts never split a
+        prompt or push an admission to a later step).  Their drafts follow the prompt and are
+        verified in the prefill chunk itself: the first new tokens need no decode step of
+        their own.  Sampling requests draft from their first decode step on, so whether a
+        step had room for prefill drafts (which depends on the batch) never changes a seeded
+        request's draws.  KV is not checked here: :meth:`schedule` drops drafts that find no
+        blocks, and never delays an admission for them."""
+        out = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        budget = self.max_num_tokens - sum(r.num_tokens - r.num_computed for r in self.running)
+        budget -= k * len(out)
+        slots = self.max_num_seqs - len(self.running)
+        admitted: list[Request] = []
+        tokens = 0
+        for req in self.waiting:
+            if len(admitted) >= slots or tokens >= budget:
+                break
+            tokens += req.num_tokens - req.num_computed
+            admitted.append(req)
+        greedy = [r for r in admitted if r.params.greedy]
+        if greedy and tokens + k * len(greedy) <= budget:
+            out += greedy
+        return out
+
     def schedule(self, drafts: Optional[dict[int, Sequence[int]]] = None) -> list[ScheduledChunk]:
         """The step's chunks.  ``drafts``: speculative decoding's draft tokens per request
         id; a decoding request with drafts gets a verify chunk of its last token plus as many
         drafts as the token budget, its ``max_tokens`` and the free KV blocks allow (drafts
-        are dropped before anyone is preempted for them)."""
+        are dropped before anyone is preempted for them); an admitted request whose chunk
+        ends its prompt gets its drafts after the prompt the same way (dropped before its
+        admission would wait for them)."""
         budget = self.max_num_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
@@ -188,6 +217,14 @@ class Scheduler:
             evictable_hits = sum(self.allocator.ref_count(b) == 0 for b in hits)
             if need > self.allocator.num_free - evictable_hits:
                 break  # admission control: wait until its next chunk's blocks are free
+            spec = ()
+            d = drafts.get(req.req_id) if drafts else None
+            if d and start + n == req.num_tokens:  # the chunk ends the prompt: drafts follow
+                room = min(budget - n, req.max_new_tokens - len(req.output) - 1)
+                spec = tuple(int(t) for t in d[: max(room, 0)])
+                more = -(-(start + n + len(spec)) // self.block_size) - len(hits)
+                if spec and more > self.allocator.num_free - evictable_hits:
+                    spec = ()  # no blocks for the drafts: a plain prefill
             self.waiting.popleft()
             self.running.append(req)  # first: recover() finds it whatever raises next
             if self.prefix_caching:
@@ -197,8 +234,9 @@ class Scheduler:
             req.block_ids = list(hits)
             req.num_cached_blocks = len(hits)
             req.num_computed = start
+            n += len(spec)
             self._reserve(req, start + n)
-            chunks.append(ScheduledChunk(req, start, n))
+            chunks.append(ScheduledChunk(req, start, n, spec))
             budget -= n
         return chunks
 

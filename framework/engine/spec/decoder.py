@@ -1,7 +1,8 @@
 """The engine side of speculative decoding: drafts per step, what requests may ask, stats.
 
 :class:`SpecDecoder` sits in the engine core (``framework.engine.core``).  Each step it asks
-the proposer for drafts for the running requests that are decoding, hands them to the
+the proposer for drafts for the requests that decode (or whose prefill ends their prompt, so
+even the first tokens are verified drafts), hands them to the
 scheduler (which turns each into a verify chunk of ``1 + len(drafts)`` query tokens), attaches
 the draft probabilities to the chunks, and after the step records what was accepted.
 """
@@ -66,15 +67,16 @@ class SpecDecoder:
         self.proposer.release(req_id)
 
     # ------------------------------------------------------------------ per step
-    def propose(self, running: Sequence[Request]) -> dict[int, list[int]]:
-        """Drafts (by request id) for the running requests that decode this step: their
-        prompt is computed, and at least two tokens are still to come (one token needs no
-        draft)."""
+    def propose(self, candidates: Sequence[Request]) -> dict[int, list[int]]:
+        """Drafts (by request id) for the requests that may verify drafts this step
+        (``Scheduler.draft_candidates``: running ones decoding one new token, waiting ones
+        whose prefill will end their prompt) that still take at least two tokens (one token
+        needs no draft)."""
         reqs = [
             r
-            for r in running
+            for r in candidates
             if not r.finished
-            and r.num_tokens - r.num_computed == 1
+            and (r.num_tokens - r.num_computed == 1 or r.num_computed == 0)
             and r.max_new_tokens - len(r.output) >= 2
         ]
         self._probs.clear()

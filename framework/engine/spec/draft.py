@@ -18,8 +18,13 @@ compiled forward, KV cache, block manager, CUDA-graph set-up, runner), so it own
 One :meth:`DraftModelProposer.propose` runs, for the whole batch, a *catch-up* step over the
 tokens the draft has no KV for (the prompt on first sight; after a verify the one or two tokens
 that were accepted since) and then ``k - 1`` single-token steps, each feeding back the draft
-token just sampled.  Per request the draft keeps the token ids its KV covers and, on every
-call, keeps only their common prefix with ``req.all_tokens()`` (the rollback contract of
+token just sampled.  Those steps are one tight loop: their KV blocks are reserved up front,
+the inputs are staged once and advanced in place between the forwards
+(``ModelRunner.advance``), the next token is picked on the device (an argmax for greedy
+requests, no sampler), and the tokens come back to the host once, at the end.
+
+Per request the draft keeps the token ids its KV covers and, on every call, keeps only their
+common prefix with ``req.all_tokens()`` (the rollback contract of
 ``framework.engine.spec.proposer``): rejected drafts are simply recomputed over.
 
 Greedy requests draft by argmax.  Sampling requests draft from the draft's own distribution q
@@ -46,6 +51,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from framework.core.config import CompilationConfig, default_capture_sizes
+from framework.core.forward_context import set_forward_context
+from framework.core.parallel_state import tp_state
 from framework.engine.block_manager import OutOfBlocks
 from framework.engine.request import Request, ScheduledChunk
 from framework.engine.sampler import apply_min_p, apply_top_k, apply_top_p, uniform_noise
@@ -211,29 +218,48 @@ class DraftSampler:
     """The draft runner's sampler: ``(logits, reqs) -> (tokens, None)``; keeps, for the
     sampling (non-greedy) rows, the distribution q each token was drawn from in
     :attr:`last_probs` (``[rows, vocab]`` float32, None when every row is greedy).  A row whose
-    logits are not finite gets ``None`` (the request drafts no further) and fails nothing."""
+    logits are not finite gets ``None`` (the request drafts no further) and fails nothing.
+
+    :meth:`pick` is the same rule on tensors (no host sync), for the draft's step loop."""
 
     def __init__(self) -> None:
         self.last_probs: Optional[torch.Tensor] = None
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]):
-        x = logits.float()
         params = [r.params for r in reqs]
-        self.last_probs = None
-        values, argmax = x.max(dim=-1)
-        tokens: list[Optional[int]] = argmax.tolist()
-        if not all(p.greedy for p in params):
-            probs = self._distribution(x, params)
-            seeds = torch.tensor([r.seed for r in reqs], device=x.device)
-            steps = torch.tensor([len(r.output) for r in reqs], device=x.device)
-            noise = uniform_noise(seeds, steps, x.shape[-1])
-            drawn = (probs / -noise.log()).argmax(dim=-1).tolist()
-            tokens = [t if p.greedy else d for t, d, p in zip(tokens, drawn, params)]
-            self.last_probs = probs
+        greedy = all(p.greedy for p in params)
+        seeds = steps = None
+        if not greedy:
+            seeds = torch.tensor([r.seed for r in reqs], device=logits.device)
+            steps = torch.tensor([len(r.output) for r in reqs], device=logits.device)
+        tok, values, self.last_probs = self.pick(logits, params, greedy, seeds, steps)
+        tokens: list[Optional[int]] = tok.tolist()
         for i, v in enumerate(values.tolist()):
             if not math.isfinite(v):
                 tokens[i] = None
         return tokens, None
+
+    def pick(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[Any],
+        greedy: bool,
+        seeds: Optional[torch.Tensor],
+        steps: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``(tokens, row maxima, q)`` for ``logits`` ``[rows, vocab]``: the argmax for greedy
+        rows, a draw from q (noise keyed by ``seeds`` and the output index ``steps``) for
+        the others; q is None when ``greedy`` (every row greedy).  A row whose maximum is not
+        finite must be dropped by the caller."""
+        x = logits.float()  # an fp32 max is exact for bf16 values and faster than bf16's
+        values, argmax = x.max(dim=-1)
+        if greedy:
+            return argmax, values, None
+        probs = self._distribution(x, params)
+        noise = uniform_noise(seeds, steps, x.shape[-1])
+        drawn = (probs / -noise.log()).argmax(dim=-1)
+        mask = torch.tensor([p.greedy for p in params], device=x.device)
+        return torch.where(mask, argmax, drawn), values, probs
 
     @staticmethod
     def _distribution(x: torch.Tensor, params) -> torch.Tensor:
@@ -331,7 +357,9 @@ class DraftModelProposer:
         self.sampler = DraftSampler()
         self.runner.sampler = self.sampler
         self.input_spec = input_spec_of(self.worker, self.model_dir)
-        self.runner.forward = CheckedForward(self.runner.forward, self.input_spec)
+        self._forward = self.runner.forward
+        """The unchecked forward: the step loop checks its input buffers once per call."""
+        self.runner.forward = CheckedForward(self._forward, self.input_spec)
         self.max_num_tokens = self.runner.max_num_tokens
         self._seqs: dict[int, _DraftSeq] = {}
         self._calls = 0
@@ -354,13 +382,13 @@ class DraftModelProposer:
         seqs: list[Optional[_DraftSeq]] = [self._sync(r, active) for r in reqs]
         live = [s for s in seqs if s is not None and s.budget > 0]
         if live:
-            with torch.inference_mode():
+            with torch.inference_mode(), tp_state(self.worker.tp):
                 self._catch_up(live)
-                for _ in range(self.num_speculative_tokens - 1):
+                while True:
                     step = [s for s in live if not s.done and len(s.drafts) < s.budget]
                     if not step:
                         break
-                    self._decode(step)
+                    self._decode(step, min(s.budget - len(s.drafts) for s in step))
         out = [list(s.drafts) if s is not None else [] for s in seqs]
         probs: list[Optional[torch.Tensor]] = []
         for r, s in zip(reqs, seqs):
@@ -477,21 +505,86 @@ class DraftModelProposer:
             self._run(chunks, owners)
             pending = [item for item in pending if item[1] < item[2]]
 
-    def _decode(self, step: list[_DraftSeq]) -> None:
-        """One single-token step: each request feeds back its last draft."""
-        self._run([ScheduledChunk(s.req, s.req.num_tokens - 1, 1) for s in step], step)
+    def _decode(self, step: list[_DraftSeq], num_steps: int) -> None:
+        """``num_steps`` single-token steps of the same requests: the first feeds back each
+        request's last draft, every later one the token the step before drew, with the
+        inputs advanced in place (:meth:`ModelRunner.advance`) and the tokens kept on the
+        device until the end (one host sync per call).  The requests' KV blocks for every
+        position were reserved by :meth:`_sync`; a request that drew its EOS or stop token
+        (or a non-finite row) keeps the drafts up to there, its later steps are discarded."""
+        runner = self.runner
+        chunks = [ScheduledChunk(s.req, s.req.num_tokens - 1, 1) for s in step]
+        starts = [c.start for c in chunks]
+        ctx, n, _ = runner.build_context(chunks, record=False)
+        ids, positions = runner.inputs_of(ctx)
+        self.input_spec.check(ids, positions)  # the same buffers feed every step below
+        forward = self._forward
+        logits_of = runner.model.compute_logits
+        params = [s.req.params for s in step]
+        greedy = all(p.greedy for p in params)
+        seeds = steps = None
+        if not greedy:
+            dev = runner.device
+            seeds = torch.tensor([s.req.seed for s in step], device=dev)
+            steps = torch.tensor([len(s.req.output) for s in step], device=dev)
+        tokens: list[torch.Tensor] = []
+        maxima: list[torch.Tensor] = []
+        probs: list[Optional[torch.Tensor]] = []
+        for j in range(num_steps):
+            if j:
+                ctx = runner.advance(ctx, tokens[-1])
+                if steps is not None:
+                    steps = steps + 1
+            with set_forward_context(ctx):
+                hidden = forward(ids, positions)
+            tok, top, q = self.sampler.pick(logits_of(hidden[:n]), params, greedy, seeds, steps)
+            tokens.append(tok)
+            maxima.append(top)
+            probs.append(q)
+        self._stats["draft_forward_steps"] += num_steps
+        got = torch.stack(tokens, dim=1).tolist()
+        finite = torch.stack(maxima, dim=1).isfinite().tolist()
+        for i, s in enumerate(step):
+            req = s.req
+            stop = req.eos_token_ids
+            for j in range(num_steps):
+                req.num_computed = starts[i] + j + 1
+                if probs[j] is not None:
+                    s.probs.append(probs[j][i])
+                if not finite[i][j]:  # non-finite draft logits: no further drafts
+                    s.done = True
+                    break
+                t = got[i][j]
+                s.drafts.append(t)
+                req.output.append(t)
+                if t in stop or t in req.params.stop_token_ids:
+                    s.done = True  # the target stops there: drafting past it is wasted
+                    break
 
     def _run(self, chunks: list[ScheduledChunk], owners: list[_DraftSeq]) -> None:
         """One draft forward over ``chunks`` (``owners[i]`` owns chunk i); appends the
         sampled drafts (and their q) to their requests."""
-        sampled, _ = self.worker.execute(chunks, record=False)
+        runner = self.runner
+        # The runner's staging and checked forward, without its step bookkeeping: logits of
+        # the sampling rows only, drawn by the draft's sampler.
+        ctx, _, _ = runner.build_context(chunks, record=False)
+        with set_forward_context(ctx):
+            hidden = runner.forward(*runner.inputs_of(ctx))
+        qsl = ctx.attn_metadata[runner.layer_names[0]].query_start_loc_cpu
+        rows = [qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
+        sampled: list[Optional[int]] = []
+        if rows:
+            logits = runner.model.compute_logits(hidden[rows])
+            sampled, _ = self.sampler(logits, [c.req for c in chunks if c.samples])
         self._stats["draft_forward_steps"] += 1
         probs = self.sampler.last_probs
         row = 0
-        for c, s, tok in zip(chunks, owners, sampled):
+        it = iter(sampled)
+        for c, s in zip(chunks, owners):
             c.req.num_computed = c.end
             if not c.samples:
                 continue
+            tok = next(it)
             if probs is not None:
                 s.probs.append(probs[row])
             row += 1

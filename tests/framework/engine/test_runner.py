@@ -3,9 +3,15 @@ table, padding) after steps whose requests grow, change rows and shrink; decode 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from framework.core.forward_context import BatchDescriptor, CUDAGraphMode, get_forward_context
+from framework.core.forward_context import (
+    BatchDescriptor,
+    CUDAGraphMode,
+    get_forward_context,
+    set_forward_context,
+)
 from framework.engine.kv_cache import NULL_BLOCK
 from framework.engine.request import Request, ScheduledChunk, single_token_batch, step_kind
 from framework.engine.runner import ModelRunner
@@ -112,3 +118,45 @@ def test_one_token_prompt_is_uniform_but_not_decode():
     assert single_token_batch(chunks) and not chunks[0].is_decode
     assert step_kind(chunks) == "prefill"
     assert ScheduledChunk(a, 1, 1).is_decode
+
+
+def test_advance_matches_a_freshly_built_step():
+    """``advance`` moves a single-token batch one position on in place (ids from a tensor,
+    positions, slots across a block boundary, seq_lens, padding kept): the forward sees what
+    a context built from scratch for the next step gives it."""
+    seen: list = []
+    r = _runner(seen, pad_to=4)
+    a = _req(0, [1, 2, 3], [5, 6])  # position 3 is the last of block 5; 4 is in block 6
+    b = _req(1, [4, 5], [7])
+    ctx, n, n_pad = r.build_context([ScheduledChunk(a, 2, 1), ScheduledChunk(b, 1, 1)])
+    assert (n, n_pad) == (2, 4)
+    ids, pos = r.inputs_of(ctx)
+    for step, nxt in enumerate(([9, 8], [3, 2])):
+        ctx = r.advance(ctx, torch.tensor(nxt))
+        with set_forward_context(ctx):
+            r.forward(ids, pos)
+        got = seen[-1]
+        a.output.append(nxt[0]), b.output.append(nxt[1])
+        fresh: list = []
+        f = _runner(fresh, pad_to=4)
+        fctx, _, _ = f.build_context(
+            [ScheduledChunk(a, 3 + step, 1), ScheduledChunk(b, 2 + step, 1)]
+        )
+        with set_forward_context(fctx):
+            f.forward(*f.inputs_of(fctx))
+        assert got == fresh[-1], step
+        md = ctx.attn_metadata["l0"]
+        assert md.seq_lens_cpu == [4 + step, 3 + step] and md.max_seq_len == 4 + step
+    assert got["slots"][:2] == [6 * BS + 0, 7 * BS + 3] and got["mask"] == [True] * 2 + [False] * 2
+
+
+def test_advance_refuses_multi_token_steps_and_missing_blocks():
+    r = _runner([])
+    a = _req(0, [1, 2, 3], [5])
+    ctx, _, _ = r.build_context([ScheduledChunk(a, 0, 3)])
+    with pytest.raises(ValueError, match="single-token"):
+        r.advance(ctx, torch.tensor([1]))
+    ctx, _, _ = r.build_context([ScheduledChunk(a, 2, 1)])
+    ctx = r.advance(ctx, torch.tensor([1]))  # position 3: still block 5
+    with pytest.raises(ValueError, match="no KV block"):
+        r.advance(ctx, torch.tensor([1]))  # position 4: no block reserved

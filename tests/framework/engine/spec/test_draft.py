@@ -121,6 +121,37 @@ def test_drafts_stop_at_the_request_budget(draft_dir, target, draft_reference):
     assert got[1] == []
 
 
+def test_step_loop_crosses_blocks_budgets_differ_and_stops_at_eos(
+    draft_dir, target, draft_reference
+):
+    """The draft's single-token steps run in one loop with the inputs advanced in place: a
+    request whose drafts cross a KV block, requests with smaller budgets in the same batch
+    (the loop runs in segments) and one that stops at its EOS draft all get the draft's own
+    greedy continuation, cut where the one-step-at-a-time rule cuts it."""
+    prompts = [list(range(20, 34)), list(range(40, 55)), PROMPTS[0], PROMPTS[1]]  # 14, 15, ...
+    cont = continuation(draft_reference, prompts, K)
+    reqs = [
+        Request(0, prompts[0], max_new_tokens=32),
+        Request(1, prompts[1], max_new_tokens=3),  # budget 2
+        Request(2, prompts[2], max_new_tokens=32, eos_token_ids=frozenset({cont[2][1]})),
+        Request(3, prompts[3], max_new_tokens=4),  # budget 3
+    ]
+    proposer = make_proposer(draft_dir, target)
+    got = proposer.propose(reqs)
+    eos_at = cont[2].index(cont[2][1])
+    assert got == [cont[0], cont[1][:2], cont[2][: eos_at + 1], cont[3][:3]]
+    # The next call continues from the accepted tokens (all drafts accepted + a correction).
+    for r, d in zip(reqs, got):
+        r.output = list(d) + [(d[-1] + 1) % 256]
+    again = continuation(draft_reference, [r.all_tokens() for r in reqs], K)
+    budgets = [K, 0, K, 0]  # 1 and 3 are at their max_tokens (no drafts: they finish)
+    got = proposer.propose(reqs)
+    assert got[0] == again[0][: budgets[0]] and got[1] == [] and got[3] == []
+    eos = reqs[2].eos_token_ids
+    cut = next((j + 1 for j, t in enumerate(again[2]) if t in eos), K)
+    assert got[2] == again[2][:cut]
+
+
 def test_catch_up_split_over_the_token_budget(draft_dir, target, draft_reference):
     """Catch-up chunks longer than the draft's token budget run over several steps."""
     proposer = make_proposer(

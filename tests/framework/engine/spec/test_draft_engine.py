@@ -80,7 +80,7 @@ def test_greedy_tokens_identical_O0(family, draft, tiny_checkpoint, random_draft
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_greedy_tokens_identical_O2(
     family, tiny_checkpoint, random_draft, compile_cache_dir, plain_tokens
 ):
@@ -129,3 +129,26 @@ def test_trained_addition_draft_acceptance():
     rate = llm.stats["spec_acceptance_rate"]
     print(f"addition draft: acceptance {rate:.3f} here, {recorded:.3f} in metrics.json (n=200)")
     assert rate >= 0.7 and recorded >= 0.7
+
+
+def test_first_tokens_verified_in_the_prefill_step():
+    """A prompt's drafts follow it in its prefill chunk, so with every draft accepted an
+    addition answer (4 digits and EOS) takes one target step instead of five; the tokens stay
+    the plain engine's."""
+    from experiments.synthetic_task import get_task
+
+    task = get_task("addition")
+    prompts, _ = task.split(task.sequences(task.held_out_keys(4, 1234)))
+    kw = dict(optimization_level=0, max_num_seqs=1, max_model_len=64)
+    plain = LLM(str(ADDITION), **kw)
+    llm = LLM(str(ADDITION), speculative_config=spec(str(ADDITION_DRAFT), 4), **kw)
+    n = task.answer_len + 1
+    one_step = 0
+    for p in prompts:
+        first = len(llm.runner.trace)
+        assert llm.generate([p], n) == plain.generate([p], n)
+        steps = llm.runner.trace[first:]
+        assert steps[0]["num_draft_tokens"] == 4 and steps[0]["num_tokens"] == len(p) + 4
+        one_step += len(steps) == 1  # all four accepted, plus the target's own fifth token
+    assert one_step >= len(prompts) - 1, llm.stats  # the draft agrees (acceptance ~1)
+    assert llm.stats["spec_mean_accepted_length"] >= 4.0

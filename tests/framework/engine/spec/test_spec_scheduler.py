@@ -3,6 +3,7 @@ rejected drafts, and EOS / max_tokens inside an accepted run."""
 
 from framework.engine.block_manager import BlockManager
 from framework.engine.request import Request
+from framework.engine.sampling_params import SamplingParams
 from framework.engine.scheduler import Scheduler
 
 BS = 4
@@ -76,3 +77,56 @@ def test_preemption_and_abort_release_the_proposer_state():
     assert released == [1] and other.num_computed == 0 and other.block_ids == []
     s.abort(0)
     assert released == [1, 0] and s.allocator.num_free == s.allocator.num_usable
+
+
+def test_drafts_verified_in_the_prefill_chunk():
+    """A request admitted with its whole prompt verifies its drafts in the prefill chunk: the
+    chunk is the prompt plus the drafts (cut to max_tokens and the blocks free), and the kept
+    tokens are its first new tokens; a prompt split over steps gets none."""
+    s = Scheduler(BlockManager(32, BS), block_size=BS, max_num_seqs=4, max_num_tokens=64,
+                  max_model_len=64)  # fmt: skip
+    r = Request(0, [1, 2, 3, 4, 5, 6], 4)
+    s.add(r)
+    assert s.draft_candidates() == [r]
+    (c,) = s.schedule({0: [7, 8, 9, 10]})
+    assert (c.start, c.num_tokens, c.spec, c.samples) == (0, 9, (7, 8, 9), True)
+    assert len(r.block_ids) == 3  # positions 0..8
+    s.update([c], [[7, 8, 42]])  # two drafts accepted, the third replaced
+    assert r.output == [7, 8, 42] and r.num_computed == 8 and len(r.block_ids) == 2
+    assert s.draft_candidates() == [r]  # it decodes next
+
+    # No free blocks for the drafts: a plain prefill, admitted all the same.
+    s = Scheduler(BlockManager(4, BS), block_size=BS, max_num_seqs=4, max_num_tokens=64,
+                  max_model_len=64)  # fmt: skip
+    r = Request(0, [1] * 8, 4)
+    s.add(r)
+    taken = s.allocator.allocate(1)  # 2 blocks left: the prompt's, none for drafts
+    (c,) = s.schedule({0: [7, 8, 9]})
+    assert c.spec == () and c.num_tokens == 8 and s.running == [r]
+    s.allocator.free(taken)
+
+    # The token budget splits the prompt: no drafts (and no candidate) until it ends.
+    s = Scheduler(BlockManager(32, BS), block_size=BS, max_num_seqs=4, max_num_tokens=4,
+                  max_model_len=64)  # fmt: skip
+    r = Request(0, [1, 2, 3, 4, 5, 6], 8)
+    s.add(r)
+    assert s.draft_candidates() == []
+    (c,) = s.schedule({0: [7, 8, 9]})
+    assert c.spec == () and c.num_tokens == 4
+
+
+def test_draft_candidates_respect_slots_and_budget():
+    """Waiting requests are candidates only when all the step would admit fit whole with k
+    drafts each (after the running ones' 1 + k)."""
+    s, r, _ = setup(budget=32)  # r decodes (1 token)
+    waiting = [Request(i, [1] * n, 8) for i, n in ((1, 5), (2, 9), (3, 2))]
+    for w in waiting:
+        s.add(w)
+    assert s.draft_candidates(3) == [r, *waiting]  # 16 + 3 x 3 <= 32 - (1 + 3)
+    assert s.draft_candidates(4) == [r]  # 16 + 3 x 4 > 32 - (1 + 4): none of them
+    s.max_num_seqs = 2  # one admission: 5 + 4 fits
+    assert s.draft_candidates(4) == [r, waiting[0]]
+    # A sampling request drafts from its first decode step on (batch-independent draws).
+    s, r, _ = setup(budget=32)
+    s.add(Request(9, [1, 2], 8, params=SamplingParams(temperature=0.8)))
+    assert s.draft_candidates(4) == [r]
