@@ -29,6 +29,7 @@ import torch
 from framework.core.config import CompilationConfig
 from framework.core.quantization import QuantizationConfig
 from models.loader import CheckpointError, NonFiniteWeightWarning, build_model, load_model
+from passes import native_ops
 from passes.ops_int8 import PackedInt8LinearMethod
 from passes.ops_prepack import PackedLinearMethod
 from passes.ops_prepack_moe import PackedExpertsMethod
@@ -244,6 +245,8 @@ def _restore(cache, got, model_dir, dtype, quantization, strict) -> Optional[Pre
         if strict:
             raise CheckpointError(message)
         warnings.warn(message, NonFiniteWeightWarning, stacklevel=3)
+    if meta["packed_layers"]:  # the packed ops' C++ kernels, as processing loads them
+        native_ops.load()
     qc = QuantizationConfig.parse(quantization) if quantization is not None else None
     layers = meta["quantized_layers"]
     quantized = (qc, qc.compute_hash(), layers) if qc is not None else (None, None, None)
