@@ -89,6 +89,11 @@ Source = Union[str, tuple[str, ...]]
 """The HF tensor(s) of one GGUF tensor: one name, or the per-expert names stacked in order."""
 
 
+def _n_experts(config: dict[str, Any]) -> int:
+    """Experts per MoE layer (``num_experts``; transformers 5 writes ``num_local_experts``)."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
 def _moe_layers(config: dict[str, Any]) -> list[int]:
     """The MoE layers of a Qwen3-MoE config (``mlp_only_layers``, ``decoder_sparse_step``)."""
     step = config.get("decoder_sparse_step", 1) or 1
@@ -96,7 +101,7 @@ def _moe_layers(config: dict[str, Any]) -> list[int]:
     return [
         i
         for i in range(config["num_hidden_layers"])
-        if config.get("num_experts", 0) > 0 and i not in dense and (i + 1) % step == 0
+        if _n_experts(config) > 0 and i not in dense and (i + 1) % step == 0
     ]
 
 
@@ -149,7 +154,7 @@ def tensor_plan(config: dict[str, Any], names: set[str]) -> list[tuple[str, Sour
             for g, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
                 stack = tuple(
                     f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
-                    for e in range(config["num_experts"])
+                    for e in range(_n_experts(config))
                 )
                 plan.append((f"blk.{i}.ffn_{g}_exps.weight", stack, ""))
     plan.append(("output_norm.weight", "model.norm.weight", ""))
@@ -246,7 +251,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str = "bf16") -> Pa
     if arch == "qwen3moe":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-        w.add_expert_count(config["num_experts"])
+        w.add_expert_count(_n_experts(config))
         w.add_expert_used_count(config["num_experts_per_tok"])
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     w.add_vocab_size(config["vocab_size"])

@@ -152,7 +152,7 @@ def test_moe_plan_stacks_the_experts_and_permutes_nothing(qwen3_moe_checkpoint):
     assert sorted(flat) == sorted(names)  # every checkpoint tensor, once
     g = {name: (src, perm) for name, src, perm in plan}
     assert all(perm == "" for _, perm in g.values())  # NeoX rope: nothing permuted
-    E = config["num_experts"]
+    E = gguf_writer._n_experts(config)
     for proj in ("gate", "up", "down"):
         src, _ = g[f"blk.1.ffn_{proj}_exps.weight"]
         assert src == tuple(f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight" for e in range(E))
@@ -177,7 +177,7 @@ def test_moe_file_reads_back_stacked_with_the_expert_keys(tmp_path, qwen3_moe_ch
     out = gguf_writer.write_gguf(qwen3_moe_checkpoint, tmp_path / "moe.gguf", "bf16")
     meta = gguf_writer.metadata(out)
     assert meta["general.architecture"] == "qwen3moe"
-    assert meta["qwen3moe.expert_count"] == config["num_experts"]
+    assert meta["qwen3moe.expert_count"] == gguf_writer._n_experts(config) == 6
     assert meta["qwen3moe.expert_used_count"] == config["num_experts_per_tok"]
     assert meta["qwen3moe.expert_feed_forward_length"] == config["moe_intermediate_size"]
     assert meta["qwen3moe.attention.key_length"] == config["head_dim"]
@@ -191,7 +191,7 @@ def test_moe_file_reads_back_stacked_with_the_expert_keys(tmp_path, qwen3_moe_ch
             ref = ckpt[src].to(torch.float32)
         else:
             ref = torch.stack([ckpt[hf] for hf in src]).to(torch.float32)
-            assert value.shape == (config["num_experts"], *ckpt[src[0]].shape), name
+            assert value.shape == (6, *ckpt[src[0]].shape), name
         assert value.shape == ref.shape, name
         if ref.dim() == 1 or name.endswith("ffn_gate_inp.weight"):
             assert ggml_type == Q.F32 and torch.equal(value, ref), name
@@ -221,17 +221,25 @@ def test_llamacpp_runs_the_moe_file_as_transformers_does(tmp_path, qwen3_moe_che
            "check_tokens": 4, "threads": 1}  # fmt: skip
     runner = LlamaCppRunner(job)
     try:
-        runner.generate([prompt], 1)
         import numpy as np
 
-        got = torch.from_numpy(
-            np.ctypeslib.as_array(runner.L.llama_get_logits(runner.ctx), shape=(1, runner.n_vocab))
-            .copy()
-        )[0]
+        runner.generate([prompt], 1)
+        logits = runner.L.llama_get_logits(runner.ctx)
+        got = torch.from_numpy(np.ctypeslib.as_array(logits, shape=(1, runner.n_vocab)).copy())[0]
+        cpp_tokens = runner.generate([prompt], 12)[0]
     finally:
         runner.close()
     assert got.shape == want.shape
-    # llama.cpp rounds activations to bf16 before its bf16 matmuls: close, not equal
+    # llama.cpp rounds activations to bf16 before its bf16 matmuls: close, not equal (0.5%
+    # of the largest logit here; 9% with the gate and up stacks swapped)
     scale = want.abs().max()
-    assert (got - want).abs().max() <= 0.03 * scale, (got - want).abs().max() / scale
+    assert (got - want).abs().max() <= 0.02 * scale, (got - want).abs().max() / scale
     assert int(got.argmax()) == int(want.argmax())
+    # and greedy tokens: transformers fp32 on the same bf16-rounded weights
+    ids, hf_tokens = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(12):
+            nxt = hf(ids).logits[0, -1].argmax()
+            hf_tokens.append(int(nxt))
+            ids = torch.cat([ids, nxt.view(1, 1)], 1)
+    assert cpp_tokens == hf_tokens
