@@ -124,6 +124,7 @@ def python_moe_body():
     lib = torch.library.Library("piecewise", "IMPL")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        warnings.filterwarnings("ignore", message=".*Warning only once for all operators")
         lib.impl("fused_moe_packed", fused_moe_packed_cpu, "CPU")
     try:
         yield
@@ -166,7 +167,11 @@ class LlamaCpp(Contender):
         r.prepare(len(prompts))
         r.L.llama_memory_clear(r.L.llama_get_memory(r.ctx), True)
         r._decode(
-            [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+            [
+                (t, pos, s, pos == len(p) - 1)
+                for s, p in enumerate(prompts)
+                for pos, t in enumerate(p)
+            ]
         )
         toks = r._argmax(len(prompts))
         out, times = [[t] for t in toks], []
@@ -455,7 +460,8 @@ def markdown(result: dict) -> str:
         lines += [
             "",
             f"torch.profiler, {name}, b1 decode, {prof['steps']} steps, {prof['layers']} layers "
-            f"(profiled step median {prof['profiled_step_ms_median']:.3f} ms); the 20 ops of most self time",
+            f"(profiled step median {prof['profiled_step_ms_median']:.3f} ms); the 20 ops of "
+            "most self time",
             "| op | calls / step | self us / step | total us / step | self us / layer |",
             "|---|---|---|---|---|",
         ]
