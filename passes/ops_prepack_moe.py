@@ -26,8 +26,12 @@ directly, no sort).  Per expert hit, gate-up and down each run
 * otherwise ``F.linear`` on that one expert's weight unpacked for the call (correct, slower:
   one expert's copy at a time, never the whole stack).
 
-Registration: :func:`framework.core.ops.define_op` with a CPU kernel only; functional (no
-mutation, the output never aliases an input); passes ``opcheck``.
+Registration: :func:`framework.core.ops.define_op`, the Python body below as the op's
+``CompositeExplicitAutograd`` kernel; :func:`passes.native_ops.load` (called by
+:meth:`PackedExpertsMethod.process`) adds the C++ CPU kernel (``csrc/fused_moe_packed.cpp``: a
+decode step's whole layer in one dispatcher call, bit-identical to the Python body; calls with a
+group above ``max_rows`` handed to the body's twin ``piecewise::fused_moe_packed_python``).
+Functional (no mutation, the output never aliases an input); passes ``opcheck``.
 """
 
 from __future__ import annotations
