@@ -13,16 +13,30 @@ rotating start; medians and p90s over every kept step (``experiments.bench_measu
 Active-weight floor of a b1 decode step: the bytes a step must read -- attention (qkv, o),
 norms, the router, only the top-k experts' gate-up and down of each MoE layer, the dense MLP
 layers, and the LM head (every weight but the embedding table and the experts not chosen) --
-divided by the best read bandwidth measured in the same run: the better of ``torch.sum`` over
-a 256 MB buffer (``experiments.bandwidth``, which under-measures on some machines, see
-PERF_NOTES.md) and the small-M kernel streaming a 256 MB bf16 weight at batch 1.  The floor
+divided by the best read bandwidth seen in the same run: the best of the native read probe
+(``experiments.bandwidth.floor_bandwidth``, as ``profile_step`` and ``bench_peers`` use), the
+small-M kernel streaming a 256 MB bf16 weight at batch 1, and every contender's own rate (its
+active bytes over its best b1 step).  ``torch.sum``'s rate is recorded, not used (it
+under-measures, PERF_NOTES.md).  The floor
 ignores caches: on a model this small part of the weights can stay in the last-level cache.
 The result also gives the floor of attention + router + top-k experts alone (without the LM
 head, which on this shape is two thirds of the active bytes).
 
 Kernel rows: one MoE layer's experts alone at 1, 8 and 2048 tokens -- the layer's own op
-(at O2 in bf16 ``piecewise::fused_moe_packed`` on the re-laid-out experts), the plain
+(at O2 in bf16 ``piecewise::fused_moe_packed`` on the re-laid-out experts: its C++ kernel
+where the op library is built), the same op's Python body on the same packed weights
+(``piecewise::fused_moe_packed_python``: the C++ kernel's "before"), the plain
 ``piecewise::fused_moe`` on the same weights unpacked, transformers' expert loop.
+
+Contender ``O2_python_moe``: the same compiled model with the MoE op's CPU kernel switched to
+its Python body for its steps (:func:`python_moe_body`): the step's "before", alternated with
+``O2`` in the same rounds.  ``--profile-steps N`` adds a torch.profiler table of ``O2``'s b1
+decode ops (per step and per layer, C++ and Python MoE kernel).
+
+Contender ``llamacpp_bf16`` (where llama-cpp-python and gguf are installed, the ``peers``
+extra): llama.cpp on a bf16 GGUF of the same checkpoint (``qwen3moe``,
+``experiments.gguf_writer``), one ``llama_decode`` per step for the batch; its greedy tokens
+are checked against transformers eager like every contender's (the agreement column).
 
 The result (``--out``) records the command and the load average at start and end: on a shared
 machine rerun it quietly before trusting absolute numbers.
@@ -31,24 +45,26 @@ machine rerun it quietly before trusting absolute numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 from typing import Optional
 
 import torch
 
-from experiments.bandwidth import measure_read_bandwidth
+from experiments.bandwidth import floor_bandwidth, measure_read_bandwidth
 from experiments.bench_measure import measure_latency
-from experiments.contenders import HFLoop, Piecewise, build_llm, load_hf
+from experiments.contenders import Contender, HFLoop, Piecewise, build_llm, load_hf
 from models.tiny import ensure_tiny_model
-from passes.ops_prepack_moe import PackedExpertsMethod
+from passes.ops_prepack_moe import PackedExpertsMethod, fused_moe_packed_cpu
 
 PRESET = "bench-qwen3_moe"
-CONTENDERS = ("hf_eager", "hf_compile", "O2")
+CONTENDERS = ("hf_eager", "hf_compile", "O2", "O2_python_moe", "llamacpp_bf16")
 
 
 def active_weight_bytes(llm) -> dict[str, int]:
@@ -100,6 +116,112 @@ def kernel_read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
     return n * k * 2 / statistics.median(times)
 
 
+@contextlib.contextmanager
+def python_moe_body():
+    """Within the block, ``piecewise::fused_moe_packed``'s CPU kernel is its Python body (the
+    op's implementation before the C++ kernel); on exit the registration is dropped and the
+    kernel registered before it (the C++ one, where built) runs again."""
+    lib = torch.library.Library("piecewise", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        warnings.filterwarnings("ignore", message=".*Warning only once for all operators")
+        lib.impl("fused_moe_packed", fused_moe_packed_cpu, "CPU")
+    try:
+        yield
+    finally:
+        del lib  # its finalizer deregisters the kernel
+
+
+class PiecewisePythonMoE(Piecewise):
+    """``O2`` with the MoE op's Python body (:func:`python_moe_body`) for its steps."""
+
+    def generate(self, prompts, steps):
+        with python_moe_body():
+            return super().generate(prompts, steps)
+
+
+class LlamaCpp(Contender):
+    """llama.cpp (llama-cpp-python's low-level API, :class:`experiments.peers.LlamaCppRunner`)
+    on a bf16 GGUF of the same checkpoint (:func:`experiments.gguf_writer.write_gguf`): one
+    context of ``max(batches)`` sequences, one ``llama_decode`` per step for all of them, greedy
+    argmax of the logits in numpy; a step is timed from the decode call to the tokens."""
+
+    def __init__(self, name: str, gguf: str, args: argparse.Namespace):
+        from experiments.peers import LlamaCppRunner
+
+        self.name = name
+        longest = args.steps + 2
+        self.runner = LlamaCppRunner(
+            {
+                "gguf": gguf,
+                "batches": sorted(args.batches),
+                "prompt_len": args.prompt_len,
+                "new_tokens": [longest],
+                "check_tokens": longest,
+                "threads": args.threads,
+            }
+        )
+
+    def generate(self, prompts, steps):
+        r = self.runner
+        r.prepare(len(prompts))
+        r.L.llama_memory_clear(r.L.llama_get_memory(r.ctx), True)
+        r._decode(
+            [
+                (t, pos, s, pos == len(p) - 1)
+                for s, p in enumerate(prompts)
+                for pos, t in enumerate(p)
+            ]
+        )
+        toks = r._argmax(len(prompts))
+        out, times = [[t] for t in toks], []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            r._decode([(t, len(prompts[s]) + step, s, True) for s, t in enumerate(toks)])
+            toks = r._argmax(len(prompts))
+            times.append(time.perf_counter() - t0)
+            for row, t in zip(out, toks):
+                row.append(t)
+        return out, times
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def profile_ops(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
+    """torch.profiler over ``steps`` decode steps of ``llm``: per op, calls and µs per step
+    (self time: the op's own host and kernel time, children excluded; and total: with
+    children), each with the per-layer share (``/ num_layers``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from experiments.bench_measure import make_prompts
+
+    prompts = make_prompts(batch, prompt_len, vocab)
+    llm.generate(prompts, max_new_tokens=3, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, max_new_tokens=steps + 1, ignore_eos=True)
+    decode = list(llm.runner.step_times["decode"])[-steps:]
+    layers = llm.model_config.num_layers
+    rows = []
+    for e in prof.key_averages():
+        rows.append(
+            {
+                "op": e.key,
+                "calls_per_step": e.count / steps,
+                "self_us_per_step": e.self_cpu_time_total / steps,
+                "total_us_per_step": e.cpu_time_total / steps,
+                "self_us_per_layer": e.self_cpu_time_total / steps / layers,
+            }
+        )
+    rows.sort(key=lambda r: -r["self_us_per_step"])
+    return {
+        "steps": steps,
+        "layers": layers,
+        "profiled_step_ms_median": statistics.median(decode) * 1e3 if decode else None,
+        "rows": rows,
+    }
+
+
 def _hf_expert_loop(x, weights, ids, w13, w2):
     """transformers 5's eager ``*MoeExperts.forward``: one-hot mask, per-expert where()."""
     out = torch.zeros_like(x)
@@ -117,9 +239,11 @@ def _hf_expert_loop(x, weights, ids, w13, w2):
 def measure_kernel(llm, token_counts: list[int], rounds: int) -> list[dict]:
     """The expert computation of one MoE layer alone, bf16, alternated, median of ``rounds``:
     the layer's own op (``fused_moe``: ``piecewise::fused_moe_packed`` on the re-laid-out
-    experts where the engine packed them), ``piecewise::fused_moe`` on plain stacked
-    weights (``F.linear`` per expert) and transformers' expert loop; the largest count is a
-    b32 x 64-token prefill."""
+    experts where the engine packed them), that op's Python body on the same packed weights
+    (``fused_moe_python``; whether the two agree bit for bit is recorded),
+    ``piecewise::fused_moe`` on plain stacked weights (``F.linear`` per expert) and
+    transformers' expert loop; a sample is the mean of 20 calls (one at the largest count, a
+    b32 x 64-token prefill)."""
     block = next(m for m in llm.model.modules() if hasattr(m, "experts"))
     experts = block.experts
     method = experts.moe_method
@@ -138,6 +262,23 @@ def measure_kernel(llm, token_counts: list[int], rounds: int) -> list[dict]:
         weights = (weights / weights.sum(-1, keepdim=True)).to(w13.dtype)
         fns = {
             "fused_moe": lambda: experts(x, weights, ids),
+            **(
+                {
+                    "fused_moe_python": lambda: torch.ops.piecewise.fused_moe_packed_python(
+                        x,
+                        weights,
+                        ids,
+                        experts.w13,
+                        experts.w2,
+                        experts.w13_md,
+                        experts.w2_md,
+                        method.intermediate_size,
+                        method.max_rows,
+                    )
+                }
+                if isinstance(method, PackedExpertsMethod)
+                else {}
+            ),
             "fused_moe_plain": lambda: torch.ops.piecewise.fused_moe(x, weights, ids, w13, w2),
             "hf_expert_loop": lambda: _hf_expert_loop(x, weights, ids, w13, w2),
         }
@@ -145,13 +286,22 @@ def measure_kernel(llm, token_counts: list[int], rounds: int) -> list[dict]:
         for f in fns.values():
             f()
         names = list(fns)
+        reps = 20 if t <= 64 else 1  # per sample: a mean over this many calls
         for r in range(rounds):
-            for name in names[r % 3 :] + names[: r % 3]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                fn = fns[name]
                 t0 = time.perf_counter()
-                fns[name]()
-                times[name].append((time.perf_counter() - t0) * 1e3)
+                for _ in range(reps):
+                    fn()
+                times[name].append((time.perf_counter() - t0) * 1e3 / reps)
         med = {n: statistics.median(v) for n, v in times.items()}
-        rows.append({"tokens": t, "method": repr(method), **{f"{n}_ms": v for n, v in med.items()}})
+        row = {"tokens": t, "method": repr(method), "calls_per_sample": reps}
+        row.update({f"{n}_ms": v for n, v in med.items()})
+        if "fused_moe_python" in fns:  # the C++ kernel against its Python body, bit for bit
+            row["op_equals_python_body"] = bool(
+                torch.equal(fns["fused_moe"](), fns["fused_moe_python"]())
+            )
+        rows.append(row)
     return rows
 
 
@@ -167,18 +317,36 @@ def run(args: argparse.Namespace) -> dict:
         "hf_eager": lambda: HFLoop("hf_eager", hf, hf),
         "hf_compile": lambda: HFLoop("hf_compile", hf, torch.compile(hf, dynamic=True)),
         "O2": lambda: Piecewise("O2", llm),
+        "O2_python_moe": lambda: PiecewisePythonMoE("O2_python_moe", llm),
     }
-    contenders = [make[name]() for name in args.contenders]
+    if "llamacpp_bf16" in args.contenders:
+        make["llamacpp_bf16"] = lambda: LlamaCpp("llamacpp_bf16", llamacpp_gguf(path, cache), args)
+    contenders = [make[name]() for name in args.contenders if llamacpp_ready(name)]
     kernel_rows = measure_kernel(llm, [1, 8, 32 * 64], max(5, args.rounds))
     rows = []
     for batch in args.batches:
         rows += measure_latency(contenders, "bfloat16", batch, args, vocab, print)
+    for c in contenders:
+        close = getattr(c, "close", None)
+        if close is not None:
+            close()
+    profiles = {}
+    if args.profile_steps:
+        profiles["O2"] = profile_ops(llm, 1, args.prompt_len, args.profile_steps, vocab)
+        with python_moe_body():
+            profiles["O2_python_moe"] = profile_ops(
+                llm, 1, args.prompt_len, args.profile_steps, vocab
+            )
+    weights = active_weight_bytes(llm)
+    native, probe = floor_bandwidth()
     probes = {
-        "torch_sum": max(measure_read_bandwidth() for _ in range(3)),
+        "native_read_probe": native,
         "small_m_kernel": max(kernel_read_bandwidth() for _ in range(3)),
     }
+    for r in rows:  # every contender's own rate over the same active bytes, at its best b1 step
+        if r["batch"] == 1 and r["min_ms"] > 0:
+            probes[f"contender {r['contender']}"] = weights["total"] / (r["min_ms"] / 1e3)
     bandwidth = max(probes.values())
-    weights = active_weight_bytes(llm)
     o2_b1 = [r for r in rows if r["contender"] == "O2" and r["batch"] == 1]
     floor_ms = weights["total"] / bandwidth * 1e3
     core = weights["attention"] + weights["router"] + weights["top_k_experts"]
@@ -188,11 +356,16 @@ def run(args: argparse.Namespace) -> dict:
         "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
         "kernel_rows": kernel_rows,
         "bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_source": max(probes, key=probes.get),
         "bandwidth_probes_gb_s": {k: v / 1e9 for k, v in probes.items()},
+        "native_probe": {k: v for k, v in probe.items() if k != "rows"},
+        "torch_sum_gb_s_not_used": measure_read_bandwidth() / 1e9,
         "packed_expert_layers": sum(
             isinstance(getattr(m, "moe_method", None), PackedExpertsMethod)
             for m in llm.model.modules()
         ),
+        "moe_kernel": torch_ops_kernel(),
+        "profiles": profiles,
         "load_average": {"start": load_start, "end": list(os.getloadavg())},
         "command": "python -m experiments.bench_moe " + " ".join(args.argv),
         "active_weight_bytes": weights,
@@ -202,6 +375,33 @@ def run(args: argparse.Namespace) -> dict:
         "o2_b1_min_over_floor": (o2_b1[0]["min_ms"] / floor_ms) if o2_b1 else None,
     }
     return result
+
+
+def llamacpp_ready(name: str) -> bool:
+    """False (with a note) for the llama.cpp contender where llama-cpp-python or gguf is
+    missing; True for every other contender."""
+    if name != "llamacpp_bf16":
+        return True
+    import importlib.util
+
+    missing = [m for m in ("llama_cpp", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"llamacpp_bf16 skipped: {missing} not installed (pip install -e .[peers])")
+    return not missing
+
+
+def llamacpp_gguf(model_dir: str, work: str) -> str:
+    """A bf16 GGUF of ``model_dir`` for llama.cpp, written under ``work``."""
+    from experiments.gguf_writer import write_gguf
+
+    return str(write_gguf(model_dir, os.path.join(work, "model-bf16.gguf"), "bf16"))
+
+
+def torch_ops_kernel() -> str:
+    """Which CPU kernel ``piecewise::fused_moe_packed`` runs here."""
+    from passes import native_ops
+
+    return f"C++ ({native_ops.isa()})" if native_ops.loaded() else "Python body"
 
 
 def markdown(result: dict) -> str:
@@ -222,14 +422,17 @@ def markdown(result: dict) -> str:
             )
     lines += [
         "",
-        "| tokens | fused_moe (the layer's op) ms | fused_moe on plain weights ms | "
-        "transformers expert loop ms |",
-        "|---|---|---|---|",
+        "| tokens | fused_moe (the layer's op) ms | its Python body ms | "
+        "fused_moe on plain weights ms | transformers expert loop ms | op == Python body |",
+        "|---|---|---|---|---|---|",
     ]
     for r in result.get("kernel_rows", []):
+        py = r.get("fused_moe_python_ms")
         lines.append(
-            f"| {r['tokens']} | {r['fused_moe_ms']:.3f} | {r['fused_moe_plain_ms']:.3f} | "
-            f"{r['hf_expert_loop_ms']:.3f} |"
+            f"| {r['tokens']} | {r['fused_moe_ms']:.3f} | "
+            + (f"{py:.3f}" if py is not None else "-")
+            + f" | {r['fused_moe_plain_ms']:.3f} | {r['hf_expert_loop_ms']:.3f} | "
+            f"{r.get('op_equals_python_body', '-')} |"
         )
     w = result["active_weight_bytes"]
     ratio, best = result["o2_b1_over_floor"], result.get("o2_b1_min_over_floor")
@@ -253,6 +456,20 @@ def markdown(result: dict) -> str:
         f"experts packed for the small-M kernel in {result['packed_expert_layers']} layer(s); "
         f"load average {result['load_average']}",
     ]
+    for name, prof in result.get("profiles", {}).items():
+        lines += [
+            "",
+            f"torch.profiler, {name}, b1 decode, {prof['steps']} steps, {prof['layers']} layers "
+            f"(profiled step median {prof['profiled_step_ms_median']:.3f} ms); the 20 ops of "
+            "most self time",
+            "| op | calls / step | self us / step | total us / step | self us / layer |",
+            "|---|---|---|---|---|",
+        ]
+        for r in prof["rows"][:20]:
+            lines.append(
+                f"| {r['op']} | {r['calls_per_step']:.1f} | {r['self_us_per_step']:.1f} | "
+                f"{r['total_us_per_step']:.1f} | {r['self_us_per_layer']:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -266,6 +483,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="also profile this many O2 b1 decode steps (C++ and Python MoE kernel)",
+    )
     p.add_argument("--out", default=None, help="write the result as JSON here")
     return p.parse_args(argv)
 

@@ -1,11 +1,12 @@
-"""A GGUF file for llama.cpp from a Hugging Face Llama checkpoint folder (safetensors), so
-llama.cpp runs the very weights the project runs (``experiments.bench_peers``).
+"""A GGUF file for llama.cpp from a Hugging Face Llama or Qwen3-MoE checkpoint folder
+(safetensors), so llama.cpp runs the very weights the project runs (``experiments.bench_peers``,
+``experiments.bench_moe``).
 
     python -m experiments.gguf_writer MODEL_DIR OUT.gguf [--type bf16|q8_0]
 
 Written with the ``gguf`` package (the optional extra ``peers``), streamed tensor by tensor:
 the tensor infos first (from the safetensors headers), then each tensor's bytes, so at most one
-tensor is in memory.
+tensor is in memory (a stacked expert tensor: its parts and the stack).
 
 The layout llama.cpp's ``llama`` architecture expects:
 
@@ -21,7 +22,12 @@ The layout llama.cpp's ``llama`` architecture expects:
 - 1-D tensors (norm weights, biases) in F32; 2-D weights in BF16 (the checkpoint's bits, or
   fp32 rounded to nearest even as torch does) or Q8_0 (blocks of 32 along the input dimension,
   one fp16 scale each, quantized by ``gguf.quants`` from the fp32 values);
-- hyper-parameters under ``llama.*``; a placeholder SentencePiece-style vocabulary of
+- Qwen3-MoE (llama.cpp's ``qwen3moe``, see :func:`tensor_plan`): no q/k permutation (NeoX rope),
+  ``attn_q_norm`` / ``attn_k_norm``, the router ``ffn_gate_inp`` (F32, as llama.cpp's converter
+  keeps it), the experts stacked per projection ``ffn_{gate,up,down}_exps`` ``[E, out, in]``;
+  keys ``qwen3moe.expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length``,
+  ``attention.key_length`` / ``value_length`` (the head dimension);
+- hyper-parameters under ``<arch>.*``; a placeholder SentencePiece-style vocabulary of
   ``vocab_size`` tokens (``<unk>``, ``<s>``, ``</s>``, the 256 byte tokens, then ``tN``): the
   benchmark feeds token ids, so only the count and the special ids matter.
 """
@@ -31,7 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -76,33 +82,92 @@ def _tensor_index(model_dir: Path) -> dict[str, tuple[Path, list[int]]]:
     return out
 
 
-def tensor_plan(config: dict[str, Any], names: set[str]) -> list[tuple[str, str, str]]:
-    """(GGUF name, HF name, q/k permutation: "q", "k" or "") for every tensor, in file order."""
-    plan = [("token_embd.weight", "model.embed_tokens.weight", "")]
-    per_layer = (
+ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe"}
+"""HF ``model_type`` -> the llama.cpp architecture written."""
+
+Source = Union[str, tuple[str, ...]]
+"""The HF tensor(s) of one GGUF tensor: one name, or the per-expert names stacked in order."""
+
+
+def _n_experts(config: dict[str, Any]) -> int:
+    """Experts per MoE layer (``num_experts``; transformers 5 writes ``num_local_experts``)."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def _moe_layers(config: dict[str, Any]) -> list[int]:
+    """The MoE layers of a Qwen3-MoE config (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    step = config.get("decoder_sparse_step", 1) or 1
+    dense = set(config.get("mlp_only_layers") or [])
+    return [
+        i
+        for i in range(config["num_hidden_layers"])
+        if _n_experts(config) > 0 and i not in dense and (i + 1) % step == 0
+    ]
+
+
+def tensor_plan(config: dict[str, Any], names: set[str]) -> list[tuple[str, Source, str]]:
+    """(GGUF name, HF name(s), q/k permutation: "q", "k" or "") for every tensor, in file order.
+
+    Llama: q and k permuted (llama.cpp's interleaved rope).  Qwen3-MoE (``qwen3moe``):
+    nothing permuted (llama.cpp runs Qwen's rotate-half rope, NeoX style), the per-head q/k
+    norms as ``attn_q_norm`` / ``attn_k_norm``, the router as ``ffn_gate_inp`` and each of the
+    experts' gate, up and down projections stacked over the experts (``[E, out, in]``, expert
+    order) as ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, as llama.cpp's
+    converter writes them.  llama.cpp's ``qwen3moe`` has no dense layers: a checkpoint with
+    ``mlp_only_layers`` or ``decoder_sparse_step`` > 1 is refused."""
+    model_type = config.get("model_type")
+    moe = model_type == "qwen3_moe"
+    perm_q, perm_k = ("", "") if moe else ("q", "k")
+    plan: list[tuple[str, Source, str]] = [("token_embd.weight", "model.embed_tokens.weight", "")]
+    per_layer = [
         ("attn_norm", "input_layernorm", ""),
-        ("attn_q", "self_attn.q_proj", "q"),
-        ("attn_k", "self_attn.k_proj", "k"),
+        ("attn_q", "self_attn.q_proj", perm_q),
+        ("attn_k", "self_attn.k_proj", perm_k),
         ("attn_v", "self_attn.v_proj", ""),
         ("attn_output", "self_attn.o_proj", ""),
+        ("attn_q_norm", "self_attn.q_norm", ""),
+        ("attn_k_norm", "self_attn.k_norm", ""),
         ("ffn_norm", "post_attention_layernorm", ""),
-        ("ffn_gate", "mlp.gate_proj", ""),
-        ("ffn_up", "mlp.up_proj", ""),
-        ("ffn_down", "mlp.down_proj", ""),
-    )
+    ]
+    if moe:
+        layers = _moe_layers(config)
+        if layers != list(range(config["num_hidden_layers"])):
+            dense = sorted(set(range(config["num_hidden_layers"])) - set(layers))
+            raise ValueError(
+                f"gguf_writer: llama.cpp's qwen3moe has no dense layers; layers {dense} are "
+                f"dense (mlp_only_layers / decoder_sparse_step)"
+            )
+        per_layer.append(("ffn_gate_inp", "mlp.gate", ""))
+    else:
+        per_layer += [
+            ("ffn_gate", "mlp.gate_proj", ""),
+            ("ffn_up", "mlp.up_proj", ""),
+            ("ffn_down", "mlp.down_proj", ""),
+        ]
     for i in range(config["num_hidden_layers"]):
         for g, h, perm in per_layer:
             for suffix in ("weight", "bias"):
                 hf = f"model.layers.{i}.{h}.{suffix}"
                 if hf in names:
                     plan.append((f"blk.{i}.{g}.{suffix}", hf, perm))
+        if moe:
+            for g, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                stack = tuple(
+                    f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+                    for e in range(_n_experts(config))
+                )
+                plan.append((f"blk.{i}.ffn_{g}_exps.weight", stack, ""))
     plan.append(("output_norm.weight", "model.norm.weight", ""))
     if "lm_head.weight" in names and not config.get("tie_word_embeddings", False):
         plan.append(("output.weight", "lm_head.weight", ""))
-    missing = [hf for _, hf, _ in plan if hf not in names]
+    missing = [hf for _, src, _ in plan for hf in _sources(src) if hf not in names]
     if missing:
         raise KeyError(f"gguf_writer: the checkpoint lacks {missing[:4]}")
     return plan
+
+
+def _sources(src: Source) -> tuple[str, ...]:
+    return (src,) if isinstance(src, str) else src
 
 
 def _vocab(n: int) -> tuple[list[str], list[float], list[int]]:
@@ -119,11 +184,12 @@ def _vocab(n: int) -> tuple[list[str], list[float], list[int]]:
 
 
 def _data(t: torch.Tensor, kind: str) -> tuple[Any, Any]:
-    """(numpy array to write, GGML type) of one tensor."""
+    """(numpy array to write, GGML type) of one tensor; ``kind`` "f32", "bf16" or "q8_0"
+    (1-D tensors are F32 whatever the kind)."""
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    if t.dim() == 1:
+    if t.dim() == 1 or kind == "f32":
         return t.to(torch.float32).numpy(), Q.F32
     if kind == "bf16":
         return t.to(torch.bfloat16).view(torch.int16).numpy().view("uint16"), Q.BF16
@@ -153,8 +219,11 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str = "bf16") -> Pa
         raise ValueError(f"gguf_writer: type must be one of {TYPES}, got {kind!r}")
     model_dir, out = Path(model_dir), Path(out)
     config = json.loads((model_dir / "config.json").read_text())
-    if config.get("model_type") != "llama":
-        raise ValueError(f"gguf_writer: writes Llama checkpoints, got {config.get('model_type')}")
+    arch = ARCHS.get(config.get("model_type"))
+    if arch is None:
+        raise ValueError(
+            f"gguf_writer: writes {sorted(ARCHS)} checkpoints, got {config.get('model_type')}"
+        )
     index = _tensor_index(model_dir)
     plan = tensor_plan(config, set(index))
     n_heads = config["num_attention_heads"]
@@ -163,7 +232,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str = "bf16") -> Pa
     head_dim = config.get("head_dim") or hidden // n_heads
 
     tmp = out.with_name(f".{out.name}.tmp")
-    w = GGUFWriter(str(tmp), "llama")
+    w = GGUFWriter(str(tmp), arch)
     w.add_name(model_dir.name)
     w.add_file_type(LlamaFileType.MOSTLY_BF16 if kind == "bf16" else LlamaFileType.MOSTLY_Q8_0)
     if kind == "q8_0":
@@ -179,6 +248,12 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str = "bf16") -> Pa
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    if arch == "qwen3moe":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_expert_count(_n_experts(config))
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     w.add_vocab_size(config["vocab_size"])
     tokens, scores, types = _vocab(config["vocab_size"])
     w.add_tokenizer_model("llama")
@@ -190,9 +265,15 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str = "bf16") -> Pa
     w.add_unk_token_id(0)
     w.add_add_bos_token(False)
 
-    for gname, hf, _ in plan:
-        shape = index[hf][1]
-        ggml_type = Q.F32 if len(shape) == 1 else (Q.BF16 if kind == "bf16" else Q.Q8_0)
+    for gname, src, _ in plan:
+        names = _sources(src)
+        shapes = {tuple(index[hf][1]) for hf in names}
+        if len(shapes) != 1:
+            raise ValueError(f"gguf_writer: {gname} stacks tensors of shapes {sorted(shapes)}")
+        shape = list(shapes.pop())
+        if not isinstance(src, str):
+            shape = [len(names), *shape]
+        ggml_type = _ggml_type(gname, shape, kind)
         dtype = {Q.F32: np.float32, Q.BF16: np.uint16, Q.Q8_0: np.uint8}[ggml_type]
         nbytes = _nbytes(shape, ggml_type)
         info_shape = shape if ggml_type != Q.Q8_0 else [*shape[:-1], nbytes // _rows(shape)]
@@ -201,18 +282,41 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str = "bf16") -> Pa
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for _, hf, perm in plan:
-            with safe_open(str(index[hf][0]), framework="pt") as st:
-                t = st.get_tensor(hf)
+        for gname, src, perm in plan:
+            parts = []
+            for hf in _sources(src):
+                with safe_open(str(index[hf][0]), framework="pt") as st:
+                    parts.append(st.get_tensor(hf))
+            t = parts[0] if isinstance(src, str) else torch.stack(parts)
+            del parts
             if perm:
                 t = permute_qk(t, n_heads if perm == "q" else n_kv)
-            data, _ = _data(t, kind)
+            data, _ = _data(t, _kind_of(_ggml_type(gname, list(t.shape), kind)))
             w.write_tensor_data(data)
         w.close()
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+F32_TENSORS = ("ffn_gate_inp.weight",)
+"""GGUF tensors written in F32 whatever the type (the MoE router, as llama.cpp's converter
+keeps it)."""
+
+
+def _ggml_type(gname: str, shape: list[int], kind: str) -> Any:
+    from gguf import GGMLQuantizationType as Q
+
+    if len(shape) == 1 or gname.endswith(F32_TENSORS):
+        return Q.F32
+    return Q.BF16 if kind == "bf16" else Q.Q8_0
+
+
+def _kind_of(ggml_type: Any) -> str:
+    from gguf import GGMLQuantizationType as Q
+
+    return {Q.F32: "f32", Q.BF16: "bf16", Q.Q8_0: "q8_0"}[ggml_type]
 
 
 def _rows(shape: list[int]) -> int:

@@ -33,10 +33,15 @@ LIBRARY = TorchOpLibrary(
     CSRC / "torch_ops.cpp",
     portable_env="PIECEWISE_NATIVE_OPS_PORTABLE",
     extra_flags=("-ffp-contract=off",),
-    depends=(CSRC / "small_m_linear.cpp", CSRC / "int8_linear.cpp", CSRC / "panel_loop.h"),
+    depends=(
+        CSRC / "small_m_linear.cpp",
+        CSRC / "int8_linear.cpp",
+        CSRC / "panel_loop.h",
+        CSRC / "fused_moe_packed.cpp",
+    ),
 )
 
-OPS = ("packed_linear", "int8_packed_linear", "int8_wo_packed_linear")
+OPS = ("packed_linear", "int8_packed_linear", "int8_wo_packed_linear", "fused_moe_packed")
 """The ``piecewise::`` ops that get a C++ CPU kernel."""
 
 
@@ -48,6 +53,7 @@ def load() -> bool:
         return False
     import passes.ops_int8  # noqa: F401  (define the ops and their Python twins first)
     import passes.ops_prepack  # noqa: F401
+    import passes.ops_prepack_moe  # noqa: F401
 
     try:
         LIBRARY.load()

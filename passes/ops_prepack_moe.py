@@ -26,8 +26,12 @@ directly, no sort).  Per expert hit, gate-up and down each run
 * otherwise ``F.linear`` on that one expert's weight unpacked for the call (correct, slower:
   one expert's copy at a time, never the whole stack).
 
-Registration: :func:`framework.core.ops.define_op` with a CPU kernel only; functional (no
-mutation, the output never aliases an input); passes ``opcheck``.
+Registration: :func:`framework.core.ops.define_op`, the Python body below as the op's
+``CompositeExplicitAutograd`` kernel; :func:`passes.native_ops.load` (called by
+:meth:`PackedExpertsMethod.process`) adds the C++ CPU kernel (``csrc/fused_moe_packed.cpp``: a
+decode step's whole layer in one dispatcher call, bit-identical to the Python body; calls with a
+group above ``max_rows`` handed to the body's twin ``piecewise::fused_moe_packed_python``).
+Functional (no mutation, the output never aliases an input); passes ``opcheck``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from torch import Tensor
 
 from framework.compat import onednn
 from framework.core.ops import define_op
+from passes import native_ops
 from passes import small_m_linear as small_m
 from passes.ops.moe import combine_by_expert
 
@@ -103,7 +108,12 @@ def _fake(
     return torch.empty_like(x)
 
 
-fused_moe_packed = define_op(NAME, fake=_fake, default_key="cpu")(fused_moe_packed_cpu)
+fused_moe_packed = define_op(NAME, fake=_fake)(fused_moe_packed_cpu)
+fused_moe_packed_python = define_op(f"{NAME}_python", fake=_fake, default_key="cpu")(
+    fused_moe_packed_cpu
+)
+"""The Python body alone: the reference the C++ kernel is checked against, and what it hands
+the calls it does not take (a group above ``max_rows``, other dtypes or layouts)."""
 
 
 def pack_experts(w: Tensor) -> Tensor:
@@ -162,6 +172,7 @@ class PackedExpertsMethod:
                 f"PackedExpertsMethod: w13 {tuple(experts.w13.shape)} and w2 "
                 f"{tuple(experts.w2.shape)} are not [E, 2I, H] and [E, H, I]"
             )
+        native_ops.load()  # the op's C++ kernel (else its Python body runs)
         layouts = {} if layouts is None else layouts
         for attr, n, k in (("w13", 2 * I, H), ("w2", H, I)):
             plain = getattr(experts, attr).detach()

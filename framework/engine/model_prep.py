@@ -244,18 +244,20 @@ def prepare_model(
 
 
 def register_native_kernels(model: torch.nn.Module) -> bool:
-    """Register the linear ops' C++ kernels (:func:`passes.native_ops.load`) when a layer of
-    ``model`` runs one: a small-M panel layout, or a packed int8 layout.  Packing a layer
-    registers them (its method's ``process``); a warm start that maps the processed weights
-    runs no ``process``, so without this every linear call of the restored model would go
-    through its op's Python body and ctypes (~15-20 us more per call).  Returns whether the
-    kernels are registered."""
+    """Register the packed ops' C++ kernels (:func:`passes.native_ops.load`) when a layer of
+    ``model`` runs one: a small-M panel layout, a packed int8 layout, or packed MoE experts.
+    Packing a layer registers them (its method's ``process``); a warm start that maps the
+    processed weights runs no ``process``, so without this every such call of the restored
+    model would go through its op's Python body (~15-20 us more per linear call).  Returns
+    whether the kernels are registered."""
     for module in model.modules():
         method = getattr(module, "linear_method", None)
         if isinstance(method, PackedInt8LinearMethod) or (
             isinstance(method, PackedLinearMethod) and method.layout == "panel"
         ):
             return native_ops.load()
+        if isinstance(getattr(module, "moe_method", None), PackedExpertsMethod):
+            return native_ops.load()  # the MoE layer's one C++ op
     return False
 
 

@@ -13,6 +13,7 @@
 //   packed_linear(x, w, md, bias, N, K, max_rows)                  bf16 small-M kernel
 //   int8_packed_linear(x, w, w_scale, w_comp, bias, N, K, max_rows)  W8A8, quantised in-kernel
 //   int8_wo_packed_linear(x, w, w_scale, bias, N, K, max_rows)      int8 weight-only
+//   fused_moe_packed(x, weights, ids, w13, w2, ...)  a MoE layer's experts (fused_moe_packed.cpp)
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -25,6 +26,7 @@
 
 #include "int8_linear.cpp"
 #include "small_m_linear.cpp"
+#include "fused_moe_packed.cpp"  // the MoE layer op: its own namespace and registration
 
 namespace {
 

@@ -130,3 +130,116 @@ def test_written_file_reads_back_as_the_checkpoint(tmp_path, llama_checkpoint, k
             assert (err <= scale * (0.5 + 127 * 2**-11) + 1e-7).all(), name
             assert (err > 0).any()  # it is quantized
     assert seen == set(plan)
+
+
+# --- Qwen3-MoE (llama.cpp's qwen3moe) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_checkpoint(tmp_path_factory):
+    """test-qwen3_moe with every layer a MoE one (llama.cpp's qwen3moe has no dense layers)."""
+    from tests.checkpoints import build_family_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt-qwen3moe-all")
+    return build_family_checkpoint(root / "qwen3_moe", "qwen3_moe", mlp_only_layers=[])
+
+
+def test_moe_plan_stacks_the_experts_and_permutes_nothing(qwen3_moe_checkpoint):
+    config = json.loads((qwen3_moe_checkpoint / "config.json").read_text())
+    names = set(gguf_writer._tensor_index(qwen3_moe_checkpoint))
+    plan = gguf_writer.tensor_plan(config, names)
+    flat = [hf for _, src, _ in plan for hf in gguf_writer._sources(src)]
+    assert sorted(flat) == sorted(names)  # every checkpoint tensor, once
+    g = {name: (src, perm) for name, src, perm in plan}
+    assert all(perm == "" for _, perm in g.values())  # NeoX rope: nothing permuted
+    E = gguf_writer._n_experts(config)
+    for proj in ("gate", "up", "down"):
+        src, _ = g[f"blk.1.ffn_{proj}_exps.weight"]
+        assert src == tuple(f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight" for e in range(E))
+    assert g["blk.0.ffn_gate_inp.weight"][0] == "model.layers.0.mlp.gate.weight"
+    assert g["blk.2.attn_q_norm.weight"][0] == "model.layers.2.self_attn.q_norm.weight"
+    assert "blk.0.ffn_gate.weight" not in g
+
+
+def test_moe_with_a_dense_layer_is_refused(tiny_checkpoint):
+    folder = tiny_checkpoint("qwen3_moe")  # mlp_only_layers [1]
+    config = json.loads((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"no dense layers; layers \[1\]"):
+        gguf_writer.tensor_plan(config, set(gguf_writer._tensor_index(folder)))
+
+
+def test_moe_file_reads_back_stacked_with_the_expert_keys(tmp_path, qwen3_moe_checkpoint):
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    config = json.loads((qwen3_moe_checkpoint / "config.json").read_text())
+    out = gguf_writer.write_gguf(qwen3_moe_checkpoint, tmp_path / "moe.gguf", "bf16")
+    meta = gguf_writer.metadata(out)
+    assert meta["general.architecture"] == "qwen3moe"
+    assert meta["qwen3moe.expert_count"] == gguf_writer._n_experts(config) == 6
+    assert meta["qwen3moe.expert_used_count"] == config["num_experts_per_tok"]
+    assert meta["qwen3moe.expert_feed_forward_length"] == config["moe_intermediate_size"]
+    assert meta["qwen3moe.attention.key_length"] == config["head_dim"]
+    ckpt = load_file(str(qwen3_moe_checkpoint / "model.safetensors"))
+    plan = {g: src for g, src, _ in gguf_writer.tensor_plan(config, set(ckpt))}
+    seen = set()
+    for name, ggml_type, value in gguf_writer.read_tensors(out):
+        src = plan[name]
+        seen.add(name)
+        if isinstance(src, str):
+            ref = ckpt[src].to(torch.float32)
+        else:
+            ref = torch.stack([ckpt[hf] for hf in src]).to(torch.float32)
+            assert value.shape == (6, *ckpt[src[0]].shape), name
+        assert value.shape == ref.shape, name
+        if ref.dim() == 1 or name.endswith("ffn_gate_inp.weight"):
+            assert ggml_type == Q.F32 and torch.equal(value, ref), name
+        else:
+            assert ggml_type == Q.BF16
+            assert torch.equal(value, ref.to(torch.bfloat16).to(torch.float32)), name
+    assert seen == set(plan)
+
+
+def test_llamacpp_runs_the_moe_file_as_transformers_does(tmp_path, qwen3_moe_checkpoint):
+    """llama.cpp's logits of the written file match transformers' on the same (bf16-rounded)
+    weights: names, stacking, the router and the q/k norms are read as meant."""
+    pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM
+
+    from experiments.peers import LlamaCppRunner
+
+    out = gguf_writer.write_gguf(qwen3_moe_checkpoint, tmp_path / "moe.gguf", "bf16")
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_moe_checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    prompt = [5, 17, 42, 99, 3, 200, 7, 11]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1]
+    job = {"gguf": str(out), "batches": [1], "prompt_len": len(prompt), "new_tokens": [4],
+           "check_tokens": 4, "threads": 1}  # fmt: skip
+    runner = LlamaCppRunner(job)
+    try:
+        import numpy as np
+
+        runner.generate([prompt], 1)
+        logits = runner.L.llama_get_logits(runner.ctx)
+        got = torch.from_numpy(np.ctypeslib.as_array(logits, shape=(1, runner.n_vocab)).copy())[0]
+        cpp_tokens = runner.generate([prompt], 12)[0]
+    finally:
+        runner.close()
+    assert got.shape == want.shape
+    # llama.cpp rounds activations to bf16 before its bf16 matmuls: close, not equal (0.5%
+    # of the largest logit here; 9% with the gate and up stacks swapped)
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 0.02 * scale, (got - want).abs().max() / scale
+    assert int(got.argmax()) == int(want.argmax())
+    # and greedy tokens: transformers fp32 on the same bf16-rounded weights
+    ids, hf_tokens = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(12):
+            nxt = hf(ids).logits[0, -1].argmax()
+            hf_tokens.append(int(nxt))
+            ids = torch.cat([ids, nxt.view(1, 1)], 1)
+    assert cpp_tokens == hf_tokens
