@@ -111,7 +111,7 @@ def test_decode_calls_never_enter_python(t, k, no_python_body):
 
 def test_a_group_above_max_rows_goes_to_the_python_body(no_python_body):
     x, weights, ids, w13, w2 = make(20, 6, 2, seed=1)
-    m = packed(w13, w2)
+    m = packed(w13, w2, max_rows=16)
     ids = torch.zeros_like(ids)
     ids[:, 1] = 1  # experts 0 and 1 take all 20 tokens each: groups of 20 > max_rows 16
     with pytest.raises(AssertionError, match="Python body"):
