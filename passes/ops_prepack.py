@@ -93,7 +93,7 @@ packed_linear_python = define_op("piecewise::packed_linear_python", fake=_fake, 
     packed_linear_cpu
 )
 """The Python body alone: what the C++ kernel hands the calls it does not take (and the
-"before" of the per-call overhead benchmark, ``experiments/bench_op_overhead.py``)."""
+"before" of the per-call overhead benchmark, ``experiments/bench/op_overhead.py``)."""
 
 
 def _release_weight(layer: nn.Module) -> None:

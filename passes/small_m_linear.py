@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_ROWS = 16
 """Rows (tokens) up to which the kernel beats oneDNN here (``python -m
-experiments.bench_small_m_linear``); batches of more rows go to oneDNN.  The default of
+experiments.bench.small_m_linear``); batches of more rows go to oneDNN.  The default of
 ``KernelConfig.small_m_max_rows``."""
 
 LANES = 64

@@ -56,8 +56,8 @@ export PYTHONUNBUFFERED=1
 TEST_MARKS="gpu or triton_kernel"
 TEST_SEL=(-m pytest -q -p no:cacheprovider -m "$TEST_MARKS")
 TEST_CMD=("${TEST_SEL[@]}" --junitxml "$RES/tests.xml" tests)
-TP_CMD=(-m experiments.bench_tp --device cuda --tp 2 --level 2 --check --json "$RES/tp_check.json")
-BENCH_CMD=(-m experiments.gpu_decode_bench --batch-sizes 1 8 32 --dtype bfloat16
+TP_CMD=(-m experiments.bench.tp --device cuda --tp 2 --level 2 --check --json "$RES/tp_check.json")
+BENCH_CMD=(-m experiments.bench.gpu_decode --batch-sizes 1 8 32 --dtype bfloat16
            --out "$RES/decode_bench.json")
 
 step() { printf '\n=== %s (%ss) ===\n' "$1" "$(( $(date +%s) - START ))"; }
@@ -116,11 +116,11 @@ EOF_PY
 import_all_and_collect() {
     "$PY" - "${TEST_SEL[@]:2}" --collect-only tests <<'EOF_PY'
 import importlib, pkgutil, sys
-names = ["torch._inductor.compile_fx", "triton.language", "experiments.gpu_decode_bench",
-         "experiments.bench_tp"]
+names = ["torch._inductor.compile_fx", "triton.language", "experiments.bench.gpu_decode",
+         "experiments.bench.tp"]
 # The OpenAI-compatible server (the `serve` extra: fastapi, uvicorn) is not on the GPU image
 # and not part of this check.
-SERVING = ("framework.serve", "experiments.bench_serve")
+SERVING = ("framework.serve", "experiments.bench.serve")
 for pkg in ("framework", "backends", "passes", "models", "experiments"):
     mod = importlib.import_module(pkg)
     names += [m.name for m in pkgutil.walk_packages(mod.__path__, pkg + ".")

@@ -187,7 +187,7 @@ class CompilationConfig(StrictConfig):
     :data:`DEFAULT_LEVEL`)."""
     mode: Optional[CompilationMode] = None
     """NONE (eager) or PIECEWISE.  (Stock ``torch.compile`` baselines of the transformers
-    model are contenders in ``experiments/contenders.py``, not a mode of this engine.)"""
+    model are contenders in ``experiments/bench/contenders.py``, not a mode of this engine.)"""
     backend: Optional[str] = None
     """Compiler adaptor for pieces: ``inductor``, ``eager`` or a registered plugin
     (``backends.piecewise.compiler.COMPILERS``)."""

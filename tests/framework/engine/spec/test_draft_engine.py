@@ -115,7 +115,7 @@ def _bytes_for_blocks(model: str, blocks: int) -> int:
 def test_trained_addition_draft_acceptance():
     """The shipped draft loads, leaves the target's answers unchanged, and is worth having:
     its acceptance on held-out addition prompts (recorded in its metrics.json) is high."""
-    from experiments.synthetic_task import get_task
+    from experiments.synthetic.task import get_task
 
     metrics = json.loads((ADDITION_DRAFT / "metrics.json").read_text())
     recorded = metrics["draft"]["by_k"]["4"]["acceptance_rate"]

@@ -1,0 +1,309 @@
+"""README tables generated from committed results files, and the check that they agree.
+
+A generated table sits between two markers in a Markdown file::
+
+    <!-- table: ablate_compile -->
+    ... (written by this module; do not edit by hand) ...
+    <!-- /table -->
+
+``python -m experiments.report.readme_tables`` rewrites every block of the given files (default: the
+README) from its results file; ``--check`` rewrites nothing and exits 1 naming each block that
+differs from what its file gives, or whose name is unknown.  ``tests/experiments/
+test_readme_tables.py`` runs the check, so a table and its file cannot drift apart.
+
+Each block starts with a line naming its results file and the command that produced it.
+Tables are registered with :func:`table` (name -> generator over the project root); a
+generator reads only committed files and formats them, it never measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+BEGIN = re.compile(r"^<!-- table: ([a-z0-9_]+) -->$")
+END = "<!-- /table -->"
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    source: str
+    """The results file or folder, relative to the project root."""
+    command: str
+    """The command that wrote ``source``."""
+    render: Callable[[Path], list[str]]
+
+
+TABLES: dict[str, Table] = {}
+
+
+def table(name: str, source: str, command: str):
+    """Register a generator ``render(source_path) -> markdown lines``."""
+
+    def deco(fn: Callable[[Path], list[str]]) -> Callable[[Path], list[str]]:
+        if name in TABLES:
+            raise ValueError(f"readme table {name!r} is registered twice")
+        TABLES[name] = Table(name, source, command, fn)
+        return fn
+
+    return deco
+
+
+def render(name: str, root: Path = ROOT) -> list[str]:
+    """The block's lines (without the markers) for table ``name``."""
+    t = TABLES.get(name)
+    if t is None:
+        raise KeyError(f"unknown readme table {name!r} (known: {', '.join(sorted(TABLES))})")
+    src = root / t.source
+    if not src.exists():
+        raise FileNotFoundError(f"readme table {name!r}: results file {t.source} is missing")
+    head = (
+        f"Generated from `{t.source}` (written by `{t.command}`) by "
+        f"`python -m experiments.report.readme_tables`."
+    )
+    return [head, ""] + t.render(src)
+
+
+# ---------------------------------------------------------------------------- markdown files
+@dataclass
+class Block:
+    name: str
+    indent: str
+    """The opening marker's indentation, given to every generated line (a table inside a
+    list item)."""
+    start: int
+    """Index of the line after the opening marker."""
+    end: int
+    """Index of the closing marker."""
+
+
+def blocks(lines: Sequence[str], path: str = "<text>") -> list[Block]:
+    out = []
+    i = 0
+    while i < len(lines):
+        m = BEGIN.match(lines[i].strip())
+        if m:
+            try:
+                j = next(k for k in range(i + 1, len(lines)) if lines[k].strip() == END)
+            except StopIteration:
+                raise ValueError(f"{path}:{i + 1}: table {m.group(1)!r} has no {END}") from None
+            indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+            out.append(Block(m.group(1), indent, i + 1, j))
+            i = j
+        i += 1
+    return out
+
+
+def regenerate(text: str, root: Path = ROOT, path: str = "<text>") -> tuple[str, list[str]]:
+    """``text`` with every block rewritten; and the names of the blocks that changed."""
+    lines = text.split("\n")
+    changed = []
+    for b in reversed(blocks(lines, path)):
+        new = [(b.indent + line) if line else line for line in render(b.name, root)]
+        if lines[b.start : b.end] != new:
+            changed.append(b.name)
+            lines[b.start : b.end] = new
+    return "\n".join(lines), changed[::-1]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.report.readme_tables", description=__doc__
+    )
+    p.add_argument("files", nargs="*", default=[str(ROOT / "README.md")])
+    p.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 on a mismatch")
+    args = p.parse_args(argv)
+    bad = 0
+    for f in args.files:
+        path = Path(f)
+        text = path.read_text(encoding="utf-8")
+        new, changed = regenerate(text, ROOT, str(path))
+        for name in changed:
+            print(f"{path}: table {name!r} differs from {TABLES[name].source}")
+        if changed and not args.check:
+            path.write_text(new, encoding="utf-8")
+        bad += len(changed)
+    return 1 if bad and args.check else 0
+
+
+# ---------------------------------------------------------------------------- the tables
+def _report_lines(folder: Path) -> list[str]:
+    from experiments.report.sweep_report import build_report
+
+    return build_report(folder, plots=False).split("\n")
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _first_table(lines: Sequence[str], after: int = 0) -> tuple[list[str], list[list[str]]]:
+    i = next(k for k in range(after, len(lines)) if lines[k].startswith("|"))
+    header = _cells(lines[i])
+    rows = []
+    for line in lines[i + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(_cells(line))
+    return header, rows
+
+
+def _select(header: list[str], rows: list[list[str]], columns: Sequence[str]) -> list[str]:
+    idx = [header.index(c) for c in columns]
+    out = ["| " + " | ".join(header[i] or " " for i in idx) + " |", "|" + "---|" * len(idx)]
+    out += ["| " + " | ".join(r[i] for i in idx) + " |" for r in rows]
+    return out
+
+
+@table(
+    "ablate_passes",
+    "experiments/bench/results/ablations/ablate_passes",
+    "python -m experiments.run -m experiment=ablate_passes",
+)
+def _ablate_passes(folder: Path) -> list[str]:
+    header, rows = _first_table(_report_lines(folder))
+    return _select(
+        header,
+        rows,
+        [
+            "",
+            "toggle_passes",
+            "decode median ms",
+            "tokens/s",
+            "token agreement vs baseline",
+            "token agreement vs O0",
+        ],
+    )
+
+
+@table(
+    "ablate_compile",
+    "experiments/bench/results/ablations/ablate_compile",
+    "python -m experiments.run -m experiment=ablate_compile",
+)
+def _ablate_compile(folder: Path) -> list[str]:
+    lines = _report_lines(folder)
+    at = next(i for i, line in enumerate(lines) if line.startswith("#### Does compiling pay off"))
+    header, rows = _first_table(lines, at)
+    intro = next(line for line in lines[at + 1 :] if line.strip())
+    return [intro, ""] + _select(header, rows, header)
+
+
+_DELTA = re.compile(
+    r"decode median ms ([+-]\d+\.\d)% \[[^\]]*\] q=(\S+) (significant|within noise)"
+)
+
+
+@table(
+    "aa_noise_10",
+    "experiments/bench/results/ablations",
+    "python -m experiments.run -m experiment=aa_noise 'seed=range(0,10)'",
+)
+def _aa_noise(folder: Path) -> list[str]:
+    out = [
+        "| run | significant verdicts (all measures) | smallest decode q "
+        "| decode deltas up / down | mean decode delta |",
+        "|---|---|---|---|---|",
+    ]
+    runs = sorted(p for p in folder.glob("aa_noise_10_run*") if p.is_dir())
+    if not runs:
+        raise FileNotFoundError(f"readme table 'aa_noise_10': no aa_noise_10_run* in {folder}")
+    for run in runs:
+        lines = _report_lines(run)
+        at = next(i for i, line in enumerate(lines) if line.startswith("#### Deltas"))
+        deltas = [line for line in lines[at + 1 :] if line.startswith("- ")]
+        found = [_DELTA.search(line) for line in deltas]
+        decode = [(float(m.group(1)), float(m.group(2))) for m in found if m]
+        significant = sum(line.count(" significant") for line in deltas)
+        up = sum(d > 0 for d, _ in decode)
+        out.append(
+            f"| {run.name.rsplit('run', 1)[1]} | {significant} | {min(q for _, q in decode):.3g} | "
+            f"{up} / {len(decode) - up} | {statistics.fmean(d for d, _ in decode):+.1f}% |"
+        )
+    return out
+
+
+@table(
+    "spec_bench",
+    "experiments/bench/results/spec_bench_cpu.json",
+    "python -m experiments.bench.spec --rounds 5 --prompts 4 "
+    "--out experiments/bench/results/spec_bench_cpu.json",
+)
+def _spec_bench(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    res = data["results"]
+    out = [
+        f"{data['date_utc']}, load average {data['machine']['load_average_before'][0]:.2f} "
+        f"before, {data['machine']['torch_threads']} threads.",
+        "",
+        "| workload | batch | tokens/s plain | tokens/s spec | spec / plain [95%] | same tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in sorted(k for k, v in res.items() if isinstance(v, dict) and "speedup" in v):
+        v = res[key]
+        sp = v["speedup"]
+        lo, hi = sp["ci95"]
+        out.append(
+            f"| {key.split(' ')[0]} | {v['batch']} | {v['tokens_per_s']['plain']:.1f} | "
+            f"{v['tokens_per_s']['spec']:.1f} | **{sp['ratio']:.2f}** [{lo:.2f}, {hi:.2f}] | "
+            f"{'yes' if v['same_tokens'] else 'NO'} |"
+        )
+    for name in ("ngram_copy_acceptance", "draft_addition_acceptance"):
+        a = res.get(name)
+        if a:
+            out += [""]
+            out.append(
+                f"{name.split('_acceptance')[0]}: acceptance {a['spec_acceptance_rate']:.2f}, "
+                f"mean accepted length {a['spec_mean_accepted_length']:.2f} "
+                f"(k = {a['spec_num_speculative_tokens']})."
+            )
+    vs = res.get("verify_step")
+    if vs:
+        parts = [
+            f"b{b} {r['ratio_median']:.2f}x "
+            f"({r['verify_ms_median']:.2f} vs {r['decode_ms_median']:.2f} ms)"
+            for b, r in sorted(vs["batches"].items(), key=lambda kv: int(kv[0]))
+        ]
+        out += [
+            "",
+            f"Verify step of 1 + {vs['k']} tokens vs a decode step: " + ", ".join(parts) + ".",
+        ]
+    return out
+
+
+@table(
+    "serve_bench",
+    "experiments/bench/results/serve_bench_cpu.json",
+    "python -m experiments.bench.serve --concurrency 1,16 --requests 32 --max-tokens 64 "
+    "--rounds 3 --out experiments/bench/results/serve_bench_cpu.json",
+)
+def _serve_bench(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    out = [
+        "| concurrency | server tok/s | offline tok/s | server / offline (median; rounds) "
+        "| TTFT p50 / p99 | ITL p50 / p99 | CPU ms per token: server + clients / offline |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c, entry in sorted(data["by_concurrency"].items(), key=lambda kv: int(kv[0])):
+        s = entry["summary"]
+        rounds = ", ".join(f"{r:.2f}" for r in s["ratios"])
+        out.append(
+            f"| {c} | {s['server_tok_s']:.1f} | {s['offline_tok_s']:.1f} | "
+            f"**{s['ratio_median']:.2f}** ({rounds}) | {s['ttft_ms_p50']:.3g} / "
+            f"{s['ttft_ms_p99']:.3g} ms | {s['itl_ms_p50']:.3g} / {s['itl_ms_p99']:.3g} ms | "
+            f"{s['server_cpu_ms_per_token']:.1f} + {s['client_cpu_ms_per_token']:.1f} / "
+            f"{s['offline_cpu_ms_per_token']:.1f} |"
+        )
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
