@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from experiments.bench.measure import make_prompts, timed_generation
 from experiments.bench.contenders import Piecewise
+from experiments.bench.measure import make_prompts, timed_generation
 
 VARIANTS = {
     "bf16": (None, {}),

@@ -42,8 +42,8 @@ from typing import Optional
 import torch
 
 from experiments.bench.bandwidth import measure_read_bandwidth
-from experiments.bench.measure import measure_latency
 from experiments.bench.contenders import HFLoop, Piecewise, build_llm, load_hf
+from experiments.bench.measure import measure_latency
 from models.tiny import ensure_tiny_model
 from passes.ops_prepack_moe import PackedExpertsMethod
 

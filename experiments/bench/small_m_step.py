@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from experiments.bench.measure import make_prompts, timed_generation
 from experiments.bench.contenders import Piecewise
+from experiments.bench.measure import make_prompts, timed_generation
 from framework import LLM, CompilationConfig
 from passes import small_m_linear as small_m
 

@@ -42,8 +42,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from experiments.run.job_inputs import copy_fraction, copy_prompts
 from experiments.report.statistics import compare
+from experiments.run.job_inputs import copy_fraction, copy_prompts
 from framework import LLM
 
 REPO = Path(__file__).resolve().parents[2]

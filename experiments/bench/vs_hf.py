@@ -58,6 +58,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from experiments.bench import targets as bench_targets
+from experiments.bench.contenders import Contender, HFLoop, HFStatic, Piecewise, build_llm, load_hf
 from experiments.bench.measure import (  # noqa: F401  (agreement, percentile: re-exported)
     SHORT_GENERATION,
     agreement,
@@ -69,7 +70,6 @@ from experiments.bench.measure import (  # noqa: F401  (agreement, percentile: r
     streaming_floor,
 )
 from experiments.bench.targets import LABELS
-from experiments.bench.contenders import Contender, HFLoop, HFStatic, Piecewise, build_llm, load_hf
 from framework.compat import dynamo as compat_dynamo
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from experiments.report import rounds as report_rounds
-from experiments.run.cells import CellPlan, plan_cells
 from experiments.report.jobs import (  # noqa: F401  (names the report and its tests use)
     MISSING,
     Job,
@@ -55,6 +54,7 @@ from experiments.report.jobs import (  # noqa: F401  (names the report and its t
 )
 from experiments.report.plots import write_plots
 from experiments.report.spec import spec_table
+from experiments.run.cells import CellPlan, plan_cells
 
 
 @dataclass(frozen=True)

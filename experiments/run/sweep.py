@@ -29,8 +29,8 @@ from typing import Any, Callable, Optional
 import torch
 from hydra.experimental.callback import Callback
 
-from experiments.run.cells import plan_cells
 from experiments.report.statistics import median_ci
+from experiments.run.cells import plan_cells
 
 logger = logging.getLogger("experiments.run.sweep")
 

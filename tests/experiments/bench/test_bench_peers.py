@@ -1,7 +1,8 @@
 """The peer benchmark (experiments/bench/peers.py, experiments/bench/peer_worker.py): the
 worker's token check gates timing, the orchestrator alternates fresh processes, appends each
-result at once and resumes, and the summary / ratios / floors / targets come out of the rounds.  The real
-llama.cpp and CTranslate2 runs need the optional ``peers`` extra and are skipped without it."""
+result at once and resumes, and the summary / ratios / floors / targets come out of the
+rounds.  The real llama.cpp and CTranslate2 runs need the optional ``peers`` extra and are
+skipped without it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import time
 import pytest
 import torch
 
-from experiments.bench import peers as bench_peers
 from experiments.bench import peer_worker as peers
+from experiments.bench import peers as bench_peers
 
 
 class _FakeRunner(peers.Runner):

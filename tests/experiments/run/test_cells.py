@@ -3,8 +3,8 @@
 import pytest
 from test_report import _results, _write_job
 
-from experiments.run.cells import BaselineConflict, plan_cells
 from experiments.report.sweep_report import build_report
+from experiments.run.cells import BaselineConflict, plan_cells
 
 
 def _ov(level, toggle):

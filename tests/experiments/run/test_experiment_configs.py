@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from experiments.run.cells import plan_cells
 from experiments.run.job import compilation_config
-from experiments.tools.size_chooser import choose_sizes
 from experiments.run.trace import read_trace, token_histogram
+from experiments.tools.size_chooser import choose_sizes
 from framework.core.quantization import SHORTHANDS, QuantizationConfig
 from passes.registry import canonical_order, level_passes, resolve_pass
 

@@ -4,7 +4,13 @@ import json
 
 import pytest
 
-from experiments.run.trace import TraceFormatError, TraceStep, read_trace, token_histogram, write_trace
+from experiments.run.trace import (
+    TraceFormatError,
+    TraceStep,
+    read_trace,
+    token_histogram,
+    write_trace,
+)
 
 
 def _steps():

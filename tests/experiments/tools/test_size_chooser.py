@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from experiments.run.trace import TraceStep, read_trace, token_histogram, write_trace
 from experiments.tools.size_chooser import (
     choose_sizes,
     compare_with_default,
@@ -15,7 +16,6 @@ from experiments.tools.size_chooser import (
     waste,
     waste_fraction,
 )
-from experiments.run.trace import TraceStep, read_trace, token_histogram, write_trace
 from framework.core.config import default_capture_sizes
 
 
