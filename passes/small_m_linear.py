@@ -10,7 +10,7 @@ Why: at batch 1 a linear is a GEMV that only has to stream its weight once; oneD
 bandwidth.  The kernel reads the weight re-laid out into panels of 64 output features
 (:func:`pack`, see the .cpp), so each thread streams contiguous memory and needs no horizontal
 reductions.  That panel layout is the layer's own weight (``piecewise::packed_linear``,
-:mod:`passes.ops_prepack`): the engine re-lays each weight once after loading and releases
+:mod:`passes.ops.packed_linear`): the engine re-lays each weight once after loading and releases
 the original; on AVX512-BF16 machines it is also oneDNN's packed layout, so larger batches
 run oneDNN on the same bytes.
 

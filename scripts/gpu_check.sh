@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for the lent GPU machine (`make gpu-check`; README "On a GPU" gives the
+# The GPU check, for the lent GPU machine (`make gpu-check`; scripts/README.md gives the
 # device `run` call).  That machine's python3 is Python 3.12 with torch 2.11 (CUDA 13.0) and
 # Triton 3.6, has no package index and no Hydra: this script installs NOTHING.  It uses
 # ${PYTHON:-python3} as it is, sources scripts/gpu_env.sh (this tree + the bundle of `make
@@ -10,7 +10,7 @@
 #   3. the tensor-parallel check, TP=2 (NCCL) against TP=1 at O2 (skips below 2 GPUs);
 #   4. the decode benchmark (eager / PIECEWISE / FULL_AND_PIECEWISE / transformers with
 #      torch.compile(mode="reduce-overhead"), batch 1/8/32, bf16);
-#   5. prints ONE markdown table (between the "README table" markers) for README "On a GPU".
+#   5. prints ONE markdown table (between the "README table" markers) for scripts/README.md.
 # Budget: under 8 minutes in all (tests <= 170 s, TP <= 60 s, benchmark <= 210 s, each
 # enforced with `timeout`).  Results and logs go to $GPU_CHECK_OUT, else $OUT (the device
 # tool's folder that comes back), else outputs/gpu_check: tests.xml, tests.log, tp.log,

@@ -84,7 +84,7 @@ def time_calls(backend: str, step, calls: int) -> float:
     """Seconds per layer call (the metadata object is shared by the calls, as by the layers
     of one model step)."""
     q, k, v, out, kv, md = step
-    md = dataclasses.replace(md, backend=backend)  # fresh per-step caches
+    md = dataclasses.replace(md, attention_backend=backend)  # fresh per-step caches
     scale = 1 / math.sqrt(q.shape[-1])
     with torch.no_grad(), set_forward_context(ForwardContext({"l": md}, {"l": kv})):
         torch.ops.piecewise.attention(q, k, v, out, "l", scale, -1)

@@ -127,7 +127,7 @@ def ensure_checkpoint(
 
 
 def _vm_hwm() -> int:
-    from framework.engine.stats import process_memory
+    from framework.engine.llm_stats import process_memory
 
     return process_memory().get("rss_peak_bytes", 0)
 

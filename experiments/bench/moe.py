@@ -45,7 +45,7 @@ from experiments.bench.bandwidth import measure_read_bandwidth
 from experiments.bench.contenders import HFLoop, Piecewise, build_llm, load_hf
 from experiments.bench.measure import measure_latency
 from models.tiny import ensure_tiny_model
-from passes.ops_prepack_moe import PackedExpertsMethod
+from passes.ops.packed_moe import PackedExpertsMethod
 
 PRESET = "bench-qwen3_moe"
 CONTENDERS = ("hf_eager", "hf_compile", "O2")

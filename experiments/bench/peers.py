@@ -32,7 +32,7 @@ Method (``experiments.bench.peer_worker`` runs one contender in one fresh proces
   process; the floor of each size = the bytes a decode step must stream (every weight but
   the embedding table, at the contender's bytes per weight) / the best read bandwidth measured
   in the run (the probe's, or a contender's own streaming rate if that is higher);
-- the issue's targets (:func:`experiments.bench.targets.peer_targets`) with met / NOT met.
+- the targets (:func:`experiments.bench.targets.peer_targets`) with met / NOT met.
 
 Restartable: every finished process is appended to ``--out`` at once; a rerun with the same
 settings skips what is there (``--fresh`` starts over).  Each process also records the load

@@ -316,7 +316,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         f"# decode step roofline: {path}, {args.dtype}"
         f"{', ' + args.quantization if args.quantization else ''}, O{args.level}, "
         f"batch {args.batch}, "
-        f"prompt {args.prompt_len}, attention {llm.runner.attn_backend}, "
+        f"prompt {args.prompt_len}, attention {llm.runner.attention_backend}, "
         f"{torch.get_num_threads()} threads, read bandwidth {result['bandwidth'] / 1e9:.1f} "
         f"GB/s, {result['steps']} profiled steps, {time.strftime('%Y-%m-%d %H:%M %Z')}"
     )

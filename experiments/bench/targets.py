@@ -1,6 +1,5 @@
-"""The targets of the side-by-side benchmark (issue 9's table, and issue 3's that still
-stand), each a ratio of numbers from one ``experiments.bench.vs_hf`` run, checked as met or
-NOT met.
+"""The targets of the side-by-side benchmark, each a ratio of numbers from one
+``experiments.bench.vs_hf`` run, checked as met or NOT met.
 
 Inputs: the latency rows (dtype, batch, prompt_len, contender, median_ms), the per-token
 times through ``LLM.generate``, the startup rows, the attention rows of
@@ -20,8 +19,8 @@ LABELS = {
     "O2": "(d) piecewise O2",
 }
 
-# (baseline, batch, long prompts?, wanted speed-up of O2 bf16 over it): issue 9 (and issue 3's
-# batch-1 speed-up over eager).
+# (baseline, batch, long prompts?, wanted speed-up of O2 bf16 over it); the last row is the
+# batch-1 speed-up over eager.
 SPEEDUP_TARGETS = (
     ("hf_static", 1, False, 1.4),
     ("hf_compile", 1, False, 1.7),
@@ -190,7 +189,7 @@ def targets(
     floor: Optional[dict] = None,
     long_prompt_len: Optional[int] = None,
 ) -> list[dict]:
-    """Every target the run has the numbers for, in issue 9's order."""
+    """Every target the run has the numbers for, in the order of the README's target table."""
     return (
         speedup_targets(latency, long_prompt_len)
         + per_token_target(latency, per_token or [])
@@ -210,7 +209,7 @@ def markdown(targets_: list[dict]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- peers
-# The targets against llama.cpp (``experiments.bench.peers``), the issue's numbers exactly:
+# The targets against llama.cpp (``experiments.bench.peers``):
 # (size, batch, baseline, contender, wanted speed-up = baseline median / contender median).
 PEER_SPEEDUP_TARGETS = (
     ("tiny", 1, "llamacpp_bf16", "project_bf16", 1.15),
@@ -241,7 +240,7 @@ def peer_targets(
     floors: dict[str, Any],
     models: dict[str, Any],
 ) -> list[dict]:
-    """The peer benchmark's targets that the run has the numbers for (see the issue table)."""
+    """The peer benchmark's targets that the run has the numbers for."""
     out = []
 
     def step(size: str, contender: str, batch: int) -> Optional[dict]:

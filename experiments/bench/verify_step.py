@@ -32,7 +32,7 @@ def _requests(llm: LLM, batch: int, context: int, k: int) -> list[Request]:
     for i in range(batch):
         prompt = torch.randint(3, vocab, (context,), generator=g).tolist()
         r = Request(10_000 + i, prompt, max_new_tokens=k + 2)
-        r.block_ids = llm.allocator.allocate(-(-(context + k + 1) // bs))
+        r.block_ids = llm.block_manager.allocate(-(-(context + k + 1) // bs))
         reqs.append(r)
     for r in reqs:  # prefill, one request at a time (the step budget is max_model_len)
         llm.runner.execute([ScheduledChunk(r, 0, context)], record=False)
@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
                 flush=True,
             )
         for r in reqs:
-            llm.allocator.free(r.block_ids)
+            llm.block_manager.free(r.block_ids)
         result["batches"][b] = {
             "decode_ms_median": statistics.median(d_med) * 1e3,
             "verify_ms_median": statistics.median(v_med) * 1e3,

@@ -3,7 +3,7 @@
     python -m experiments.bench.vs_hf --out bench.json                  # the full comparison
     python -m experiments.bench.vs_hf --preset test-llama --steps 4 --rounds 2 --threads 1
     python -m experiments.bench.vs_hf --dtypes bfloat16 --batches 1 --contenders hf_static O2
-    python -m experiments.bench.vs_hf --dtypes bfloat16 --rounds 3 --threads 2   # issue 9's table
+    python -m experiments.bench.vs_hf --dtypes bfloat16 --rounds 3 --threads 2  # the table
 
 Contenders (one process, same model weights, same prompts):
   hf_eager    (a) transformers eager, DynamicCache, manual greedy loop

@@ -6,10 +6,12 @@ A generated table sits between two markers in a Markdown file::
     ... (written by this module; do not edit by hand) ...
     <!-- /table -->
 
-``python -m experiments.report.readme_tables`` rewrites every block of the given files (default: the
-README) from its results file; ``--check`` rewrites nothing and exits 1 naming each block that
-differs from what its file gives, or whose name is unknown.  ``tests/experiments/
-test_readme_tables.py`` runs the check, so a table and its file cannot drift apart.
+``python -m experiments.report.readme_tables`` rewrites every block of the given files (default:
+every README.md of the project, :func:`readme_files`) from its results file; ``--check``
+rewrites nothing and exits 1 naming each block that differs from what its file gives, or whose
+name is unknown, and each result table written by hand outside a block
+(:func:`hand_written_result_tables`).  ``tests/experiments/report/test_readme_tables.py`` runs
+the check, so a table and its file cannot drift apart.
 
 Each block starts with a line naming its results file and the command that produced it.
 Tables are registered with :func:`table` (name -> generator over the project root); a
@@ -114,11 +116,47 @@ def regenerate(text: str, root: Path = ROOT, path: str = "<text>") -> tuple[str,
     return "\n".join(lines), changed[::-1]
 
 
+MEASURED = re.compile(r"\d+\.\d+\s*(?:ms|µs|us|s|GB/s|GB|MB|x|×|%)(?![\w/])")
+"""A measured number in a table cell: a decimal with a unit (ms, s, GB, x, %...)."""
+
+
+def hand_written_result_tables(text: str, path: str = "<text>") -> list[str]:
+    """``path:line`` of every Markdown table outside the generated blocks that holds a measured
+    number: a result table that no results file backs (descriptive tables hold none)."""
+    lines = text.split("\n")
+    inside = set()
+    for b in blocks(lines, path):
+        inside.update(range(b.start - 1, b.end + 1))
+    found, fence, start = [], False, None
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        is_row = not fence and i not in inside and line.lstrip().startswith("|")
+        if is_row and start is None:
+            start = i
+        if start is not None and (not is_row or i == len(lines) - 1):
+            end = i + 1 if is_row else i
+            if any(MEASURED.search(row) for row in lines[start + 2 : end]):
+                found.append(f"{path}:{start + 1}")
+            start = None
+    return found
+
+
+def readme_files(root: Path = ROOT) -> list[Path]:
+    """Every README.md of the project (not under a virtualenv, a run folder or a results folder)."""
+    skip = {"multirun", "outputs", "results", "node_modules", "build"}
+    return sorted(
+        p
+        for p in root.rglob("README.md")
+        if not any(part in skip or part.startswith(".") for part in p.relative_to(root).parts)
+    )
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m experiments.report.readme_tables", description=__doc__
     )
-    p.add_argument("files", nargs="*", default=[str(ROOT / "README.md")])
+    p.add_argument("files", nargs="*", default=[str(f) for f in readme_files()])
     p.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 on a mismatch")
     args = p.parse_args(argv)
     bad = 0
@@ -128,9 +166,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         new, changed = regenerate(text, ROOT, str(path))
         for name in changed:
             print(f"{path}: table {name!r} differs from {TABLES[name].source}")
+        hand = hand_written_result_tables(text, str(path))
+        for where in hand:
+            print(f"{where}: a result table written by hand (generate it from a results file)")
         if changed and not args.check:
             path.write_text(new, encoding="utf-8")
-        bad += len(changed)
+        bad += len(changed) + len(hand)
     return 1 if bad and args.check else 0
 
 
@@ -156,9 +197,14 @@ def _first_table(lines: Sequence[str], after: int = 0) -> tuple[list[str], list[
     return header, rows
 
 
+def _head(*columns: str) -> list[str]:
+    """A Markdown table's header row and separator."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def _select(header: list[str], rows: list[list[str]], columns: Sequence[str]) -> list[str]:
     idx = [header.index(c) for c in columns]
-    out = ["| " + " | ".join(header[i] or " " for i in idx) + " |", "|" + "---|" * len(idx)]
+    out = _head(*(header[i] or " " for i in idx))
     out += ["| " + " | ".join(r[i] for i in idx) + " |" for r in rows]
     return out
 
@@ -209,9 +255,13 @@ _DELTA = re.compile(
 )
 def _aa_noise(folder: Path) -> list[str]:
     out = [
-        "| run | significant verdicts (all measures) | smallest decode q "
-        "| decode deltas up / down | mean decode delta |",
-        "|---|---|---|---|---|",
+        *_head(
+            "run",
+            "significant verdicts (all measures)",
+            "smallest decode q",
+            "decode deltas up / down",
+            "mean decode delta",
+        ),
     ]
     runs = sorted(p for p in folder.glob("aa_noise_10_run*") if p.is_dir())
     if not runs:
@@ -244,8 +294,14 @@ def _spec_bench(path: Path) -> list[str]:
         f"{data['date_utc']}, load average {data['machine']['load_average_before'][0]:.2f} "
         f"before, {data['machine']['torch_threads']} threads.",
         "",
-        "| workload | batch | tokens/s plain | tokens/s spec | spec / plain [95%] | same tokens |",
-        "|---|---|---|---|---|---|",
+        *_head(
+            "workload",
+            "batch",
+            "tokens/s plain",
+            "tokens/s spec",
+            "spec / plain [95%]",
+            "same tokens",
+        ),
     ]
     for key in sorted(k for k, v in res.items() if isinstance(v, dict) and "speedup" in v):
         v = res[key]
@@ -288,9 +344,15 @@ def _spec_bench(path: Path) -> list[str]:
 def _serve_bench(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     out = [
-        "| concurrency | server tok/s | offline tok/s | server / offline (median; rounds) "
-        "| TTFT p50 / p99 | ITL p50 / p99 | CPU ms per token: server + clients / offline |",
-        "|---|---|---|---|---|---|---|",
+        *_head(
+            "concurrency",
+            "server tok/s",
+            "offline tok/s",
+            "server / offline (median; rounds)",
+            "TTFT p50 / p99",
+            "ITL p50 / p99",
+            "CPU ms per token: server + clients / offline",
+        ),
     ]
     for c, entry in sorted(data["by_concurrency"].items(), key=lambda kv: int(kv[0])):
         s = entry["summary"]
@@ -301,6 +363,92 @@ def _serve_bench(path: Path) -> list[str]:
             f"{s['ttft_ms_p99']:.3g} ms | {s['itl_ms_p50']:.3g} / {s['itl_ms_p99']:.3g} ms | "
             f"{s['server_cpu_ms_per_token']:.1f} + {s['client_cpu_ms_per_token']:.1f} / "
             f"{s['offline_cpu_ms_per_token']:.1f} |"
+        )
+    return out
+
+
+@table(
+    "moe_bench",
+    "experiments/bench/results/moe_bench_cpu.json",
+    "python -m experiments.bench.moe --rounds 3 --out experiments/bench/results/moe_bench_cpu.json",
+)
+def _moe_bench(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    o2 = {(r["dtype"], r["batch"]): r["median_ms"] for r in rows if r["contender"] == "O2"}
+    out = [
+        f"`{data['preset']}`, {data['threads']} threads, load average "
+        f"{data['load_average']['start'][0]:.2f} at the start.",
+        "",
+        *_head(
+            "dtype",
+            "batch",
+            "contender",
+            "decode median ms",
+            "p90 ms",
+            "O2 speed-up vs it",
+            "token agreement",
+        ),
+    ]
+    for r in rows:
+        mine = o2.get((r["dtype"], r["batch"]))
+        speedup = f"{r['median_ms'] / mine:.2f}x" if mine else "—"
+        out.append(
+            f"| {r['dtype']} | {r['batch']} | {r['contender']} | {r['median_ms']:.2f} | "
+            f"{r['p90_ms']:.2f} | {speedup} | {r['token_agreement']:.2f} vs "
+            f"{r['agreement_ref']} |"
+        )
+    out += [
+        "",
+        f"O2 batch 1 against its active-weight floor ({data['floor_ms']:.2f} ms: "
+        f"{data['active_weight_bytes']['total'] / 1e6:.1f} MB at "
+        f"{data['bandwidth_gb_s']:.1f} GB/s): {data['o2_b1_over_floor']:.2f}x.",
+    ]
+    return out
+
+
+@table(
+    "synthetic_models",
+    "models/synthetic",
+    "python -m experiments.synthetic.train (the commands below)",
+)
+def _synthetic_models(folder: Path) -> list[str]:
+    out = [
+        *_head(
+            "folder",
+            "model",
+            "size",
+            "training",
+            "held-out exact match (O0)",
+            "greedy acceptance by its target",
+        ),
+    ]
+    for metrics in sorted(folder.glob("*/metrics.json")):
+        m = json.loads(metrics.read_text())
+        r, t, ev = m["recipe"], m["training"], m["eval"]
+        size = (metrics.parent / "model.safetensors").stat().st_size / 1e6
+        model = (
+            f"Llama, {r['num_layers']} layer(s), hidden {r['hidden_size']}, {r['num_heads']} "
+            f"heads, vocab {m['format']['vocab_size']}, {t['parameters'] / 1e3:.0f}k params"
+        )
+        training = (
+            f"{t['steps']} steps × {r['batch_size']}, {t['train_seconds']:.0f} s on "
+            f"{r['threads']} CPU thread(s)"
+        )
+        schemes = [k for k, v in ev.items() if isinstance(v, dict) and "exact_match" in v]
+        exact = ", ".join(f"{ev[k]['exact_match']:.3f} {k}" for k in schemes) + f" (n={ev['n']})"
+        draft = m.get("draft")
+        accept = (
+            ", ".join(
+                f"{v['acceptance_rate']:.3f} at k = {k}" for k, v in sorted(draft["by_k"].items())
+            )
+            + f" (`{draft['target']}/`, n={draft['n']})"
+            if draft
+            else "—"
+        )
+        out.append(
+            f"| `{metrics.parent.name}/` | {model} | {size:.1f} MB | {training} | {exact} "
+            f"| {accept} |"
         )
     return out
 

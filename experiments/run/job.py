@@ -32,7 +32,7 @@ from experiments.run.job_inputs import (
 )
 from experiments.run.job_summary import summary
 from experiments.run.sweep import (
-    Entry,
+    PendingJob,
     agreement,
     failure_record,
     finish_all,
@@ -123,14 +123,18 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     return entry.result
 
 
-def prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any]], None]) -> Entry:
+def prepare_job(
+    cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any]], None]
+) -> PendingJob:
     """Everything of a job but its timing rounds: the LLM (cold start timed), one generation
     (outputs, trace, first-token logits), the warm start, agreement with O0."""
     with compiler_caches_under(cfg.cache_dir):
         return _prepare_job(cfg, out_dir, finish)
 
 
-def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any]], None]) -> Entry:
+def _prepare_job(
+    cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any]], None]
+) -> PendingJob:
     check_job_settings(cfg)
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
@@ -142,7 +146,7 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
     model_path = resolve_model_path(cfg.model)
     cc = compilation_config(cfg)
     process_init_s = None
-    if cc.level != 0 and cc.backend in (None, "inductor"):
+    if cc.level != 0 and cc.compiler in (None, "inductor"):
         process_init_s = warm_up_compiler()
     t0 = time.perf_counter()
     llm = build_llm(cfg, model_path, cc)
@@ -250,7 +254,7 @@ def _prepare_job(cfg: DictConfig, out_dir: Path, finish: Callable[[dict[str, Any
         "ranges_used": _ranges_used(llm, trace),
         "stats": {k: v for k, v in stats.items() if k != "passes"},
     }
-    return Entry(
+    return PendingJob(
         llm=llm,
         prompts=prompts,
         max_new_tokens=max_new_tokens,

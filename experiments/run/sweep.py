@@ -36,7 +36,7 @@ logger = logging.getLogger("experiments.run.sweep")
 
 
 @dataclass
-class Entry:
+class PendingJob:
     """One configuration waiting for its timing rounds."""
 
     llm: Any
@@ -72,7 +72,7 @@ class SweepJobsFailed(SystemExit):
     a callback into a warning, and a sweep that lost jobs must not exit 0."""
 
 
-_PARKED: list[Entry] = []
+_PARKED: list[PendingJob] = []
 _FAILED: list[str] = []
 """One line per job of this multirun that failed before it could be parked."""
 
@@ -95,23 +95,23 @@ def failure_record(exc: BaseException, when: str) -> dict[str, Any]:
     }
 
 
-def _fail_entry(entry: Entry, when: str, exc: Exception) -> None:
+def _fail_entry(entry: PendingJob, when: str, exc: Exception) -> None:
     logger.exception("job %s failed during %s", entry.result.get("job_dir"), when)
     record = failure_record(exc, when)
     entry.error = record["error"]
     entry.result.update(record)
 
 
-def park(entry: Entry) -> None:
+def park(entry: PendingJob) -> None:
     """Keep ``entry`` for the interleaved rounds at the end of the sweep."""
     _PARKED.append(entry)
 
 
-def parked() -> list[Entry]:
+def parked() -> list[PendingJob]:
     return list(_PARKED)
 
 
-def build_instances(entries: list[Entry], rounds: int) -> None:
+def build_instances(entries: list[PendingJob], rounds: int) -> None:
     """The instances the rounds time: ``builds`` rebuilds of every entry.
 
     Why not time the cold build: measured here (default tiny model, fp32, O2, one process,
@@ -155,12 +155,12 @@ def build_instances(entries: list[Entry], rounds: int) -> None:
             e.llm = None  # the cold build: outputs and trace are taken, memory back
 
 
-def per_round_builds(entry: Entry, rounds: int) -> bool:
+def per_round_builds(entry: PendingJob, rounds: int) -> bool:
     """Whether every round of ``entry`` times a fresh build (see :func:`build_instances`)."""
     return entry.rebuild is not None and entry.builds >= rounds
 
 
-def instance_for(entry: Entry, r: int, rounds: int) -> tuple[Any, int]:
+def instance_for(entry: PendingJob, r: int, rounds: int) -> tuple[Any, int]:
     """The instance round ``r`` times and its build index: a fresh build (warmed by one
     untimed generation) when every round has its own, else the prebuilt ``r % builds``."""
     if per_round_builds(entry, rounds):
@@ -172,7 +172,7 @@ def instance_for(entry: Entry, r: int, rounds: int) -> tuple[Any, int]:
     return entry.instances[r % len(entry.instances)], r % len(entry.instances)
 
 
-def time_round(entry: Entry, r: int = 0, rounds: int = 0) -> None:
+def time_round(entry: PendingJob, r: int = 0, rounds: int = 0) -> None:
     """Generate the workload once on round ``r``'s instance (:func:`instance_for`) and
     append this round's samples (ms, tokens/s, which build)."""
     llm, index = instance_for(entry, r, rounds)
@@ -200,7 +200,7 @@ def time_round(entry: Entry, r: int = 0, rounds: int = 0) -> None:
         entry.samples.setdefault(key, []).append(value)
 
 
-def run_rounds(entries: list[Entry], rounds: int) -> None:
+def run_rounds(entries: list[PendingJob], rounds: int) -> None:
     """The timed instances (:func:`build_instances`), one untimed round of each prebuilt one
     (page faults, lazy allocations and allocator state settled alike; a per-round build gets
     its own), then ``rounds`` timed generations of every entry, round-robin with a rotating
@@ -238,7 +238,7 @@ def _latency(round_medians: list[Optional[float]], steps: list[float]) -> Option
     }
 
 
-def complete(entry: Entry, interleaved: bool) -> dict[str, Any]:
+def complete(entry: PendingJob, interleaved: bool) -> dict[str, Any]:
     """Fill the timing part of the entry's result from its rounds."""
     r = entry.result
     s = entry.samples
@@ -258,7 +258,7 @@ def complete(entry: Entry, interleaved: bool) -> dict[str, Any]:
     return r
 
 
-def agree_with_baseline(entries: list[Entry]) -> None:
+def agree_with_baseline(entries: list[PendingJob]) -> None:
     """``agreement`` of every entry against its cell's baseline configuration
     (experiments/run/cells.py: the baseline that shares its values of the other swept keys)."""
     plan = plan_cells(
@@ -310,7 +310,7 @@ def agreement(
     }
 
 
-def finish_all(entries: list[Entry], rounds: int, interleaved: bool) -> None:
+def finish_all(entries: list[PendingJob], rounds: int, interleaved: bool) -> None:
     run_rounds(entries, rounds)
     agree_with_baseline(entries)
     for e in entries:

@@ -64,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--level", type=int, default=2, help="optimization level (default 2)")
     p.add_argument("--dtype", default="float32")
     p.add_argument(
-        "--backend",
+        "--compiler",
         default="inductor",
         choices=["inductor", "eager"],
         help="compiler adaptor (eager: same post-grad graphs, no Inductor codegen)",
@@ -93,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         compilation_config=CompilationConfig(
             debug_dump_path=str(dump),
             progress_bar=False,
-            backend=args.backend,
+            compiler=args.compiler,
             pass_config=pass_config,
         ),
     )

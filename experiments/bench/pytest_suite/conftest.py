@@ -97,7 +97,7 @@ class StepHarness:
 
     def close(self) -> None:
         for r in self.reqs:
-            self.llm.allocator.free(r.block_ids)
+            self.llm.block_manager.free(r.block_ids)
             r.block_ids = []
         runner = self.llm.runner
         for times in runner.step_times.values():

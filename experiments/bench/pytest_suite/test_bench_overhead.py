@@ -4,7 +4,7 @@
 * ``PiecewiseRuntime.__call__``: token count from the arguments, range/size lookup, call of
   a trivial runnable (once per compiled piece per step);
 * the whole per-step path: forward context + ``TraceOnce`` (argument check and binding) + one
-  dispatch per piece of a Llama-style split (layers + 1 pieces) -- issue 6 wants <= 50 us;
+  dispatch per piece of a Llama-style split (layers + 1 pieces); the target is <= 50 us;
 * ``ModelRunner.build_context`` for a decode batch (input staging + attention metadata).
 """
 

@@ -23,7 +23,7 @@ def test_stats_count_each_weight_once_in_the_layout_the_kernels_read(llama_check
         str(llama_checkpoint),
         dtype="bfloat16",
         max_model_len=64,
-        compilation_config=CompilationConfig(level=1, backend="eager", progress_bar=False),
+        compilation_config=CompilationConfig(level=1, compiler="eager", progress_bar=False),
     )
     assert plain.stats["memory_packed_weight_bytes"] == 0
     s = packed.stats
@@ -55,7 +55,7 @@ def test_loading_reads_into_the_parameters_without_a_second_copy(tmp_path):
     script = textwrap.dedent(
         f"""
         import json, torch
-        from framework.engine.stats import process_memory
+        from framework.engine.llm_stats import process_memory
         from models.loader import load_weights
 
         class M(torch.nn.Module):

@@ -10,9 +10,7 @@ import pytest
 from experiments.report import readme_tables as rt
 
 ROOT = Path(__file__).resolve().parents[3]
-READMES = sorted(
-    p for p in ROOT.rglob("README.md") if ".venv" not in p.parts and "multirun" not in p.parts
-)
+READMES = rt.readme_files(ROOT)
 
 
 def test_every_generated_table_matches_its_results_file():
@@ -24,8 +22,32 @@ def test_every_generated_table_matches_its_results_file():
             f"{path}: regenerate with `python -m experiments.report.readme_tables`: {changed}"
         )
         seen += [b.name for b in rt.blocks(text.split("\n"), str(path))]
-    # the README's result tables are generated, each from its own file
-    assert {"ablate_passes", "ablate_compile", "aa_noise_10", "serve_bench"} <= set(seen)
+    # the READMEs' result tables are generated, each from its own file
+    assert {
+        "ablate_passes",
+        "ablate_compile",
+        "aa_noise_10",
+        "serve_bench",
+        "spec_bench",
+        "moe_bench",
+    } <= set(seen)
+
+
+def test_no_readme_holds_a_result_table_written_by_hand():
+    assert len(READMES) >= 8, READMES  # the top-level README and every area's
+    hand = [w for p in READMES for w in rt.hand_written_result_tables(p.read_text(), str(p))]
+    assert not hand, f"result tables without a results file (generate or delete them): {hand}"
+
+
+def test_a_hand_written_result_table_is_found_and_fails_the_check(tmp_path):
+    text = (
+        "# x\n\n| level | compile |\n|---|---|\n| O1 | Inductor |\n\n"
+        "| configuration | decode ms |\n|---|---|\n| O2 | 6.95 ms |\n"
+    )
+    assert rt.hand_written_result_tables(text, "R.md") == ["R.md:7"]
+    readme = tmp_path / "README.md"
+    readme.write_text(text)
+    assert rt.main(["--check", str(readme)]) == 1
 
 
 def test_a_hand_edit_inside_a_block_is_caught_and_rewritten():

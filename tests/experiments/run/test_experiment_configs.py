@@ -25,11 +25,11 @@ EXPERIMENT_DIR = CONF_DIR / "experiment"
 # Inductor path is covered by tests/experiments/test_run.py). Never the baseline job, so the
 # job exercises the swept setting.
 SMOKE_JOBS = {
-    "aa_noise": ["compile=O1", "compile.backend=eager", "seed=1"],
-    "ablate_levels": ["compile=O1", "compile.backend=eager", "compile.pass_config.passes=[]"],
-    "ablate_compile": ["compile=O1", "compile.backend=eager", "compile.pass_config.passes=[]"],
+    "aa_noise": ["compile=O1", "compile.compiler=eager", "seed=1"],
+    "ablate_levels": ["compile=O1", "compile.compiler=eager", "compile.pass_config.passes=[]"],
+    "ablate_compile": ["compile=O1", "compile.compiler=eager", "compile.pass_config.passes=[]"],
     # O2 as the experiment sets it (eager adaptor: the passes run, nothing is compiled)
-    "ablate_passes": ["compile.backend=eager", "toggle_passes=[fuse_add_rmsnorm]"],
+    "ablate_passes": ["compile.compiler=eager", "toggle_passes=[fuse_add_rmsnorm]"],
     "ablate_quant": ["compile=O0", "quantization=int8_per_channel_weight_only"],
     "sweep_sizes": ["compile=O0", "size_set=chosen_k4"],
     "bench_vs_hf": ["compile=O0", "workload.prompt_len_min=8", "workload.prompt_len_max=8"],
@@ -196,7 +196,7 @@ def test_committed_sweep_sizes_trace_is_the_trace_of_its_workload(tmp_path):
     )
 
 
-ABLATE_FAST = [*TINY, "compile.backend=eager", "check_agreement=false", "rounds=2"]
+ABLATE_FAST = [*TINY, "compile.compiler=eager", "check_agreement=false", "rounds=2"]
 """The ablate_passes job at O2 as the experiment sets it, with the eager adaptor (the passes
 run on every piece, nothing is compiled by Inductor)."""
 

@@ -11,7 +11,7 @@ import pytest
 from hydra_job_harness import TINY, run_job_in_process
 
 from experiments.run import sweep
-from experiments.run.sweep import Entry, InterleavedRounds, SweepJobsFailed
+from experiments.run.sweep import InterleavedRounds, PendingJob, SweepJobsFailed
 
 ROOT = Path(__file__).resolve().parents[3]
 FAST = [*TINY, "compile=O0", "rounds=1", "builds=1", "check_agreement=false"]
@@ -50,7 +50,7 @@ class _FakeLLM:
 
 
 def _entry(llm, job, finished):
-    return Entry(
+    return PendingJob(
         llm=llm,
         prompts=[[1, 2, 3]],
         max_new_tokens=2,

@@ -8,7 +8,7 @@ def test_prints_dynamo_post_grad_and_after_each_pass(llama_checkpoint, tmp_path,
         [
             "--model",
             str(llama_checkpoint),
-            "--backend",
+            "--compiler",
             "eager",
             "--piece",
             "submod_2",
@@ -40,7 +40,7 @@ def test_unknown_piece_lists_the_pieces(llama_checkpoint, tmp_path, capsys):
         [
             "--model",
             str(llama_checkpoint),
-            "--backend",
+            "--compiler",
             "eager",
             "--piece",
             "nope",

@@ -1,4 +1,4 @@
-"""``python -m passes.new NAME`` writes a working pass and a passing test from its template."""
+"""``python -m passes.scaffold NAME`` writes a working pass and a passing test from its template."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from passes.new import main, module_name_for, scaffold
+from passes.scaffold import main, module_name_for, scaffold
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ def test_scaffold_writes_a_pass_whose_own_test_passes(tmp_path):
 
 
 def test_scaffold_makes_the_out_folder_a_package_as_in_the_tutorial(tmp_path, capsys):
-    """``python -m passes.new swap_add --out mylab`` (the tutorial's layout): mylab becomes a
+    """``python -m passes.scaffold swap_add --out mylab`` (the tutorial's layout): mylab becomes a
     package and the printed import path is mylab.swap_add, importable from mylab's parent."""
     out = tmp_path / "mylab"
     assert main(["swap_add", "--out", str(out)]) == 0

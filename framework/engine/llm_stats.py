@@ -1,7 +1,8 @@
-"""Typed, per-instance engine statistics: what one ``LLM``'s construction took.
+"""What ``llm.stats`` reports, typed and per instance: what one ``LLM``'s construction took, its
+step times, its compiled pieces and its memory.
 
 Each ``LLM`` owns its own :class:`StartupStats`; capture counts come from the engine's own
-CUDA-graph wrappers (:meth:`framework.cudagraph.setup.GraphSetup.stats`), never from a
+CUDA-graph wrappers (:meth:`framework.cudagraph.graph_setup.GraphSetup.stats`), never from a
 process-wide sum, so a second engine in one process reports its own captures.
 """
 

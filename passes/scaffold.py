@@ -1,4 +1,4 @@
-"""Scaffold a new pass: ``python -m passes.new NAME [--out DIR]``.
+"""Scaffold a new pass: ``python -m passes.scaffold NAME [--out DIR]``.
 
 Writes ``DIR/__init__.py`` when ``DIR`` is not the current folder and has none (so ``DIR`` is
 a package, as in the tutorial's ``mylab/``), ``DIR/NAME.py`` (a plain-function pass that
@@ -48,7 +48,7 @@ def {name}(graph: torch.fx.Graph) -> int:
     return matches
 '''
 
-TEST_TEMPLATE = '''"""Tests of the {name} pass (written by python -m passes.new)."""
+TEST_TEMPLATE = '''"""Tests of the {name} pass (written by python -m passes.scaffold)."""
 
 import torch
 
@@ -111,10 +111,10 @@ def scaffold(name: str, out: Path) -> tuple[Path, Path]:
     """Write the pass and its test (and ``out/__init__.py``, see the module docstring);
     returns the pass's and the test's paths."""
     if not name.isidentifier() or keyword.iskeyword(name):
-        raise ValueError(f"passes.new: {name!r} is not a valid Python identifier")
+        raise ValueError(f"passes.scaffold: {name!r} is not a valid Python identifier")
     if out.resolve() != Path.cwd().resolve() and not out.name.isidentifier():
         raise ValueError(
-            f"passes.new: --out {out} cannot be a package (its name {out.name!r} is not a "
+            f"passes.scaffold: --out {out} cannot be a package (its name {out.name!r} is not a "
             f"Python identifier); choose a folder such as mylab"
         )
     out.mkdir(parents=True, exist_ok=True)
@@ -124,7 +124,7 @@ def scaffold(name: str, out: Path) -> tuple[Path, Path]:
     pass_file, test_file = out / f"{name}.py", out / f"test_{name}.py"
     for path in (pass_file, test_file):
         if path.exists():
-            raise FileExistsError(f"passes.new: {path} exists; not overwriting it")
+            raise FileExistsError(f"passes.scaffold: {path} exists; not overwriting it")
     pass_file.write_text(PASS_TEMPLATE.format(name=name, module=module))
     test_file.write_text(TEST_TEMPLATE.format(name=name, module=module))
     return pass_file, test_file
@@ -132,7 +132,7 @@ def scaffold(name: str, out: Path) -> tuple[Path, Path]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m passes.new", description=__doc__.split("\n")[0]
+        prog="python -m passes.scaffold", description=__doc__.split("\n")[0]
     )
     parser.add_argument("name", help="the pass's function name (a Python identifier)")
     parser.add_argument("--out", default=".", help="folder for NAME.py and test_NAME.py")
