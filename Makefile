@@ -43,7 +43,7 @@ bench-save: $(STAMP)
 
 # The lent GPU machine (Python 3.12, torch 2.11, no network, no Hydra): `make gpu-bundle`
 # here, with the network, unpacks what that image lacks into .gpu_bundle/; `make gpu-check`
-# there runs the check with the image's python3 (README "On a GPU").
+# there runs the check with the image's python3 (scripts/README.md).
 gpu-bundle:
 	PY=$(PY) bash scripts/gpu_bundle.sh
 

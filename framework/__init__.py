@@ -1,4 +1,4 @@
-"""piecewise framework, in layers (see README "Layout"): ``core`` (configs, forward context,
+"""piecewise framework, in layers (the README's "Layers"): ``core`` (configs, forward context,
 registry and op helpers), ``compile`` + ``cache`` + ``cudagraph`` (the compile spine) and
 ``engine`` (``LLM``, runner, scheduler, KV cache, sampler).
 

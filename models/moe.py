@@ -14,7 +14,7 @@ The experts' weights are the model's own stacked tensors, in the layout the kern
 copies every per-expert checkpoint tensor into its slot, so there is one copy.  After loading,
 a ``moe_method`` may replace both stacks by another layout, still one copy: quantization
 (int8 experts, ``passes.quant_schemes``), or, in bf16 on CPU, the engine's re-layout for the
-small-M kernel (``passes.ops_prepack_moe.PackedExpertsMethod``, ``piecewise::fused_moe_packed``).
+small-M kernel (``passes.ops.packed_moe.PackedExpertsMethod``, ``piecewise::fused_moe_packed``).
 
 ``fused_moe`` is an ordinary op inside the layer's piece (not a splitting op), so the graph
 still splits only at attention.

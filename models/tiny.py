@@ -96,7 +96,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
         ),
         "float32",
     ),
-    # The MoE benchmark shape (experiments.bench_moe): Qwen3-MoE style, 16 experts top-2.
+    # The MoE benchmark shape (experiments.bench.moe): Qwen3-MoE style, 16 experts top-2.
     "bench-qwen3_moe": (
         "qwen3_moe",
         dict(

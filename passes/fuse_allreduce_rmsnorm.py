@@ -19,9 +19,9 @@ feeds the final norm).  With one process there is no all-reduce in the graph and
 On CPU the op is the reference (same math, one opaque call): it measures the pattern, not a
 kernel; the fused kernel is a GPU job (see passes/README.md).
 
-Registered with the current ``@register_pass(name)``; p12's ``@register_pass(name, after=,
-levels=, fusion=)`` would say ``after="noop_elimination", fusion=True`` (it must run before
-``fuse_add_rmsnorm``, which would take the add + norm).
+Registered with ``@register_pass(name)`` alone; with ``after=`` / ``fusion=`` metadata it would
+say ``after="noop_elimination", fusion=True`` (it must run before ``fuse_add_rmsnorm``, which
+would take the add + norm).
 """
 
 from __future__ import annotations

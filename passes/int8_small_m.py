@@ -19,7 +19,7 @@ Two kernels (``csrc/int8_linear.cpp``) over one weight layout:
 Layout (:func:`pack`): panels of 64 output channels, 4 consecutive k per 32-bit lane,
 ``packed[p][i][j][t] = W_q[64 p + j][4 i + t]``, zero-padded: ``[ceil(N/64), ceil(K/4), 64, 4]``
 int8.  The engine re-lays each quantised weight once after loading
-(:class:`passes.ops_int8.PackedInt8LinearMethod`); that tensor is the layer's weight.
+(:class:`passes.ops.int8_packed_linear.PackedInt8LinearMethod`); that tensor is the layer's weight.
 
 The ops the graph calls (``piecewise::int8_packed_linear``, ``int8_wo_packed_linear``) run
 these kernels from C++ (``csrc/torch_ops.cpp``, :mod:`passes.native_ops`); the ctypes entry
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_ROWS = 64
 """Rows (tokens) up to which the int8 kernels run; more rows go to ``torch._int_mm`` (W8A8)
 or torch's weight-only path.  The default of ``KernelConfig.int8_small_m_max_rows``.
-Measured (``python -m experiments.bench_small_m_linear --kernels int8``, the tiny and 1.1B
+Measured (``python -m experiments.bench.small_m_linear --kernels int8``, the tiny and 1.1B
 shapes, M = 1..64): the W8A8 kernel's geometric-mean speed-up over ``dynamic_per_token_quant``
 + ``_int_mm`` on a plain weight stays above 1 at every measured M (2.3x at M = 1, 2.3x at 16,
 1.3x at 40, 1.2x at 64; the largest weights trail from M = 40-48), and over what a packed

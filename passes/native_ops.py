@@ -51,9 +51,9 @@ def load() -> bool:
     False, with one warning, where it cannot be built: the ops' Python bodies then run."""
     if compiler() is None:
         return False
-    import passes.ops_int8  # noqa: F401  (define the ops and their Python twins first)
-    import passes.ops_prepack  # noqa: F401
-    import passes.ops_prepack_moe  # noqa: F401
+    import passes.ops.int8_packed_linear  # noqa: F401  (the ops and their Python twins first)
+    import passes.ops.packed_linear  # noqa: F401
+    import passes.ops.packed_moe  # noqa: F401
 
     try:
         LIBRARY.load()

@@ -3,16 +3,16 @@
 The re-layout is not a graph rewrite: packed weights must be the model's own tensors (one
 copy, in the layout the kernels read), so it happens once after loading, before tracing --
 the engine's model preparation (``framework/engine/model_prep.py``) installs
-:class:`passes.ops_prepack.PackedLinearMethod` on every CPU linear whose weight nothing else
+:class:`passes.ops.packed_linear.PackedLinearMethod` on every CPU linear whose weight nothing else
 shares, *when this pass is in the pass list*.  Each such linear then reaches the graph as::
 
     y = piecewise.packed_linear.default(x, w_packed, w_md, bias, N, K, max_rows)
 
 Stacked MoE experts in bf16 are re-laid out the same way (per expert, for the small-M kernel:
-:class:`passes.ops_prepack_moe.PackedExpertsMethod`) and reach the graph as
+:class:`passes.ops.packed_moe.PackedExpertsMethod`) and reach the graph as
 ``piecewise.fused_moe_packed.default(...)``.
 (int8 layers: ``piecewise.int8_packed_linear`` / ``int8_wo_packed_linear``, see
-:mod:`passes.ops_int8`.)
+:mod:`passes.ops.int8_packed_linear`.)
 
 This pass is the switch and the record: it checks that every linear of the piece arrived
 packed and counts the packed linears and packed expert ops (``match_count``);
@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 
 from passes.base import CompileRange, GraphPass, graph_device_types
-from passes.ops_int8 import PACKED_OPS
-from passes.ops_prepack import mkldnn_available, packed_linear
-from passes.ops_prepack_moe import fused_moe_packed
+from passes.ops.int8_packed_linear import PACKED_OPS
+from passes.ops.packed_linear import mkldnn_available, packed_linear
+from passes.ops.packed_moe import fused_moe_packed
 from passes.registry import register_pass
 
 

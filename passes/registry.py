@@ -10,7 +10,7 @@ The metadata on each pass is the one source of three things that used to be hand
   type to the lowest optimization level that runs the pass (every level above runs it too; a
   device type not named never runs it by default; unknown device types use ``"cpu"``);
 - the **ablation sweep** of ``conf/experiment/ablate_passes.yaml`` (every registered pass
-  flipped once; ``experiments.run`` expands it from :func:`canonical_order`).
+  flipped once; ``experiments.run.job`` expands it from :func:`canonical_order`).
 
 Config names passes by registry name or by import path ``module.sub:ClassName`` (an out-of-tree
 pass, no framework edit needed). Installed packages add passes through the entry-point group

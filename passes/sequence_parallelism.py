@@ -27,8 +27,8 @@ equal chunks; below the threshold the extra collectives cost more than the 1/N n
 The pass records list the ranges it ran on.  For two ranks the sums are bitwise those of the
 all-reduce (a + b), so tokens are unchanged.
 
-Registered with the current ``@register_pass(name)``; p12's metadata form would be
-``after="noop_elimination", fusion=True``: it runs before ``fuse_allreduce_rmsnorm`` so that
+Registered with ``@register_pass(name)`` alone; with ``after=`` / ``fusion=`` metadata it would
+be ``after="noop_elimination", fusion=True``: it runs before ``fuse_allreduce_rmsnorm`` so that
 fusion takes only what this pass leaves.
 """
 

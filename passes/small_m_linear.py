@@ -12,7 +12,7 @@ Why: at batch 1 a linear is a GEMV that only has to stream its weight once; oneD
 bandwidth.  The kernel reads the weight re-laid out into panels of 64 output features
 (:func:`pack`, see the .cpp), so each thread streams contiguous memory and needs no horizontal
 reductions.  That panel layout is the layer's own weight (``piecewise::packed_linear``,
-:mod:`passes.ops_prepack`): the engine re-lays each weight once after loading and releases
+:mod:`passes.ops.packed_linear`): the engine re-lays each weight once after loading and releases
 the original; on AVX512-BF16 machines it is also oneDNN's packed layout, so larger batches
 run oneDNN on the same bytes.
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_ROWS = 64
 """Rows (tokens) up to which the kernel runs; more rows go to oneDNN.  The default of
-``KernelConfig.small_m_max_rows``.  Measured (``python -m experiments.bench_small_m_linear``,
+``KernelConfig.small_m_max_rows``.  Measured (``python -m experiments.bench.small_m_linear``,
 the tiny and 1.1B shapes, M = 1..64): the geometric mean of the kernel's speed-up over oneDNN
 stays above 1 at every measured M (1.8x at M = 1, 1.3x at 16, 1.1x at 40 and 64; the tiny LM
 head alone is even from M = 48), so the crossover lies at or past 64, the largest M

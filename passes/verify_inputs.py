@@ -215,7 +215,7 @@ def attention_context(graph: torch.fx.Graph, size: int) -> Iterator[None]:
     block_size = 16
     num_blocks = -(-size // block_size)
     md = AttentionMetadata(
-        backend="torch",
+        attention_backend="torch",
         num_actual_tokens=size,
         num_reqs=1,
         max_query_len=size,

@@ -2,7 +2,7 @@
 # `make gpu-bundle`: with the network, unpack into .gpu_bundle/site (git-ignored) the
 # pure-Python packages of scripts/gpu_bundle_requirements.txt for Python 3.12, the lent GPU
 # image's python3, which has no package index.  scripts/gpu_env.sh makes them importable
-# there; the device `run` call carries .gpu_bundle (README "On a GPU").  A few MiB.
+# there; the device `run` call carries .gpu_bundle (scripts/README.md).  A few MiB.
 #
 # Environment: PY (default python3: any Python with pip; nothing is installed into it),
 # GPU_BUNDLE_DIR (default .gpu_bundle).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for the lent GPU machine (`make gpu-check`; README "On a GPU" gives the
+# The GPU check, for the lent GPU machine (`make gpu-check`; scripts/README.md gives the
 # device `run` call).  That machine's python3 is Python 3.12 with torch 2.11 (CUDA 13.0) and
 # Triton 3.6, has no package index and no Hydra: this script installs NOTHING.  It uses
 # ${PYTHON:-python3} as it is, sources scripts/gpu_env.sh (this tree + the bundle of `make
@@ -10,7 +10,7 @@
 #   3. the tensor-parallel check, TP=2 (NCCL) against TP=1 at O2 (skips below 2 GPUs);
 #   4. the decode benchmark (eager / PIECEWISE / FULL_AND_PIECEWISE / transformers with
 #      torch.compile(mode="reduce-overhead"), batch 1/8/32, bf16);
-#   5. prints ONE markdown table (between the "README table" markers) for README "On a GPU".
+#   5. prints ONE markdown table (between the "README table" markers) for scripts/README.md.
 # Budget: under 8 minutes in all (tests <= 170 s, TP <= 60 s, benchmark <= 210 s, each
 # enforced with `timeout`).  Results and logs go to $GPU_CHECK_OUT, else $OUT (the device
 # tool's folder that comes back), else outputs/gpu_check: tests.xml, tests.log, tp.log,
@@ -56,8 +56,8 @@ export PYTHONUNBUFFERED=1
 TEST_MARKS="gpu or triton_kernel"
 TEST_SEL=(-m pytest -q -p no:cacheprovider -m "$TEST_MARKS")
 TEST_CMD=("${TEST_SEL[@]}" --junitxml "$RES/tests.xml" tests)
-TP_CMD=(-m experiments.bench_tp --device cuda --tp 2 --level 2 --check --json "$RES/tp_check.json")
-BENCH_CMD=(-m experiments.gpu_decode_bench --batch-sizes 1 8 32 --dtype bfloat16
+TP_CMD=(-m experiments.bench.tp --device cuda --tp 2 --level 2 --check --json "$RES/tp_check.json")
+BENCH_CMD=(-m experiments.bench.gpu_decode --batch-sizes 1 8 32 --dtype bfloat16
            --out "$RES/decode_bench.json")
 
 step() { printf '\n=== %s (%ss) ===\n' "$1" "$(( $(date +%s) - START ))"; }
@@ -116,11 +116,11 @@ EOF_PY
 import_all_and_collect() {
     "$PY" - "${TEST_SEL[@]:2}" --collect-only tests <<'EOF_PY'
 import importlib, pkgutil, sys
-names = ["torch._inductor.compile_fx", "triton.language", "experiments.gpu_decode_bench",
-         "experiments.bench_tp"]
+names = ["torch._inductor.compile_fx", "triton.language", "experiments.bench.gpu_decode",
+         "experiments.bench.tp"]
 # The OpenAI-compatible server (the `serve` extra: fastapi, uvicorn) is not on the GPU image
 # and not part of this check.
-SERVING = ("framework.serve", "experiments.bench_serve")
+SERVING = ("framework.serve", "experiments.bench.serve")
 for pkg in ("framework", "backends", "passes", "models", "experiments"):
     mod = importlib.import_module(pkg)
     names += [m.name for m in pkgutil.walk_packages(mod.__path__, pkg + ".")

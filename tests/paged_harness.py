@@ -70,7 +70,7 @@ class PagedHarness:
         for i, s in enumerate(seqs):
             table[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
         md = AttentionMetadata(
-            backend=self.backend,
+            attention_backend=self.backend,
             num_actual_tokens=num_tokens,
             num_reqs=len(seqs),
             max_query_len=max(len(c) for c in chunks),

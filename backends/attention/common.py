@@ -83,7 +83,7 @@ def attention(
             f"no attention metadata for layer {layer_name!r} in the forward "
             f"context (layers with metadata: {sorted(ctx.attn_metadata)[:4]}...)"
         )
-    BACKENDS.get(md.backend).forward(
+    BACKENDS.get(md.attention_backend).forward(
         q, k, v, out, ctx.kv_caches[layer_name], md, scale, sliding_window
     )
 

@@ -26,7 +26,7 @@ def default_backend(device: "torch.device | str") -> str:
     """The attention backend a model gets when none is named.
 
     CPU: ``cpu_paged``, the fused kernel (4-5x faster than the plain-torch backend per layer
-    call at decode sizes, measured by ``python -m experiments.bench_attention``), when a C++
+    call at decode sizes, measured by ``python -m experiments.bench.attention``), when a C++
     compiler is there to build it; otherwise ``torch``.  Other devices keep ``torch`` (the
     Triton backend is chosen explicitly on GPU, as before).
     """

@@ -88,7 +88,7 @@ COMPILERS: Registry[type[CompilerAdaptor]] = Registry(
 
 def register_compiler(name: str) -> Callable[[type[CompilerAdaptor]], type[CompilerAdaptor]]:
     """Class decorator: make a :class:`CompilerAdaptor` subclass selectable as
-    ``CompilationConfig.backend=name``."""
+    ``CompilationConfig.compiler=name``."""
 
     def deco(cls: type[CompilerAdaptor]) -> type[CompilerAdaptor]:
         if not (isinstance(cls, type) and issubclass(cls, CompilerAdaptor)):

@@ -114,7 +114,7 @@ def _build_piecewise(
 
     passes = build_pass_manager(config, dtype, quant_hash)
     compiler = make_compiler(
-        config.backend, graph_pass=passes, inductor_config=config.inductor_config
+        config.compiler, graph_pass=passes, inductor_config=config.inductor_config
     )
     store = None
     if config.use_cache and compiler.produces_artifacts:

@@ -17,7 +17,7 @@ class AttentionMetadata:
     the ``*_cpu`` lists are host copies so the CPU path never synchronizes.
     """
 
-    backend: str
+    attention_backend: str
     """Name of the registered attention backend that runs this step."""
     num_actual_tokens: int
     """Real (unpadded) tokens; rows past this are padding."""

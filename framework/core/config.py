@@ -154,7 +154,7 @@ class KernelConfig(StrictConfig):
     """Rows (tokens) up to which a linear runs the small-M kernel; more go to oneDNN.  The
     kernel streams each weight panel once for all rows (row passes over k-blocks in cache), so
     it leads oneDNN up to at least 64 rows on the tiny and 1.1B shapes
-    (``passes.small_m_linear.DEFAULT_MAX_ROWS``, ``experiments/bench_small_m_linear.py``)."""
+    (``passes.small_m_linear.DEFAULT_MAX_ROWS``, ``experiments/bench/small_m_linear.py``)."""
     int8_small_m_max_rows: int = 64
     """Rows up to which an int8 linear (``int8_per_token``, ``int8_per_channel_weight_only``)
     runs the small-M int8 kernel (``passes/int8_small_m.py``; its weight is then re-laid out
@@ -186,13 +186,15 @@ class KernelConfig(StrictConfig):
 class CompilationConfig(StrictConfig):
     """How the model is traced, split, compiled, cached and wrapped in CUDA graphs."""
 
+    renamed_fields = {"backend": "compiler"}
+
     level: Optional[int] = None
     """Optimization level 0–3 whose defaults fill every unset field (``None``:
     :data:`DEFAULT_LEVEL`)."""
     mode: Optional[CompilationMode] = None
     """NONE (eager) or PIECEWISE.  (Stock ``torch.compile`` baselines of the transformers
-    model are contenders in ``experiments/contenders.py``, not a mode of this engine.)"""
-    backend: Optional[str] = None
+    model are contenders in ``experiments/bench/contenders.py``, not a mode of this engine.)"""
+    compiler: Optional[str] = None
     """Compiler adaptor for pieces: ``inductor``, ``eager`` or a registered plugin
     (``backends.piecewise.compiler.COMPILERS``)."""
     splitting_ops: Optional[list[str]] = None
@@ -232,12 +234,12 @@ class CompilationConfig(StrictConfig):
             raise ValueError(
                 f"CompilationConfig.level: must be one of 0, 1, 2, 3, got {self.level!r}"
             )
-        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+        if self.compiler is not None and (not isinstance(self.compiler, str) or not self.compiler):
             # The name itself is checked against backends.piecewise.compiler.COMPILERS (plugins
             # included) when the compiler is built.
             raise ValueError(
-                f"CompilationConfig.backend: expected a compiler adaptor name such as "
-                f"'inductor' or 'eager', got {self.backend!r}"
+                f"CompilationConfig.compiler: expected a compiler adaptor name such as "
+                f"'inductor' or 'eager', got {self.compiler!r}"
             )
         if self.max_num_tokens is not None and (
             isinstance(self.max_num_tokens, bool)
@@ -296,8 +298,8 @@ class CompilationConfig(StrictConfig):
             values[name] = default if current is None else current
         values["level"] = level
         values["max_num_tokens"] = self.max_num_tokens or max_num_tokens
-        if values["backend"] is None:
-            values["backend"] = "inductor"
+        if values["compiler"] is None:
+            values["compiler"] = "inductor"
         if values["splitting_ops"] is None:
             values["splitting_ops"] = [ATTENTION_OP]
         if values["compile_ranges_endpoints"] is None:
@@ -381,19 +383,19 @@ def default_capture_sizes(max_num_tokens: int) -> list[int]:
 # metadata on each pass (``@register_pass(levels=...)``, passes/registry.py), passed to
 # :meth:`CompilationConfig.resolve` as ``level_passes`` by the layer above.
 LEVEL_DEFAULTS: dict[int, dict[str, Any]] = {
-    0: dict(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE, backend="eager"),
+    0: dict(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE, compiler="eager"),
     1: dict(
-        mode=CompilationMode.PIECEWISE, cudagraph_mode=CUDAGraphMode.PIECEWISE, backend="inductor"
+        mode=CompilationMode.PIECEWISE, cudagraph_mode=CUDAGraphMode.PIECEWISE, compiler="inductor"
     ),
     2: dict(
         mode=CompilationMode.PIECEWISE,
         cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-        backend="inductor",
+        compiler="inductor",
     ),
     3: dict(
         mode=CompilationMode.PIECEWISE,
         cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-        backend="inductor",
+        compiler="inductor",
     ),
 }
 for _d in LEVEL_DEFAULTS.values():
@@ -402,6 +404,6 @@ for _d in LEVEL_DEFAULTS.values():
         "compile_ranges_endpoints",
         "compile_sizes",
         "cudagraph_capture_sizes",
-        "backend",
+        "compiler",
     ):
         _d.setdefault(_name, None)

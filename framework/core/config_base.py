@@ -13,7 +13,7 @@ import enum
 import hashlib
 import json
 import typing
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 NO_HASH = {"hash": False}
 """Field metadata: leave this field out of :meth:`StrictConfig.compute_hash`."""
@@ -68,6 +68,9 @@ def _coerce(owner: str, name: str, tp: Any, value: Any) -> Any:
 class StrictConfig:
     """Mixin for config dataclasses.  Subclasses implement :meth:`validate`."""
 
+    renamed_fields: ClassVar[dict[str, str]] = {}
+    """Old field name -> new one: passing an old name is an error that names its new one."""
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
@@ -80,6 +83,10 @@ class StrictConfig:
         owner = _prefix or cls.__name__
         data = dict(data or {}, **kwargs)
         names = cls.field_names()
+        old = sorted(k for k in data if k in cls.renamed_fields)
+        if old:
+            moved = [f"{owner}.{k} was renamed to {owner}.{cls.renamed_fields[k]}" for k in old]
+            raise ValueError("; ".join(moved))
         unknown = sorted(k for k in data if k not in names)
         if unknown:
             raise ValueError(

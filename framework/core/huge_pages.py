@@ -6,7 +6,7 @@ tensor whatever pages ``malloc`` got: with transparent huge pages in ``madvise``
 default of many distributions) that is 4 KB pages, one TLB entry per 4 KB, and on a virtual
 machine every TLB miss walks the guest's and the host's page tables.  Streaming the 1.1B
 model's linears from 4 KB pages was 1.21x slower at 2 threads than from 2 MB pages
-(``python -m experiments.bench_page_size``).
+(``python -m experiments.bench.page_size``).
 
 :class:`HugePageAllocator` places a tensor in memory of its own: an anonymous private mapping
 (``mmap``), the tensor starting on a 2 MB boundary inside it, the whole 2 MB blocks it covers

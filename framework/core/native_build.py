@@ -14,7 +14,7 @@ op library compiles torch's headers once per machine and torch version (~20 s on
 project's 2-core machines, quiet; cached in the kernel directory like the rest).  Per call, a
 ctypes call costs ~3 µs, but reaching it from a graph also costs the op's Python body
 (reshapes, checks, ``data_ptr`` s): ~32 µs per call on a 64x64 bf16 linear against ~12 µs for
-the C++ op kernel, under load (``python -m experiments.bench_op_overhead``).
+the C++ op kernel, under load (``python -m experiments.bench.op_overhead``).
 
 The build is per machine: ``-O3 -march=native`` lets the compiler vectorise for this CPU
 (AVX-512 on the project's EPYC machines), so the cache key holds the source hash, the

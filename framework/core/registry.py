@@ -39,7 +39,7 @@ def qualified_name(obj: Any) -> str:
 
 
 @dataclass(frozen=True)
-class Entry(Generic[T]):
+class RegistryEntry(Generic[T]):
     name: str
     obj: T
     meta: dict[str, Any] = field(default_factory=dict)
@@ -58,7 +58,7 @@ class Registry(Generic[T]):
         self.kind = kind
         self.builtin_modules = builtin_modules
         self.entry_point_group = entry_point_group
-        self._entries: dict[str, Entry[T]] = {}
+        self._entries: dict[str, RegistryEntry[T]] = {}
         self._loaded = False
         self.plugin_errors: dict[str, str] = {}
         """Entry points that failed to load: name -> error message."""
@@ -80,7 +80,7 @@ class Registry(Generic[T]):
                 f"{qualified_name(old.obj)}; cannot register "
                 f"{qualified_name(obj)} under the same name"
             )
-        self._entries[name] = Entry(name, obj, dict(meta))
+        self._entries[name] = RegistryEntry(name, obj, dict(meta))
         return obj
 
     def register(self, name: str, **meta: Any) -> Callable[[T], T]:
@@ -123,7 +123,7 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         return self.entry(name).obj
 
-    def entry(self, name: str) -> Entry[T]:
+    def entry(self, name: str) -> RegistryEntry[T]:
         self.load()
         try:
             return self._entries[name]
@@ -143,7 +143,7 @@ class Registry(Generic[T]):
         self.load()
         return sorted(self._entries)
 
-    def entries(self) -> Iterator[Entry[T]]:
+    def entries(self) -> Iterator[RegistryEntry[T]]:
         """Entries in registration order."""
         self.load()
         return iter(list(self._entries.values()))

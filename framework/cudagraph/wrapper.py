@@ -137,7 +137,7 @@ _DEFAULT_OPS: list[CUDAGraphOps] = []
 
 def default_graph_ops() -> CUDAGraphOps:
     """The ops of wrappers built without ``graph_ops`` (stand-alone use: they share one pool).
-    An engine never uses these: :func:`framework.cudagraph.setup.setup_graphs` makes one
+    An engine never uses these: :func:`framework.cudagraph.graph_setup.setup_graphs` makes one
     ops object, with its own pool, per engine."""
     if not _DEFAULT_OPS:
         _DEFAULT_OPS.append(CUDAGraphOps())
@@ -188,7 +188,7 @@ def sum_stats(wrappers: "Iterable[CUDAGraphWrapper]") -> CUDAGraphStats:
 
 
 @dataclass
-class _Entry:
+class _CapturedGraph:
     descriptor: BatchDescriptor
     graph: Any
     output: Any
@@ -229,7 +229,7 @@ class CUDAGraphWrapper:
         self.graph_ops: GraphOps = graph_ops if graph_ops is not None else default_graph_ops()
         self.name = name or getattr(runnable, "__name__", type(runnable).__name__)
         self.stats = CUDAGraphStats()
-        self._entries: dict[BatchDescriptor, _Entry] = {}
+        self._entries: dict[BatchDescriptor, _CapturedGraph] = {}
         _LIVE_WRAPPERS.add(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -295,7 +295,7 @@ class CUDAGraphWrapper:
             lambda: self.runnable(*args, **kwargs), pool, collect_garbage=not ops.first_capture_done
         )
         ops.first_capture_done = True
-        self._entries[descriptor] = _Entry(
+        self._entries[descriptor] = _CapturedGraph(
             descriptor,
             graph,
             weak_ref_tensors(output),
@@ -315,7 +315,7 @@ class CUDAGraphWrapper:
         # tensor so the allocator tracks its lifetime; the entry keeps only the alias.
         return output
 
-    def _check_inputs(self, entry: _Entry, args: tuple, kwargs: dict) -> None:
+    def _check_inputs(self, entry: _CapturedGraph, args: tuple, kwargs: dict) -> None:
         now = _input_signature(args, kwargs)
         if len(now) != len(entry.input_signature):
             raise RuntimeError(
@@ -363,5 +363,5 @@ def clear_all_graphs() -> int:
 
 def total_stats() -> CUDAGraphStats:
     """Summed over every live wrapper of the process (a debugging view: an engine reports its
-    own wrappers' counts, :meth:`framework.cudagraph.setup.GraphSetup.stats`)."""
+    own wrappers' counts, :meth:`framework.cudagraph.graph_setup.GraphSetup.stats`)."""
     return sum_stats(list(_LIVE_WRAPPERS))

@@ -9,7 +9,7 @@ import time
 from typing import Callable, Iterator, Optional, Sequence
 
 from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
-from framework.cudagraph.setup import GraphSetup
+from framework.cudagraph.graph_setup import GraphSetup
 from framework.engine.kv_cache import NULL_BLOCK
 from framework.engine.request import Request, ScheduledChunk
 

@@ -29,6 +29,7 @@ import torch
 from framework.core.config import CompilationConfig
 from framework.engine.core import EngineCore, StepObserver
 from framework.engine.executor import Executor, InProcessExecutor, TensorParallelExecutor
+from framework.engine.llm_stats import compile_stats, memory_stats, step_time_stats
 from framework.engine.outputs import RequestOutput
 from framework.engine.parallel import (
     run_torchrun_worker,
@@ -40,7 +41,6 @@ from framework.engine.scheduler import Scheduler
 from framework.engine.spec.config import SpeculativeConfig, speculative_config_of
 from framework.engine.spec.decoder import SpecDecoder
 from framework.engine.spec.proposer import ProposerContext, build_proposer
-from framework.engine.stats import compile_stats, memory_stats, step_time_stats
 from framework.engine.tokenizer import load_tokenizer
 from framework.engine.worker import Worker
 
@@ -139,7 +139,7 @@ class LLM:
                     setattr(self, name, getattr(worker, name))
             self.spec = self._speculation(spec_config, worker, cache_dir, seed, block_size)
             self.scheduler = Scheduler(
-                worker.allocator,
+                worker.block_manager,
                 block_size=block_size,
                 max_num_seqs=max_num_seqs,
                 max_num_tokens=worker.config.max_num_tokens,
@@ -270,12 +270,12 @@ class LLM:
         out.update(step_time_stats(self.runner.step_times))
         out.update(compile_stats(self.compiled))
         out.update(self.scheduler.stats.as_dict())
-        out["kv_blocks_total"] = self.allocator.num_usable
-        out["kv_blocks_free"] = self.allocator.num_free
+        out["kv_blocks_total"] = self.block_manager.num_usable
+        out["kv_blocks_free"] = self.block_manager.num_free
         memory = memory_stats(self.model, self.kv_caches, self.packed_layers)
         out.update({f"memory_{k}": v for k, v in memory.items()})
-        if self.allocator.enable_prefix_caching:
-            out.update(self.allocator.stats.as_dict())
+        if self.block_manager.enable_prefix_caching:
+            out.update(self.block_manager.stats.as_dict())
         if self.spec is not None:
             out.update(self.spec.stats())
         return out
@@ -293,7 +293,7 @@ _WORKER_ATTRS = (
     "calibrated_scales",
     "config",
     "kv_caches",
-    "allocator",
+    "block_manager",
     "graphs",
     "compiled",
     "runner",

@@ -31,9 +31,9 @@ from framework.core.huge_pages import HugePageAllocator
 from framework.core.quantization import QuantizationConfig
 from models.loader import CheckpointError, NonFiniteWeightWarning, build_model, load_model
 from passes import native_ops
-from passes.ops_int8 import PackedInt8LinearMethod
-from passes.ops_prepack import PackedLinearMethod
-from passes.ops_prepack_moe import PackedExpertsMethod
+from passes.ops.int8_packed_linear import PackedInt8LinearMethod
+from passes.ops.packed_linear import PackedLinearMethod
+from passes.ops.packed_moe import PackedExpertsMethod
 from passes.quant_schemes import (
     apply_expert_scheme,
     apply_scheme,
@@ -113,7 +113,7 @@ def process_weights(
     the dynamic per-token and weight-only schemes are re-laid out for the small-M int8 kernel
     when ``kernel_config.int8_max_rows()`` is above 0.  Stacked MoE experts (``moe_method``
     None, bf16, the small-M kernel on) get their ``w13`` / ``w2`` re-laid out per expert
-    (:class:`passes.ops_prepack_moe.PackedExpertsMethod`)."""
+    (:class:`passes.ops.packed_moe.PackedExpertsMethod`)."""
     if "prepack_linear" not in config.pass_config.passes:
         return []
     allocator = HugePageAllocator() if allocator is None else allocator

@@ -117,7 +117,7 @@ def start_tensor_parallel(n: int, llm_args: dict[str, Any]) -> Optional["TPGroup
         return None
     check_shardable(llm_args["model"], n)
     device = str(llm_args.get("device") or "cpu")
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist_backend = "nccl" if device.startswith("cuda") else "gloo"
     for old in list(_ACTIVE):  # one group per process: a new TP LLM retires the previous one
         logger.warning("tensor parallel: closing the previous LLM's group for a new one")
         old.close(
@@ -125,11 +125,11 @@ def start_tensor_parallel(n: int, llm_args: dict[str, Any]) -> Optional["TPGroup
             "holds one process group: build it again to use it"
         )
     if dist.is_initialized() or "WORLD_SIZE" in os.environ:
-        return _join_existing(n, backend)
-    return _spawn(n, backend, llm_args)
+        return _join_existing(n, dist_backend)
+    return _spawn(n, dist_backend, llm_args)
 
 
-def _join_existing(n: int, backend: str) -> "TPGroup":
+def _join_existing(n: int, dist_backend: str) -> "TPGroup":
     """The ranks exist already: an initialized group, or ``torchrun``'s environment."""
     owns = not dist.is_initialized()
     if owns:
@@ -138,13 +138,13 @@ def _join_existing(n: int, backend: str) -> "TPGroup":
                 f"LLM.tensor_parallel_size={n} but torchrun started "
                 f"{os.environ['WORLD_SIZE']} ranks (--nproc-per-node must match)"
             )
-        dist.init_process_group(backend, timeout=_TIMEOUT)  # torchrun's env:// rendezvous
+        dist.init_process_group(dist_backend, timeout=_TIMEOUT)  # torchrun's env:// rendezvous
     if dist.get_world_size() != n:
         raise ValueError(
             f"LLM.tensor_parallel_size={n} but the process group has {dist.get_world_size()} ranks"
         )
     device = None
-    if backend == "nccl":
+    if dist_backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
@@ -154,7 +154,7 @@ def _join_existing(n: int, backend: str) -> "TPGroup":
     )
 
 
-def _spawn(n: int, backend: str, llm_args: dict[str, Any]) -> "TPGroup":
+def _spawn(n: int, dist_backend: str, llm_args: dict[str, Any]) -> "TPGroup":
     ctx = mp.get_context("spawn")
     errors, ready = ctx.Queue(), ctx.Queue()
     fd, path = tempfile.mkstemp(prefix="piecewise-tp-")
@@ -171,7 +171,7 @@ def _spawn(n: int, backend: str, llm_args: dict[str, Any]) -> "TPGroup":
         for rank in range(1, n):
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, n, backend, init, llm_args, errors, ready, threads),
+                args=(rank, n, dist_backend, init, llm_args, errors, ready, threads),
                 name=f"piecewise-tp-rank{rank}",
                 daemon=True,  # never outlive rank 0
             )
@@ -199,7 +199,9 @@ def _spawn(n: int, backend: str, llm_args: dict[str, Any]) -> "TPGroup":
     )
     try:
         group.wait_for_workers(ready)
-        dist.init_process_group(backend, init_method=init, rank=0, world_size=n, timeout=_TIMEOUT)
+        dist.init_process_group(
+            dist_backend, init_method=init, rank=0, world_size=n, timeout=_TIMEOUT
+        )
     except BaseException as e:
         group.fail(e)
     return group
@@ -256,7 +258,7 @@ class _StderrTail:
             return self._buf.decode(errors="replace")
 
 
-def _worker_main(rank, n, backend, init, llm_args, errors, ready, threads) -> None:
+def _worker_main(rank, n, dist_backend, init, llm_args, errors, ready, threads) -> None:
     """Entry point of a spawned rank: join the group, build this rank's worker, run the
     worker loop until rank 0 says stop, leave."""
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pools in a daemon
@@ -266,10 +268,10 @@ def _worker_main(rank, n, backend, init, llm_args, errors, ready, threads) -> No
     try:
         ready.put(rank)  # imported and running: rank 0 stops watching for an early exit
         dist.init_process_group(
-            backend, init_method=init, rank=rank, world_size=n, timeout=_TIMEOUT
+            dist_backend, init_method=init, rank=rank, world_size=n, timeout=_TIMEOUT
         )
         device = None
-        if backend == "nccl":
+        if dist_backend == "nccl":
             torch.cuda.set_device(rank)
             device = f"cuda:{rank}"
         group = TPGroup(

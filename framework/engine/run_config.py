@@ -1,7 +1,7 @@
 """The run configuration of ``conf/`` (a composed Hydra config) as ``LLM`` arguments.
 
 One mapping serves every entry point that builds an ``LLM`` from ``conf/config.yaml`` and
-key=value overrides -- the Hydra jobs (``experiments.run``) and the OpenAI-compatible server
+key=value overrides -- the Hydra jobs (``experiments.run.job``) and the OpenAI-compatible server
 (``python -m framework.serve``) -- so a configuration from an ablation is served unchanged:
 
     cc = compilation_config(cfg)          # compile.*, passes, toggle_passes, cache_dir

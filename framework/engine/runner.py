@@ -49,7 +49,7 @@ class ModelRunner:
         max_num_tokens: int,
         max_model_len: int,
         device: torch.device | str = "cpu",
-        attn_backend: str = "torch",
+        attention_backend: str = "torch",
         dispatch: DispatchFn = no_graph_dispatch,
         record_trace: bool = True,
         sampler: Optional[Callable] = None,
@@ -63,7 +63,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
-        self.attn_backend = attn_backend
+        self.attention_backend = attention_backend
         self.dispatch = dispatch
         self.uniform_query_len = uniform_query_len
         """Query tokens per request of a batch the dispatcher calls uniform: 1, or 1 + k with
@@ -234,7 +234,7 @@ class ModelRunner:
         self._copy_in(n, n_pad, num_reqs, qsl, seq_lens)
         _, _, slots, mask, qsl_t, seq_lens_t, table = self._views_for(n_pad, num_reqs)
         md = AttentionMetadata(
-            backend=self.attn_backend,
+            attention_backend=self.attention_backend,
             num_actual_tokens=n,
             num_reqs=num_reqs,
             max_query_len=max(c.num_tokens for c in chunks),
@@ -318,7 +318,7 @@ class ModelRunner:
             self.seq_lens[:n].copy_(torch.from_numpy(h["seq_lens"][:n]))
         seq_lens = seq_lens + md.seq_lens_cpu[n:]
         md = AttentionMetadata(
-            backend=md.backend,
+            attention_backend=md.attention_backend,
             num_actual_tokens=n,
             num_reqs=md.num_reqs,
             max_query_len=1,

@@ -44,7 +44,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(
         self,
-        allocator: BlockManager,
+        block_manager: BlockManager,
         *,
         block_size: int,
         max_num_seqs: int,
@@ -52,7 +52,7 @@ class Scheduler:
         max_model_len: int,
         on_release: Optional[Callable[[int], None]] = None,
     ):
-        self.allocator = allocator
+        self.block_manager = block_manager
         self.on_release = on_release
         """Called with a request's id whenever it leaves the running set with its blocks
         freed (finished, aborted, preempted, step error): a proposer drops its state."""
@@ -66,7 +66,7 @@ class Scheduler:
 
     @property
     def prefix_caching(self) -> bool:
-        return getattr(self.allocator, "enable_prefix_caching", False)
+        return getattr(self.block_manager, "enable_prefix_caching", False)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -95,7 +95,7 @@ class Scheduler:
             )
         # The last sampled token is never fed back, so total - 1 tokens hold K/V.
         need = -(-(total - 1) // self.block_size)
-        usable = self.allocator.num_blocks - 1
+        usable = self.block_manager.num_blocks - 1
         if need > usable:
             raise ValueError(
                 f"request {req.req_id}: prompt ({len(req.prompt)}) + "
@@ -121,7 +121,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ blocks
     def _release(self, req: Request) -> None:
-        self.allocator.free(req.block_ids)
+        self.block_manager.free(req.block_ids)
         req.block_ids = []
         req.num_cached_blocks = 0
         if self.on_release is not None:
@@ -133,7 +133,7 @@ class Scheduler:
     def _reserve(self, req: Request, upto: int) -> None:
         need = self._blocks_needed(req, upto)
         if need > 0:
-            req.block_ids.extend(self.allocator.allocate(need))
+            req.block_ids.extend(self.block_manager.allocate(need))
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -190,14 +190,14 @@ class Scheduler:
                 room = min(budget - 1, req.max_new_tokens - len(req.output) - 1)
                 spec = tuple(int(t) for t in d[: max(room, 0)])
                 n = 1 + len(spec)
-                free = self.allocator.num_free
+                free = self.block_manager.num_free
                 if spec and self._blocks_needed(req, req.num_computed + n) > free:
                     spec, n = (), 1  # no blocks for the drafts: plain decode
             need = self._blocks_needed(req, req.num_computed + n)
-            while need > self.allocator.num_free and self.running[-1] is not req:
+            while need > self.block_manager.num_free and self.running[-1] is not req:
                 self._preempt(self.running.pop())  # the newest running request
                 preempted = True
-            if need > self.allocator.num_free:  # it is the newest itself
+            if need > self.block_manager.num_free:  # it is the newest itself
                 self._preempt(self.running.pop())
                 preempted = True
                 break
@@ -214,8 +214,8 @@ class Scheduler:
             start = len(hits) * self.block_size
             n = min(req.num_tokens - start, budget)
             need = -(-(start + n) // self.block_size) - len(hits)
-            evictable_hits = sum(self.allocator.ref_count(b) == 0 for b in hits)
-            if need > self.allocator.num_free - evictable_hits:
+            evictable_hits = sum(self.block_manager.ref_count(b) == 0 for b in hits)
+            if need > self.block_manager.num_free - evictable_hits:
                 break  # admission control: wait until its next chunk's blocks are free
             spec = ()
             d = drafts.get(req.req_id) if drafts else None
@@ -223,14 +223,14 @@ class Scheduler:
                 room = min(budget - n, req.max_new_tokens - len(req.output) - 1)
                 spec = tuple(int(t) for t in d[: max(room, 0)])
                 more = -(-(start + n + len(spec)) // self.block_size) - len(hits)
-                if spec and more > self.allocator.num_free - evictable_hits:
+                if spec and more > self.block_manager.num_free - evictable_hits:
                     spec = ()  # no blocks for the drafts: a plain prefill
             self.waiting.popleft()
             self.running.append(req)  # first: recover() finds it whatever raises next
             if self.prefix_caching:
-                self.allocator.take(hits)
-                self.allocator.stats.queried_tokens += req.num_tokens
-                self.allocator.stats.hit_tokens += start
+                self.block_manager.take(hits)
+                self.block_manager.stats.queried_tokens += req.num_tokens
+                self.block_manager.stats.hit_tokens += start
             req.block_ids = list(hits)
             req.num_cached_blocks = len(hits)
             req.num_computed = start
@@ -251,7 +251,7 @@ class Scheduler:
             parent = req.block_hashes[-1] if req.block_hashes else NO_PARENT
             req.block_hashes += chain_hashes(tokens, self.block_size, len(req.block_hashes), parent)
         usable = (len(tokens) - 1) // self.block_size
-        return self.allocator.lookup(req.block_hashes[:usable])
+        return self.block_manager.lookup(req.block_hashes[:usable])
 
     # ------------------------------------------------------------------ update
     def update(self, chunks: list[ScheduledChunk], sampled: list) -> list[Request]:
@@ -292,7 +292,7 @@ class Scheduler:
         if not req.finished:
             keep = -(-req.num_computed // self.block_size)  # as after a plain decode step
             if len(req.block_ids) > keep:
-                self.allocator.free(req.block_ids[keep:])
+                self.block_manager.free(req.block_ids[keep:])
                 req.block_ids = req.block_ids[:keep]  # a new list: the runner rewrites its row
 
     def _register_full_blocks(self, req: Request) -> None:
@@ -306,7 +306,7 @@ class Scheduler:
                 tokens[: full * self.block_size], self.block_size, len(req.block_hashes), parent
             )
         for b in range(req.num_cached_blocks, full):
-            self.allocator.register(req.block_ids[b], req.block_hashes[b])
+            self.block_manager.register(req.block_ids[b], req.block_hashes[b])
         req.num_cached_blocks = full
 
     def recover(self) -> None:

@@ -30,15 +30,15 @@ from framework.core.config import (
 from framework.core.forward_context import BatchDescriptor, CUDAGraphMode
 from framework.core.parallel_state import TPState, kv_head_layout, tp_state
 from framework.cudagraph.emulation import EmulatedGraphOps
-from framework.cudagraph.setup import setup_graphs
+from framework.cudagraph.graph_setup import setup_graphs
 from framework.engine.block_manager import BlockManager
 from framework.engine.capture import capture_graphs, dummy_batch
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
+from framework.engine.llm_stats import StartupStats
 from framework.engine.model_prep import prepare_model
 from framework.engine.request import ScheduledChunk
 from framework.engine.runner import ModelRunner
 from framework.engine.spec.config import SpeculativeConfig, speculative_config_of
-from framework.engine.stats import StartupStats
 from models.config import parse_dtype
 from passes.quant_schemes import calibrate_activation_scales
 from passes.registry import level_passes
@@ -220,7 +220,7 @@ class Worker:
         layer_names = self.model.attention_layer_names()
         self.kv_caches = allocate_kv_caches(spec, layer_names, num_blocks, self.device)
         self.block_size = block_size
-        self.allocator = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         """The KV blocks: the engine core's scheduler allocates from it (rank 0); dummy
         batches at start-up use it on every rank."""
         return quant_hash
@@ -266,7 +266,7 @@ class Worker:
             max_num_tokens=self.config.max_num_tokens,
             max_model_len=self.max_model_len,
             device=self.device,
-            attn_backend=attention_backend,
+            attention_backend=attention_backend,
             dispatch=self.graphs.dispatcher.dispatch,
             sampler=None if self.rank == 0 else _no_sample,
             uniform_query_len=self.uniform_query_len,
@@ -316,8 +316,8 @@ class Worker:
             [num_tokens],
             self.block_size,
             token_ids=token_ids,
-            allocate=self.allocator.allocate,
-            free=self.allocator.free,
+            allocate=self.block_manager.allocate,
+            free=self.block_manager.free,
         ) as chunks:
             self.execute(chunks, record=False)
 

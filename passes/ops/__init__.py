@@ -35,7 +35,7 @@ scales are fp32, static ``[1]``, dynamic per-token ``[T, 1]``.
                               quantize_activations: bool) -> Tensor
         mixture of experts (see :mod:`passes.ops.moe` for shapes and arithmetic); the bf16
         experts re-laid out for the small-M kernel run ``piecewise::fused_moe_packed``
-        (:mod:`passes.ops_prepack_moe`, beside ``piecewise::packed_linear``)
+        (:mod:`passes.ops.packed_moe`, beside ``piecewise::packed_linear``)
 
 Arithmetic (rounding, clamping, minimum dynamic scale): :mod:`passes.ops.quant_utils`.
 Plain-torch implementations ``<op>_torch`` live next to each op (CPU path and test oracle);

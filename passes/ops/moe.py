@@ -27,7 +27,7 @@ Kernels:
   down GEMM, scaled and added.  At batch 1 only the top-k experts' weights are read; the GEMMs
   are plain ``F.linear`` on the stacked weights (oneDNN/MKL, threaded by torch's intra-op
   pool);
-- ``piecewise::fused_moe_packed`` (:mod:`passes.ops_prepack_moe`, bf16 CPU): the same
+- ``piecewise::fused_moe_packed`` (:mod:`passes.ops.packed_moe`, bf16 CPU): the same
   grouping on expert weights re-laid out once for the small-M kernel.
 
 ``fused_moe`` is an ordinary op inside a piece, not a splitting op: the fake implementation

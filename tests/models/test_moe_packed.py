@@ -17,7 +17,7 @@ from framework.engine.model_prep import process_weights
 from models.loader import load_model
 from models.moe import FusedMoE
 from passes import small_m_linear as small_m
-from passes.ops_prepack_moe import PackedExpertsMethod
+from passes.ops.packed_moe import PackedExpertsMethod
 
 pytestmark = pytest.mark.skipif(
     not small_m.kernel_available(), reason="needs the small-M kernel built here"

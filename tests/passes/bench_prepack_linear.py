@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-import passes.ops_prepack as P  # noqa: E402
+import passes.ops.packed_linear as P  # noqa: E402
 from models.layers import Linear  # noqa: E402
 
 

@@ -79,7 +79,7 @@ def test_o3_passes_on_a_moe_model_verify_and_match(tiny_checkpoint, compile_cach
         max_model_len=64,
         optimization_level=3,
         compilation_config=CompilationConfig(
-            backend="eager",
+            compiler="eager",
             progress_bar=False,
             cache_dir=compile_cache_dir,
             pass_config=PassConfig(verify_passes=True),

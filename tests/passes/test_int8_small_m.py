@@ -157,7 +157,7 @@ def test_pack_layout_unpack_and_compensation():
 def _layer(scheme_name, n, k, bias, seed=0, dtype=BF16, max_rows=i8.DEFAULT_MAX_ROWS):
     """A Linear quantised by the scheme (unpacked), and a copy re-laid out for the kernel."""
     from models.layers import Linear
-    from passes.ops_int8 import PackedInt8LinearMethod
+    from passes.ops.int8_packed_linear import PackedInt8LinearMethod
     from passes.quant_schemes import apply_scheme, scheme_for
 
     layers = []
@@ -288,7 +288,7 @@ def test_engine_packs_int8_layers_and_keeps_the_tokens(llama_checkpoint, compile
     def build(rows):
         cc = CompilationConfig(
             level=1,
-            backend="eager",
+            compiler="eager",
             progress_bar=False,
             kernel_config={"int8_small_m_max_rows": rows},
         )

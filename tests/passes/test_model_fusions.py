@@ -15,9 +15,9 @@ FUSIONS = [
 PROMPTS = [[3, 17, 42, 9, 100, 7], [8, 1, 250]]
 
 
-def _run(path, quantization, passes, cache_dir, backend="inductor"):
+def _run(path, quantization, passes, cache_dir, compiler="inductor"):
     cc = CompilationConfig(
-        level=1, backend=backend, progress_bar=False, pass_config={"passes": passes}
+        level=1, compiler=compiler, progress_bar=False, pass_config={"passes": passes}
     )
     llm = LLM(
         str(path),
@@ -32,7 +32,7 @@ def _run(path, quantization, passes, cache_dir, backend="inductor"):
 
 @pytest.mark.parametrize("quantization", ["int8_per_token", "fp8_per_token"])
 def test_fusions_match_per_layer(quantization, llama_checkpoint, compile_cache_dir):
-    llm, fused = _run(llama_checkpoint, quantization, FUSIONS, compile_cache_dir, backend="eager")
+    llm, fused = _run(llama_checkpoint, quantization, FUSIONS, compile_cache_dir, compiler="eager")
     layers = llm.model_config.num_layers
     matches = {name: rec["total_matches"] for name, rec in llm.stats["passes"].items()}
     # residual add + RMSNorm: post-attention norm of every layer and the input norm of every
@@ -41,7 +41,7 @@ def test_fusions_match_per_layer(quantization, llama_checkpoint, compile_cache_d
     # both norms of a layer feed a quantized projection (qkv, gate_up)
     assert matches["fuse_rmsnorm_quant"] == 2 * layers
     assert matches["fuse_silu_mul_quant"] == layers
-    _, plain = _run(llama_checkpoint, quantization, [], compile_cache_dir, backend="eager")
+    _, plain = _run(llama_checkpoint, quantization, [], compile_cache_dir, compiler="eager")
     assert fused == plain
 
 

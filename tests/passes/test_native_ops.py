@@ -9,7 +9,7 @@ import torch
 from framework.core.native_build import kernel_dir
 from passes import native_ops
 from passes import small_m_linear as small_m
-from passes.ops_prepack import PackedLinearMethod, mkldnn_available
+from passes.ops.packed_linear import PackedLinearMethod, mkldnn_available
 
 pytestmark = [
     pytest.mark.skipif(not mkldnn_available(), reason="needs oneDNN (mkldnn)"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import passes.ops_prepack as P
+import passes.ops.packed_linear as P
 from framework.compat import onednn as onednn_layout
 from framework.core.config import CompilationConfig, KernelConfig, PassConfig
 from framework.engine.model_prep import process_weights

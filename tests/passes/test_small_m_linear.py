@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from passes import small_m_linear as small_m
-from passes.ops_prepack import mkldnn_available
+from passes.ops.packed_linear import mkldnn_available
 
 pytestmark = pytest.mark.skipif(
     not small_m.kernel_available(), reason="the small-M kernel needs a C++ compiler"
@@ -140,7 +140,7 @@ def test_pack_layout_and_unpack_round_trip():
 def _layer(m, n, k, bias, max_rows, seed=0):
     """A layer whose weight was re-laid out once (the engine's model preparation)."""
     from models.layers import Linear
-    from passes.ops_prepack import PackedLinearMethod
+    from passes.ops.packed_linear import PackedLinearMethod
 
     x, w, b = make(m, n, k, bias, seed)
     layer = Linear(k, n, bias=bias, dtype=BF16)
@@ -219,7 +219,7 @@ def test_packed_linear_refuses_a_bias_of_another_dtype():
 
 def test_the_engine_defaults_are_the_kernels_own():
     """``KernelConfig`` (framework, below passes) spells the defaults out; they are the kernels'
-    measured crossovers (``DEFAULT_MAX_ROWS``, ``python -m experiments.bench_small_m_linear``)."""
+    measured crossovers (``DEFAULT_MAX_ROWS``, ``python -m experiments.bench.small_m_linear``)."""
     from framework.core.config import KernelConfig
     from passes import int8_small_m as i8
 

@@ -19,7 +19,7 @@ OPTIONAL = {"mlflow", "submitit", "hydra_plugins.hydra_submitit_launcher", "impo
 (experiment tracking, the Slurm launcher) that the GPU check never reaches."""
 SERVING = {"fastapi", "starlette", "uvicorn", "openai"}
 """The OpenAI-compatible server's stack (the ``serve`` extra): framework/serve,
-experiments/bench_serve.py and tests/framework/serve only; the GPU check skips them (its dry
+experiments/bench/serve.py and tests/framework/serve only; the GPU check skips them (its dry
 run does not import ``framework.serve``)."""
 
 GPU_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3", "extra": ""}

@@ -352,7 +352,7 @@ class DraftModelProposer:
             model_tag=self.model_tag,
         )
         self.model_config = self.worker.model_config
-        self.allocator = self.worker.allocator
+        self.allocator = self.worker.block_manager
         self.runner = self.worker.runner
         self.sampler = DraftSampler()
         self.runner.sampler = self.sampler

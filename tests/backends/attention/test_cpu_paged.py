@@ -52,7 +52,7 @@ def make_step(ctx_lens, q_lens, hq, hkv, d, block_size, dtype, pad=0, seed=0):
 
 
 def run(backend, q, k, v, out, kv, md, scale, window):
-    md = AttentionMetadata(**{**md.__dict__, "backend": backend})
+    md = AttentionMetadata(**{**md.__dict__, "attention_backend": backend})
     out, kv = out.clone(), kv.clone()
     with set_forward_context(ForwardContext({"l": md}, {"l": kv})):
         torch.ops.piecewise.attention(q, k, v, out, "l", scale, window)
@@ -176,7 +176,7 @@ def test_errors_name_the_problem():
 
 def test_opcheck():
     q, k, v, out, kv, md = make_step([20, 6], [4, 1], 8, 4, 32, 4, torch.float32)
-    md.backend = "cpu_paged"
+    md.attention_backend = "cpu_paged"
     with set_forward_context(ForwardContext({"l": md}, {"l": kv})):
         torch.library.opcheck(
             torch.ops.piecewise.attention.default,

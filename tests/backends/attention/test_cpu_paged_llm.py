@@ -20,7 +20,7 @@ def generate(path, backend, level=0, **kw):
         attention_backend=backend,
         **kw,
     )
-    assert llm.runner.attn_backend == backend
+    assert llm.runner.attention_backend == backend
     out = llm.generate(PROMPTS, NEW_TOKENS, ignore_eos=True)
     assert llm.stats.get("mixed_steps", 0) > 0
     return out

@@ -87,7 +87,7 @@ def make_batch(
     k = torch.randn(total, hkv, HEAD_DIM, generator=g).to(dtype)
     v = torch.randn(total, hkv, HEAD_DIM, generator=g).to(dtype)
     md = AttentionMetadata(
-        backend="triton",
+        attention_backend="triton",
         num_actual_tokens=n,
         num_reqs=reqs,
         max_query_len=max(ql for _, ql in requests),

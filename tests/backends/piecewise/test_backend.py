@@ -9,7 +9,7 @@ from framework import LLM, CompilationConfig
 
 
 def _eager_llm(path, **cc):
-    config = CompilationConfig(level=1, backend="eager", pass_config={"passes": []}, **cc)
+    config = CompilationConfig(level=1, compiler="eager", pass_config={"passes": []}, **cc)
     return LLM(str(path), compilation_config=config, max_num_seqs=2, max_model_len=64)
 
 

@@ -9,7 +9,7 @@ def test_debug_dump_writes_graphs_passes_and_bytecode(llama_checkpoint, tmp_path
         str(llama_checkpoint),
         max_model_len=64,
         compilation_config=CompilationConfig(
-            level=1, backend="eager", debug_dump_path=str(dump), progress_bar=False
+            level=1, compiler="eager", debug_dump_path=str(dump), progress_bar=False
         ),
     )
     names = {p.name for p in dump.iterdir()}

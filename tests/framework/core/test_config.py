@@ -35,7 +35,7 @@ def level_passes(level: int, device_type: str) -> list[str]:
         ({"compile_ranges_endpoints": [64, 8]}, "CompilationConfig.compile_ranges_endpoints"),
         ({"cudagraph_mode": "SOMETIMES"}, "CompilationConfig.cudagraph_mode"),
         ({"mode": "JIT"}, "CompilationConfig.mode"),
-        ({"backend": ""}, "CompilationConfig.backend"),
+        ({"compiler": ""}, "CompilationConfig.compiler"),
         ({"splitting_ops": ["attention"]}, "CompilationConfig.splitting_ops"),
         ({"pass_config": {"passes": ["a", "a"]}}, "PassConfig.passes"),
         ({"max_num_tokens": 0}, "CompilationConfig.max_num_tokens"),
@@ -44,6 +44,12 @@ def level_passes(level: int, device_type: str) -> list[str]:
 def test_bad_values_name_the_field(data, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         CompilationConfig.from_dict(data)
+
+
+def test_the_old_backend_key_names_its_new_name():
+    renamed = r"CompilationConfig\.backend was renamed to CompilationConfig\.compiler"
+    with pytest.raises(ValueError, match=renamed):
+        CompilationConfig.from_dict({"backend": "eager"})
 
 
 def test_levels_fill_only_unset_fields():
@@ -62,11 +68,11 @@ def test_levels_fill_only_unset_fields():
     explicit = CompilationConfig(
         level=2,
         cudagraph_mode="PIECEWISE",
-        backend="eager",
+        compiler="eager",
         pass_config=PassConfig(passes=["noop_elimination"]),
     )
     r = explicit.resolve(max_num_tokens=256, level_passes=level_passes, has_cuda=True)
-    assert r.cudagraph_mode == CUDAGraphMode.PIECEWISE and r.backend == "eager"
+    assert r.cudagraph_mode == CUDAGraphMode.PIECEWISE and r.compiler == "eager"
     assert r.pass_config.passes == ["noop_elimination"]
 
 

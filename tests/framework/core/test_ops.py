@@ -11,7 +11,7 @@ import torch
 
 import backends.attention  # noqa: F401  (defines piecewise::attention)
 import passes.ops  # noqa: F401  (defines the fused ops)
-import passes.ops_prepack  # noqa: F401  (defines piecewise::packed_linear)
+import passes.ops.packed_linear  # noqa: F401  (defines piecewise::packed_linear)
 from framework.core import ops as core_ops
 
 ops = torch.ops.piecewise

@@ -249,6 +249,6 @@ def test_hydra_config_store_and_omegaconf_node():
     finally:
         # A `quantization` group in the process-wide store turns the top-level
         # `quantization=...` override of conf/config.yaml into a group choice (see
-        # experiments/run.py); leave the store as this test found it.
+        # experiments/run/job.py); leave the store as this test found it.
         if not had_group:
             repo.pop("quantization", None)

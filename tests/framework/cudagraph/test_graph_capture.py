@@ -17,7 +17,7 @@ PROMPTS = [[3, 17, 42, 9, 100, 7], [8, 1, 250], [77, 12, 5, 90]]
 
 
 def _llm(path, **kw):
-    cc = dict(level=1, backend="eager", pass_config={"passes": []}, progress_bar=False)
+    cc = dict(level=1, compiler="eager", pass_config={"passes": []}, progress_bar=False)
     cc.update(kw.pop("cc", {}))
     return LLM(
         str(path),
@@ -125,7 +125,7 @@ def test_piecewise_graphs_capture_inductor_pieces(llama_checkpoint, reference, c
         emulate_cuda_graphs=True,
         cache_dir=compile_cache_dir,
         cc={
-            "backend": "inductor",
+            "compiler": "inductor",
             "cudagraph_mode": "PIECEWISE",
             "cudagraph_capture_sizes": [1, 4],
         },

@@ -41,14 +41,14 @@ def alone(llm, prompts, n):
 
 
 def assert_clean(llm):
-    assert llm.allocator.num_free == llm.allocator.num_usable
-    llm.allocator.check()
+    assert llm.block_manager.num_free == llm.block_manager.num_usable
+    llm.block_manager.check()
     assert not llm.has_unfinished()
 
 
 def test_issue_case_12_blocks_four_99_token_prompts(llama_checkpoint, roomy):
-    """The issue's failing case: 12 blocks, 4 prompts of 99 tokens, 20 new tokens each used
-    to raise 'out of KV cache blocks' and leave the LLM unusable."""
+    """The reported failing case: 12 blocks, 4 prompts of 99 tokens, 20 new tokens each used to
+    raise 'out of KV cache blocks' and leave the LLM unusable."""
     g = random.Random(0)
     prompts = [[g.randrange(256) for _ in range(99)] for _ in range(4)]
     llm = small_llm(llama_checkpoint, 12)
@@ -176,7 +176,7 @@ def test_step_api_survives_a_failing_step(llama_checkpoint, roomy):
     with pytest.raises(RuntimeError, match="injected fault"):
         llm.step()
     handle.remove()
-    assert llm.allocator.num_free == llm.allocator.num_usable  # nothing half-scheduled
+    assert llm.block_manager.num_free == llm.block_manager.num_usable  # nothing half-scheduled
     assert len(llm.scheduler.waiting) == 3 and not llm.scheduler.running
     done = {}
     while llm.has_unfinished():

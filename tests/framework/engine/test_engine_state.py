@@ -62,7 +62,7 @@ def test_two_models_in_one_process_generate_alternately(tiny_checkpoint, compile
     a_ref = a.generate(PROMPTS, max_new_tokens=6)
     b = LLM(
         str(tiny_checkpoint("qwen2")),
-        compilation_config={"level": 1, "backend": "eager"},
+        compilation_config={"level": 1, "compiler": "eager"},
         cache_dir=compile_cache_dir,
         max_model_len=128,
     )
@@ -74,7 +74,7 @@ def test_two_models_in_one_process_generate_alternately(tiny_checkpoint, compile
 
 
 def test_each_engine_has_its_own_graph_pool(llama_checkpoint):
-    cc = dict(level=1, backend="eager", pass_config={"passes": []}, progress_bar=False)
+    cc = dict(level=1, compiler="eager", pass_config={"passes": []}, progress_bar=False)
     cc.update(cudagraph_mode="PIECEWISE", cudagraph_capture_sizes=[1, 2, 4])
     kw = dict(max_model_len=64, max_num_seqs=4, emulate_cuda_graphs=True, compilation_config=cc)
     a, b = LLM(str(llama_checkpoint), **kw), LLM(str(llama_checkpoint), **kw)
@@ -151,7 +151,7 @@ def test_generate_from_two_threads(llama_checkpoint, compile_cache_dir, level):
     for _ in range(4 if level else 10):
         _threads(llm, expected)
     assert not llm.has_unfinished()
-    assert llm.allocator.num_free == llm.allocator.num_usable
+    assert llm.block_manager.num_free == llm.block_manager.num_usable
 
 
 def test_step_api_thread_beside_generate(llama_checkpoint):

@@ -248,7 +248,7 @@ def test_soak_with_bad_requests(llama_checkpoint, monkeypatch):
     assert refused == 16 and len(faulty) == 4
     monkeypatch.setattr(Sampler, "_sample", real)
     assert all_blocks_free(llm)
-    llm.allocator.check()
+    llm.block_manager.check()
     ref = LLM(
         str(llama_checkpoint), optimization_level=0, max_num_seqs=1, max_model_len=48, block_size=4
     )

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from experiments.synthetic_task import EOS_ID, SYMBOLS, encode
-from experiments.synthetic_tokenizer import (
+from experiments.synthetic.task import EOS_ID, SYMBOLS, encode
+from experiments.synthetic.tokenizer import (
     build_tokenizer,
     check,
     from_model_notation,

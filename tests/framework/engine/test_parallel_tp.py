@@ -114,7 +114,7 @@ def test_startup_failure_names_rank_and_leaves_no_process(llama_checkpoint, monk
     (Before: a worker's failure surfaced on rank 0 as the raw gloo error of the warm-up's
     all-reduce, and rank 0's own failure left the worker waiting in a collective.)"""
     monkeypatch.setenv(FAIL_HOOK_ENV, f"{rank}:startup")
-    cc = {"level": 1, "backend": "eager"}  # the O1 start-up path, without Inductor's cost
+    cc = {"level": 1, "compiler": "eager"}  # the O1 start-up path, without Inductor's cost
     with pytest.raises(TensorParallelError, match=f"rank {rank} failed") as info:
         LLM(str(llama_checkpoint), tensor_parallel_size=2, max_model_len=128, compilation_config=cc)
     assert f"{FAIL_HOOK_ENV} test hook: rank {rank} raises at start-up" in str(info.value)
@@ -162,7 +162,7 @@ def test_tp1_and_tp2_llms_alternate(tiny_checkpoint, mqa_checkpoint, compile_cac
     torch.set_num_threads(1)
     one = LLM(
         str(tiny_checkpoint("qwen3")),
-        compilation_config={"level": 1, "backend": "eager"},
+        compilation_config={"level": 1, "compiler": "eager"},
         cache_dir=compile_cache_dir,
         max_model_len=128,
     )

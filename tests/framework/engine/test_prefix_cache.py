@@ -74,8 +74,8 @@ def test_hits_on_a_shared_prefix_and_none_across_prefixes(llama_checkpoint):
     assert s["prefix_cache_queried_tokens"] == len(p1) + len(p2)
     assert cached.generate([other], 8, ignore_eos=True)[0] == want[2]
     assert cached.stats["prefix_cache_hit_tokens"] == 32  # a different prefix: no hit
-    assert cached.allocator.num_free == cached.allocator.num_usable
-    cached.allocator.check()
+    assert cached.block_manager.num_free == cached.block_manager.num_usable
+    cached.block_manager.check()
 
 
 def test_fully_cached_prompt_recomputes_its_last_token(llama_checkpoint):
@@ -107,12 +107,12 @@ def test_eviction_under_pressure(llama_checkpoint):
     want_a, want_b = (plain.generate([p], 12, ignore_eos=True)[0] for p in (a, b))
     llm = make(llama_checkpoint, True, blocks=10)  # 9 usable
     assert llm.generate([a], 12, ignore_eos=True)[0] == want_a
-    assert llm.allocator.num_cached == 4 and llm.stats["prefix_cache_evictions"] == 0
+    assert llm.block_manager.num_cached == 4 and llm.stats["prefix_cache_evictions"] == 0
     assert llm.generate([b], 12, ignore_eos=True)[0] == want_b  # needs 8 blocks
     assert llm.stats["prefix_cache_evictions"] > 0
     assert llm.generate([a], 12, ignore_eos=True)[0] == want_a
-    assert llm.allocator.num_free == llm.allocator.num_usable
-    llm.allocator.check()
+    assert llm.block_manager.num_free == llm.block_manager.num_usable
+    llm.block_manager.check()
 
 
 def test_preempted_request_reuses_its_own_blocks(llama_checkpoint):

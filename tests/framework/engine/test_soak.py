@@ -76,7 +76,7 @@ def soak(llm: LLM, reqs, seed: int) -> dict[int, list[int]]:
             done[out.request_id] = out.token_ids
         steps += 1
         if steps % 25 == 0:
-            llm.allocator.check()
+            llm.block_manager.check()
         assert steps < 20 * len(reqs), "the engine stopped making progress"
     return {ids[rid]: toks for rid, toks in done.items()}
 
@@ -97,7 +97,7 @@ def run_soak(path, n: int, blocks: int, caching: bool, seed: int = 0):
     assert [got[i] for i in range(n)] == expected
     s = llm.stats
     assert s["kv_blocks_free"] == s["kv_blocks_total"] == blocks - 1
-    llm.allocator.check()
+    llm.block_manager.check()
     assert s["preemptions"] > 0 and s["finished_requests"] == n
     if caching:
         assert s["prefix_cache_hit_tokens"] > 0

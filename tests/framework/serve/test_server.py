@@ -594,7 +594,7 @@ def test_metrics_are_prometheus_text(server, client):
 
 
 def test_load_generator_is_bounded_and_loopback_only(server, offline):
-    from experiments.bench_serve import offline_run, run_load
+    from experiments.bench.serve import offline_run, run_load
 
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
     res = asyncio.run(run_load(server.url, MODEL_NAME, prompts, 6, 2, deadline_s=60))

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import passes.ops  # noqa: F401  (registers the ops)
-import passes.ops_prepack_moe as prepack_moe
+import passes.ops.packed_moe as prepack_moe
 from passes import native_ops
 from passes import small_m_linear as small_m
 from passes.ops.moe import fused_moe_reference, topk_softmax_torch
-from passes.ops_prepack_moe import PackedExpertsMethod
+from passes.ops.packed_moe import PackedExpertsMethod
 
 pytestmark = pytest.mark.skipif(
     not (small_m.kernel_available() and native_ops.load()),

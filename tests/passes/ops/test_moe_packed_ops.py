@@ -19,7 +19,7 @@ from passes.ops.moe import (
     fused_moe_reference,
     topk_softmax_torch,
 )
-from passes.ops_prepack_moe import (
+from passes.ops.packed_moe import (
     PackedExpertsMethod,
     fused_moe_packed,
     pack_experts,

@@ -232,7 +232,7 @@ def test_draft_config_has_its_own_sizes(target):
     over = draft_compilation_config(cc, {"level": 1}, max_num_seqs=6)
     assert over.level == 1 and over.mode is None  # level 1's defaults, not the target's
     assert over.cudagraph_capture_sizes == [1, 2, 4, 6]
-    assert draft_compilation_config(cc, {"backend": "eager"}, 6).backend == "eager"
+    assert draft_compilation_config(cc, {"compiler": "eager"}, 6).compiler == "eager"
     with pytest.raises(ValueError, match="draft_compile"):
         draft_compilation_config(cc, {"no_such_field": 1}, max_num_seqs=6)
 

@@ -115,7 +115,7 @@ def _bytes_for_blocks(model: str, blocks: int) -> int:
 def test_trained_addition_draft_acceptance():
     """The shipped draft loads, leaves the target's answers unchanged, and is worth having:
     its acceptance on held-out addition prompts (recorded in its metrics.json) is high."""
-    from experiments.synthetic_task import get_task
+    from experiments.synthetic.task import get_task
 
     metrics = json.loads((ADDITION_DRAFT / "metrics.json").read_text())
     recorded = metrics["draft"]["by_k"]["4"]["acceptance_rate"]
@@ -135,7 +135,7 @@ def test_first_tokens_verified_in_the_prefill_step():
     """A prompt's drafts follow it in its prefill chunk, so with every draft accepted an
     addition answer (4 digits and EOS) takes one target step instead of five; the tokens stay
     the plain engine's."""
-    from experiments.synthetic_task import get_task
+    from experiments.synthetic.task import get_task
 
     task = get_task("addition")
     prompts, _ = task.split(task.sequences(task.held_out_keys(4, 1234)))

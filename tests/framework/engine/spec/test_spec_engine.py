@@ -44,8 +44,8 @@ def spec_llama(llama_checkpoint):
 
 
 def assert_clean(llm):
-    assert llm.allocator.num_free == llm.allocator.num_usable
-    llm.allocator.check()
+    assert llm.block_manager.num_free == llm.block_manager.num_usable
+    llm.block_manager.check()
     assert not llm.has_unfinished()
 
 
@@ -213,7 +213,7 @@ def test_penalties_and_logprobs_are_refused(spec_llama):
 def test_capture_sizes_rounded_and_loud_warning(llama_checkpoint, ref_llama, caplog):
     """Graphs emulated on CPU (so the sizes are used): capture sizes become multiples of
     1 + k, and sizes that cannot hold max_num_seqs x (1 + k) tokens are said loudly."""
-    cc = dict(level=1, backend="eager", cudagraph_capture_sizes=[1, 2, 4, 8], progress_bar=False)
+    cc = dict(level=1, compiler="eager", cudagraph_capture_sizes=[1, 2, 4, 8], progress_bar=False)
     with caplog.at_level(logging.WARNING):
         llm = build(
             llama_checkpoint, NGRAM, level=None, compilation_config=cc, emulate_cuda_graphs=True
@@ -375,4 +375,4 @@ def test_a_proposer_out_of_vocabulary_is_named(llama_checkpoint, plugin_proposer
     llm = build(llama_checkpoint, {"method": "test_bad", "num_speculative_tokens": 2})
     with pytest.raises(RuntimeError, match="draft token 261 for request 0 is not a token id"):
         llm.generate([[1, 2, 3]], 4, ignore_eos=True)
-    assert llm.allocator.num_free == llm.allocator.num_usable
+    assert llm.block_manager.num_free == llm.block_manager.num_usable

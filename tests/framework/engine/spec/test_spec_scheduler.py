@@ -38,8 +38,8 @@ def test_verify_chunk_and_rollback_of_rejected_drafts():
     (c,) = s.schedule({0: [1, 2, 3, 4, 5, 6]})
     s.update([c], [[50]])  # every draft rejected
     assert r.num_computed == 10 and len(r.block_ids) == 3
-    s.allocator.check()
-    assert s.allocator.num_free == s.allocator.num_usable - 3
+    s.block_manager.check()
+    assert s.block_manager.num_free == s.block_manager.num_usable - 3
 
 
 def test_drafts_cut_to_budget_max_tokens_and_free_blocks():
@@ -50,10 +50,10 @@ def test_drafts_cut_to_budget_max_tokens_and_free_blocks():
     (c,) = s.schedule({0: [8, 9, 10, 11, 12]})
     assert c.spec == (8, 9)  # output 1 + 2 drafts + 1 token = max_tokens
     s, r, _ = setup()
-    taken = s.allocator.allocate(s.allocator.num_free)  # someone else holds every free block
+    taken = s.block_manager.allocate(s.block_manager.num_free)  # another holds every free block
     (c,) = s.schedule({0: [8, 9, 10]})  # position 6 fits block 1; the drafts would need block 2
     assert c.spec == () and c.num_tokens == 1 and s.stats.preemptions == 0  # plain decode
-    s.allocator.free(taken)
+    s.block_manager.free(taken)
 
 
 def test_eos_and_max_tokens_inside_an_accepted_run():
@@ -61,7 +61,7 @@ def test_eos_and_max_tokens_inside_an_accepted_run():
     (c,) = s.schedule({0: [8, 99, 10]})
     done = s.update([c], [[8, 99, 10, 11]])
     assert done == [r] and r.output == [7, 8, 99] and r.finish_reason == "stop"
-    assert released == [0] and s.allocator.num_free == s.allocator.num_usable
+    assert released == [0] and s.block_manager.num_free == s.block_manager.num_usable
     s, r, _ = setup(max_new=3)
     (c,) = s.schedule({0: [8, 9, 10]})
     done = s.update([c], [[8, 9]])
@@ -76,7 +76,7 @@ def test_preemption_and_abort_release_the_proposer_state():
     s._preempt(s.running.pop())  # what schedule does to the newest request under pressure
     assert released == [1] and other.num_computed == 0 and other.block_ids == []
     s.abort(0)
-    assert released == [1, 0] and s.allocator.num_free == s.allocator.num_usable
+    assert released == [1, 0] and s.block_manager.num_free == s.block_manager.num_usable
 
 
 def test_drafts_verified_in_the_prefill_chunk():
@@ -100,10 +100,10 @@ def test_drafts_verified_in_the_prefill_chunk():
                   max_model_len=64)  # fmt: skip
     r = Request(0, [1] * 8, 4)
     s.add(r)
-    taken = s.allocator.allocate(1)  # 2 blocks left: the prompt's, none for drafts
+    taken = s.block_manager.allocate(1)  # 2 blocks left: the prompt's, none for drafts
     (c,) = s.schedule({0: [7, 8, 9]})
     assert c.spec == () and c.num_tokens == 8 and s.running == [r]
-    s.allocator.free(taken)
+    s.block_manager.free(taken)
 
     # The token budget splits the prompt: no drafts (and no candidate) until it ends.
     s = Scheduler(BlockManager(32, BS), block_size=BS, max_num_seqs=4, max_num_tokens=4,

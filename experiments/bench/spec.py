@@ -1,0 +1,312 @@
+"""Speculative decoding against plain decoding, side by side: tokens/s at batch 1 and 8.
+
+    python -m experiments.bench.spec                       # bf16, O2, 5 rounds
+    python -m experiments.bench.spec --rounds 9 --out experiments/bench/results/spec_bench_cpu.json
+
+Three comparisons, every engine built once (O2, bf16) and timed in alternated rounds (round r
+runs the engines in an order rotated by r), medians over the rounds and the paired per-round
+ratios (``experiments.report.statistics.compare``: geometric mean and 95% interval):
+
+* ``ngram_copy`` -- prompt-lookup drafts (``method=ngram``, k) on the default tiny model with
+  the copy-heavy prompts of ``workload=copy`` (``experiments.run.job_inputs.copy_prompts``: a
+  random seed text and the model's own greedy continuation of it, which loops), against the
+  same engine without speculation; ``copy_fraction`` says how much of the continuation an
+  n-gram lookup could draft.  Same tokens
+  required.  Target: >= 2x tokens/s at batch 1.
+* ``draft_addition`` -- the trained draft ``models/synthetic/addition-draft`` drafting for
+  ``models/synthetic/addition`` on held-out addition prompts (the answer and its EOS).
+  Acceptance (per position, mean accepted length) and the speed-up.  Target: >= 1.5x at
+  batch 1 when acceptance >= 0.7.
+* ``verify_step`` -- the cost of one verify step of 1 + k tokens per request against one plain
+  decode step (default model): ``experiments.bench.verify_step`` (the engine's runner, decode
+  and verify steps alternated in every round, the median per-round ratio).  Target: <= 1.3x
+  at k = 4.
+
+Batch 1 runs the prompts one ``generate`` call at a time; batch 8 runs them in one call with
+``max_num_seqs=8``.  The machine's load average is recorded next to the numbers: on a loaded
+machine the ratios are noisy; rerun on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from experiments.report.statistics import compare
+from experiments.run.job_inputs import copy_fraction, copy_prompts
+from framework import LLM
+
+REPO = Path(__file__).resolve().parents[2]
+ADDITION = REPO / "models" / "synthetic" / "addition"
+ADDITION_DRAFT = REPO / "models" / "synthetic" / "addition-draft"
+
+
+def copy_workload(plain: LLM, n: int, seed_len: int, echo_len: int) -> list[list[int]]:
+    """The copy-heavy prompts of ``workload=copy`` (``experiments.run.job_inputs.copy_prompts``),
+    echoed by the plain engine."""
+    from omegaconf import OmegaConf
+
+    workload = OmegaConf.create(
+        dict(num_prompts=n, prompt_len_min=seed_len, prompt_len_max=seed_len, echo_len=echo_len)
+    )
+
+    def echo(prompts, m):
+        return plain.generate(prompts, m, ignore_eos=True)
+
+    return copy_prompts(workload, plain.model_config.vocab_size, 0, echo)
+
+
+@dataclass
+class Contender:
+    """One engine and the workload it times."""
+
+    name: str
+    llm: LLM
+    prompts: list[list[int]]
+    max_new_tokens: int
+    ignore_eos: bool
+    batch: int
+    tokens_per_s: list[float] = field(default_factory=list)
+    step_ms: dict[str, list[float]] = field(default_factory=dict)
+    outputs: Optional[list[list[int]]] = None
+
+    def run(self) -> None:
+        for t in self.llm.runner.step_times.values():
+            t.clear()
+        t0 = time.perf_counter()
+        outs: list[list[int]] = []
+        for i in range(0, len(self.prompts), self.batch):
+            outs += self.llm.generate(
+                self.prompts[i : i + self.batch], self.max_new_tokens, ignore_eos=self.ignore_eos
+            )
+        elapsed = time.perf_counter() - t0
+        self.tokens_per_s.append(sum(len(o) for o in outs) / elapsed)
+        for kind, times in self.llm.runner.step_times.items():
+            if times:
+                self.step_ms.setdefault(kind, []).append(1e3 * statistics.median(times))
+        if self.outputs is None:
+            self.outputs = outs
+        elif outs != self.outputs:
+            raise RuntimeError(f"{self.name}: outputs changed between rounds")
+
+
+def _spec_stats(llm: LLM) -> dict[str, Any]:
+    return {k: v for k, v in llm.stats.items() if k.startswith("spec_")}
+
+
+def _ratio(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
+    c = compare(a, b)
+    return {
+        "ratio": c.ratio if c else statistics.median(a) / statistics.median(b),
+        "ci95": [c.lo, c.hi] if c else None,
+        "median_of_round_ratios": c.median_ratio if c else None,
+        "ratio_of_medians": statistics.median(a) / statistics.median(b),
+    }
+
+
+def build(model: str, *, spec: Optional[dict], dtype: str, level: int, seqs: int, **kw) -> LLM:
+    return LLM(
+        model,
+        dtype=dtype,
+        optimization_level=level,
+        max_num_seqs=seqs,
+        speculative_config=spec,
+        **kw,
+    )
+
+
+def run(
+    *,
+    rounds: int,
+    k: int,
+    dtype: str,
+    level: int,
+    batches: Sequence[int],
+    cache_dir: Optional[str],
+    num_prompts: int,
+    new_tokens: int,
+    scenarios: Sequence[str],
+    log=print,
+) -> dict[str, Any]:
+    from experiments.synthetic.task import get_task
+    from models.tiny import ensure_tiny_model
+
+    common = dict(dtype=dtype, level=level, seqs=max(batches), cache_dir=cache_dir)
+    pairs: dict[str, tuple[str, str]] = {}  # (scenario, batch) -> (baseline, spec)
+    contenders: list[Contender] = []
+    extra: dict[str, Any] = {}
+    default_model = str(ensure_tiny_model())
+
+    if "ngram_copy" in scenarios:
+        log(f"building the default model (plain, {dtype}, O{level})")
+        plain = build(default_model, spec=None, max_model_len=512, **common)
+        log(f"building the default model with n-gram speculation (k={k})")
+        ngram = build(
+            default_model,
+            spec={"method": "ngram", "num_speculative_tokens": k},
+            max_model_len=512,
+            **common,
+        )
+        prompts = copy_workload(plain, num_prompts, seed_len=16, echo_len=192)
+        for b in batches:
+            base = Contender(f"ngram_copy b{b} plain", plain, prompts, new_tokens, True, b)
+            spec = Contender(f"ngram_copy b{b} ngram k={k}", ngram, prompts, new_tokens, True, b)
+            contenders += [base, spec]
+            pairs[f"ngram_copy b{b}"] = (base.name, spec.name)
+        extra["ngram_copy"] = {"llm": ngram, "prompts": prompts}
+    if "draft_addition" in scenarios:
+        task = get_task("addition")
+        keys = task.held_out_keys(num_prompts, 1234)
+        prompts, _ = task.split(task.sequences(keys))
+        log("building the addition target (plain) and with its draft")
+        kw = dict(common, max_model_len=64)
+        target = build(str(ADDITION), spec=None, **kw)
+        drafted = build(
+            str(ADDITION),
+            spec={
+                "method": "draft_model",
+                "model": str(ADDITION_DRAFT),
+                "num_speculative_tokens": k,
+            },
+            **kw,
+        )
+        for b in batches:
+            n_new = task.answer_len + 1
+            base = Contender(f"draft_addition b{b} plain", target, prompts, n_new, False, b)
+            spec = Contender(f"draft_addition b{b} draft k={k}", drafted, prompts, n_new, False, b)
+            contenders += [base, spec]
+            pairs[f"draft_addition b{b}"] = (base.name, spec.name)
+        extra["draft_addition"] = {"llm": drafted, "prompts": prompts}
+    log(f"untimed round, then {rounds} alternated rounds of {len(contenders)} workloads")
+    for c in contenders:
+        c.run()
+    for c in contenders:
+        c.tokens_per_s.clear()
+        c.step_ms.clear()
+    for r in range(rounds):
+        for i in range(len(contenders)):
+            contenders[(r + i) % len(contenders)].run()
+        log(f"  round {r + 1}/{rounds}")
+
+    by_name = {c.name: c for c in contenders}
+    results: dict[str, Any] = {}
+    for key, (base_name, spec_name) in pairs.items():
+        base, spec = by_name[base_name], by_name[spec_name]
+        entry: dict[str, Any] = {
+            "prompts": len(base.prompts),
+            "batch": base.batch,
+            "same_tokens": base.outputs == spec.outputs,
+        }
+        entry.update(
+            tokens_per_s={
+                "plain": statistics.median(base.tokens_per_s),
+                "spec": statistics.median(spec.tokens_per_s),
+            },
+            speedup=_ratio(spec.tokens_per_s, base.tokens_per_s),
+            step_ms_medians={
+                "plain": {k2: statistics.median(v) for k2, v in base.step_ms.items()},
+                "spec": {k2: statistics.median(v) for k2, v in spec.step_ms.items()},
+            },
+        )
+        results[key] = entry
+    if "ngram_copy" in extra:
+        x = extra["ngram_copy"]
+        results["ngram_copy_acceptance"] = _spec_stats(x["llm"])
+        outs = by_name[pairs[f"ngram_copy b{batches[0]}"][0]].outputs
+        results["ngram_copy_copy_fraction"] = copy_fraction(x["prompts"], outs)
+    if "draft_addition" in extra:
+        results["draft_addition_acceptance"] = _spec_stats(extra["draft_addition"]["llm"])
+    if "verify_step" in scenarios:
+        # The verify-step cost has one home: experiments.bench.verify_step (same engine
+        # runner, decode and verify steps alternated per round, per-round ratios).
+        from experiments.bench import verify_step as bench_verify_step
+
+        log(f"verify step of 1 + {k} tokens vs a decode step (experiments.bench.verify_step)")
+        argv = ["--k", str(k), "--batch", *map(str, batches), "--rounds", str(max(rounds, 3))]
+        argv += ["--dtype", dtype, "--level", str(level)]
+        if cache_dir:
+            argv += ["--cache-dir", cache_dir]
+        got = bench_verify_step.main(argv)
+        results["verify_step"] = dict(got, target="verify / decode <= 1.3 at k = 4")
+    return results
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.bench.spec", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("-O", dest="level", type=int, default=2)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per workload")
+    ap.add_argument("--new-tokens", type=int, default=64, help="n-gram workload: new tokens")
+    ap.add_argument(
+        "--scenarios", default="ngram_copy,draft_addition,verify_step", help="comma-separated"
+    )
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the JSON here (e.g. experiments/bench/results/spec_bench_cpu.json)",
+    )
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    results = run(
+        rounds=args.rounds,
+        k=args.k,
+        dtype=args.dtype,
+        level=args.level,
+        batches=[int(b) for b in args.batches.split(",")],
+        cache_dir=args.cache_dir,
+        num_prompts=args.prompts,
+        new_tokens=args.new_tokens,
+        scenarios=[s for s in args.scenarios.split(",") if s],
+    )
+    record = {
+        "command": "python -m experiments.bench.spec " + " ".join(argv or sys.argv[1:]),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
+        "settings": {
+            "dtype": args.dtype,
+            "level": args.level,
+            "k": args.k,
+            "rounds": args.rounds,
+            "batches": args.batches,
+            "prompts": args.prompts,
+        },
+        "wall_s": time.perf_counter() - t0,
+        "results": results,
+    }
+    text = json.dumps(record, indent=1, default=str)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

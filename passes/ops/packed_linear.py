@@ -1,0 +1,203 @@
+"""``piecewise::packed_linear``: a linear on a weight the layer holds re-laid out, once.
+
+Inductor prepacks weights for oneDNN only when they are constants (freezing); in a piecewise
+graph weights are graph inputs.  So the engine re-lays every CPU linear weight once after
+loading (:meth:`PackedLinearMethod.process`, as vLLM's ``process_weights_after_loading``): the
+layer's ``weight`` *becomes* the packed tensor, the original is released, and the layer's
+``linear_method`` emits this op.  One copy per weight, visible to the graph (a graph input
+like any parameter), to memory accounting and to the cache key; no side cache.
+
+Layouts (:attr:`PackedLinearMethod.layout`):
+
+* ``panel`` (bf16): the small-M kernel's ``[ceil(N/64), ceil(K/2), 64, 2]``
+  (:func:`passes.small_m_linear.pack`).  Up to ``max_rows`` rows run that kernel; more rows
+  run oneDNN on the same bytes, which on AVX512-BF16 machines are oneDNN's own packed layout
+  (checked per weight at packing: then ``weight_md`` holds oneDNN's descriptor).  Where they
+  are not, or oneDNN views are unavailable, larger batches unpack the weight per call and run
+  ``F.linear`` (correct, slower).
+* ``onednn`` (fp32, or bf16 without the small-M kernel): oneDNN's packed bytes, every call on
+  oneDNN.
+
+Registration: :func:`framework.core.ops.define_op`, the Python body below as the op's
+``CompositeExplicitAutograd`` kernel; :func:`passes.native_ops.load` adds the C++ CPU kernel
+(``csrc/torch_ops.cpp``: the small-M calls in C++, every other call handed to the same Python
+body under the name ``piecewise::packed_linear_python``).  The op is functional (no mutation,
+output never aliases an input) and passes ``opcheck``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from framework.compat import onednn
+from framework.core.ops import define_op
+from passes import native_ops
+from passes import small_m_linear as small_m
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def mkldnn_available() -> bool:
+    return onednn.available()
+
+
+def packed_linear_cpu(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    md: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    out_features: int,
+    in_features: int,
+    max_rows: int,
+) -> torch.Tensor:
+    n, k = out_features, in_features
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if x.dtype != w.dtype:
+        raise TypeError(f"piecewise::packed_linear: x ({x.dtype}) and w ({w.dtype}) differ")
+    panel = w.dim() == 4
+    if panel and x2.shape[0] <= max_rows:
+        if bias is not None and (bias.shape != (n,) or bias.dtype != w.dtype):
+            # the kernel reads the bias as w's dtype: a float32 bias would be read as garbage
+            raise ValueError(
+                f"piecewise::packed_linear: bias {tuple(bias.shape)} {bias.dtype} for "
+                f"w ({n}, {k}) {w.dtype}"
+            )
+        out = small_m.run_packed(x2, w, bias, n)
+    else:
+        out = onednn.linear(x2, w, md, bias, n, k) if md is not None else None
+        if out is None:
+            if not panel:
+                raise RuntimeError(
+                    "piecewise::packed_linear: a oneDNN-packed weight but no oneDNN view "
+                    "(this torch build lacks the hooks framework/compat/onednn.py uses)"
+                )
+            out = F.linear(x2, small_m.unpack(w, n, k), bias)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+
+def _fake(x, w, md, bias, out_features: int, in_features: int, max_rows: int) -> torch.Tensor:
+    if x.shape[-1] != in_features:
+        raise ValueError(
+            f"piecewise::packed_linear: x has {x.shape[-1]} features, the weight "
+            f"{in_features} (w [{out_features}, {in_features}], packed {tuple(w.shape)})"
+        )
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+packed_linear = define_op("piecewise::packed_linear", fake=_fake)(packed_linear_cpu)
+packed_linear_python = define_op("piecewise::packed_linear_python", fake=_fake, default_key="cpu")(
+    packed_linear_cpu
+)
+"""The Python body alone: what the C++ kernel hands the calls it does not take (and the
+"before" of the per-call overhead benchmark, ``experiments/bench/op_overhead.py``)."""
+
+
+def _release_weight(layer: nn.Module) -> None:
+    del layer.weight  # a tied weight is never processed, so this drops the last reference
+
+
+def _same_as_panels(data: torch.Tensor, w: torch.Tensor, k: int, chunk: int = 64) -> bool:
+    """oneDNN's bytes ``data`` equal the small-M panels of ``w``, compared a few panels at a
+    time (no full second copy)."""
+    n = w.shape[0]
+    size = int(torch.Size(small_m.panel_shape(n, k)).numel())
+    if data.numel() != size:
+        return False
+    per_panel = size // small_m.panel_shape(n, k)[0]
+    rows = small_m.LANES * chunk
+    for r0 in range(0, n, rows):
+        part = small_m.pack(w.detach()[r0 : r0 + rows]).reshape(-1)
+        start = (r0 // small_m.LANES) * per_panel
+        if not torch.equal(data[start : start + part.numel()], part):
+            return False
+    return True
+
+
+class PackedLinearMethod:
+    """The ``linear_method`` of a layer whose weight was re-laid out once (:meth:`process`).
+
+    ``max_rows``: rows up to which the small-M kernel runs (0: oneDNN for every call).  It is
+    part of the method (and so of the traced graph and the code digest), from the engine's
+    ``KernelConfig``."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.layout = ""
+        self.out_features = self.in_features = 0
+
+    @staticmethod
+    def applies_to(layer: nn.Module) -> bool:
+        w = getattr(layer, "weight", None)
+        return (
+            mkldnn_available()
+            and isinstance(w, torch.Tensor)
+            and w.dim() == 2
+            and w.device.type == "cpu"
+            and w.dtype in PACKABLE_DTYPES
+            and getattr(layer, "linear_method", None) is None
+        )
+
+    def process(self, layer: nn.Module, layouts: Optional[dict] = None) -> bool:
+        """Re-lay ``layer.weight`` (plain ``[N, K]``) once; the layer then holds only the packed
+        tensor (and ``weight_md``).  Returns False (layer unchanged) where nothing reads a
+        packed layout here.  At most two copies of this one weight exist at any moment.
+
+        ``layouts``: a dict the caller keeps over one model's layers; whether oneDNN reads the
+        panel layout of a (shape, dtype) is found once per shape (oneDNN re-lays the first
+        weight of each shape, its bytes are compared with the panels) and remembered there."""
+        n, k = layer.weight.shape
+        dtype = layer.weight.dtype
+        small = self.max_rows > 0 and dtype in small_m.DTYPES and small_m.kernel_available()
+        if small:
+            native_ops.load()  # the op's C++ kernel (else its Python body calls the kernel)
+        layouts = {} if layouts is None else layouts
+        key = (n, k, dtype, small)
+        if small:
+            self.layout = "panel"
+            if key in layouts:
+                md = layouts[key]
+                packed = small_m.pack(layer.weight.detach())
+                _release_weight(layer)
+            else:
+                got = onednn.reorder(layer.weight.detach())
+                md = None
+                if got is not None and _same_as_panels(got.data, layer.weight, k):
+                    md = got.md
+                    _release_weight(layer)  # the original goes before the copy is made
+                    packed = got.data.view(small_m.panel_shape(n, k)).clone()
+                    got.release()
+                else:
+                    got = None
+                    packed = small_m.pack(layer.weight.detach())
+                    _release_weight(layer)
+                layouts[key] = md
+        else:
+            got = onednn.reorder(layer.weight.detach())
+            if got is None:
+                return False
+            self.layout, self.max_rows, md = "onednn", 0, got.md
+            _release_weight(layer)
+            packed = got.data.clone()
+            got.release()
+        layer.weight = nn.Parameter(packed, requires_grad=False)
+        layer.register_buffer("weight_md", md, persistent=False)
+        self.out_features, self.in_features = n, k
+        return True
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(
+            x,
+            layer.weight,
+            layer.weight_md,
+            layer.bias,
+            self.out_features,
+            self.in_features,
+            self.max_rows,
+        )
+
+    def __repr__(self) -> str:
+        return f"PackedLinearMethod({self.layout}, max_rows={self.max_rows})"
