@@ -36,7 +36,19 @@ GPU_CHECK_ENV = "PIECEWISE_GPU_CHECK"
 _INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
 
 
+def _limit_worker_threads(config) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2``) each worker computes with its share of
+    the cores, and so do the processes its tests start (they inherit ``OMP_NUM_THREADS``):
+    two workers on two cores run one thread each instead of four threads fighting over two."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        share = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+
+
 def pytest_configure(config):
+    _limit_worker_threads(config)
     config.addinivalue_line(
         "markers",
         f"{KERNEL_MARK}: launches Triton kernels in the test process (compiled on "
@@ -47,6 +59,18 @@ def pytest_configure(config):
         "triton_interpreted: CPU test that needs the Triton interpreter (rerun in "
         "a child process with TRITON_INTERPRET=1)",
     )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """The xdist group of a test without one is its module: with ``--dist loadgroup`` a
+    module runs on one worker, so its module-scoped fixtures are built once.  A test marked
+    ``xdist_group(name)`` runs on the worker of that group instead."""
+    if not hasattr(config, "workerinput"):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 def pytest_collection_finish(session):
@@ -93,7 +117,13 @@ def llama_checkpoint(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
-def compile_cache_dir(tmp_path_factory) -> str:
+def compile_cache_dir(tmp_path_factory, request) -> str:
     """One artifact-cache root shared by every test that is not about the cache itself, so
-    identical configurations compile once per session."""
+    identical configurations compile once per session.  Under pytest-xdist the workers share
+    it (the folder above each worker's base temp is the run's): the store lets processes
+    compile into one root (one compiles a key, the others load it)."""
+    if hasattr(request.config, "workerinput"):
+        root = tmp_path_factory.getbasetemp().parent / "piecewise-cache"
+        root.mkdir(exist_ok=True)
+        return str(root)
     return str(tmp_path_factory.mktemp("piecewise-cache"))
