@@ -61,18 +61,6 @@ def pytest_configure(config):
     )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the groups
-def pytest_collection_modifyitems(config, items):
-    """The xdist group of a test without one is its module: with ``--dist loadgroup`` a
-    module runs on one worker, so its module-scoped fixtures are built once.  A test marked
-    ``xdist_group(name)`` runs on the worker of that group instead."""
-    if not hasattr(config, "workerinput"):
-        return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
 def pytest_collection_finish(session):
     """No test may switch this process to interpreted Triton (tests never set process
     environment at import): on CUDA, or under scripts/gpu_check.sh, that would silently run
