@@ -29,8 +29,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two pytest-xdist workers (CI has 2 cores), each computing with one thread (tests/conftest.py);
+# --dist loadscope runs a module's tests on one worker, so its module fixtures are built once
+# (xdist_group marks are not honoured with pytest 9).  TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadscope --durations=15 $(ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not bench" $(ARGS)

@@ -36,7 +36,19 @@ GPU_CHECK_ENV = "PIECEWISE_GPU_CHECK"
 _INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
 
 
+def _limit_worker_threads(config) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2``) each worker computes with its share of
+    the cores, and so do the processes its tests start (they inherit ``OMP_NUM_THREADS``):
+    two workers on two cores run one thread each instead of four threads fighting over two."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        share = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+
+
 def pytest_configure(config):
+    _limit_worker_threads(config)
     config.addinivalue_line(
         "markers",
         f"{KERNEL_MARK}: launches Triton kernels in the test process (compiled on "
@@ -93,7 +105,13 @@ def llama_checkpoint(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
-def compile_cache_dir(tmp_path_factory) -> str:
+def compile_cache_dir(tmp_path_factory, request) -> str:
     """One artifact-cache root shared by every test that is not about the cache itself, so
-    identical configurations compile once per session."""
+    identical configurations compile once per session.  Under pytest-xdist the workers share
+    it (the folder above each worker's base temp is the run's): the store lets processes
+    compile into one root (one compiles a key, the others load it)."""
+    if hasattr(request.config, "workerinput"):
+        root = tmp_path_factory.getbasetemp().parent / "piecewise-cache"
+        root.mkdir(exist_ok=True)
+        return str(root)
     return str(tmp_path_factory.mktemp("piecewise-cache"))

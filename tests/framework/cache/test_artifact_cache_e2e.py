@@ -3,6 +3,7 @@ artifacts and index, several processes starting cold on one directory."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -79,32 +80,50 @@ def reference(llama_checkpoint):
     return llm.generate(PROMPTS, 8, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def cold_start(llama_checkpoint, tmp_path_factory):
+    """``(cache, result)``: one cold start in a fresh process into an empty cache.  The tests
+    that start from its artifacts work on a copy (:func:`copy_of`)."""
+    cache = tmp_path_factory.mktemp("cold-cache")
+    return cache, run_job(llama_checkpoint, cache)
+
+
+def copy_of(cache: Path, dst: Path) -> Path:
+    shutil.copytree(cache, dst)
+    return dst
+
+
 def artifacts(cache):
     return sorted(Path(cache).glob("*/rank_0/*/artifacts/*"))
 
 
-def test_warm_start_in_fresh_process_loads_everything(llama_checkpoint, reference, tmp_path):
-    cold = run_job(llama_checkpoint, tmp_path)
+def test_warm_start_in_fresh_process_loads_everything(
+    llama_checkpoint, reference, cold_start, tmp_path
+):
+    cold_cache, cold = cold_start
     assert cold["out"] == reference
     assert cold["compiles"] > 0 and cold["traces"] == 1
-    warm = run_job(llama_checkpoint, tmp_path)
+    warm = run_job(llama_checkpoint, copy_of(cold_cache, tmp_path / "cache"))
     assert warm["out"] == reference
     assert warm["compiles"] == 0
     assert warm["loads"] == cold["compiles"]
     assert warm["traces"] == 0, "warm start should rebuild the program without Dynamo"
 
 
-def test_corrupt_artifact_and_index_are_recompiled(llama_checkpoint, reference, tmp_path):
-    cold = run_job(llama_checkpoint, tmp_path)
-    victim = artifacts(tmp_path)[0]
+def test_corrupt_artifact_and_index_are_recompiled(
+    llama_checkpoint, reference, cold_start, tmp_path
+):
+    cold_cache, cold = cold_start
+    cache = copy_of(cold_cache, tmp_path / "cache")
+    victim = artifacts(cache)[0]
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    warm = run_job(llama_checkpoint, tmp_path)
+    warm = run_job(llama_checkpoint, cache)
     assert warm["out"] == reference
     assert warm["compiles"] >= 1
     assert any(victim.name in w for w in warm["warnings"]), warm["warnings"]
-    index = next(Path(tmp_path).glob("*/rank_0/*/index.json"))
+    index = next(cache.glob("*/rank_0/*/index.json"))
     index.write_text("{ not json")
-    again = run_job(llama_checkpoint, tmp_path)
+    again = run_job(llama_checkpoint, cache)
     assert again["out"] == reference
     assert any("index.json" in w for w in again["warnings"]), again["warnings"]
     assert cold["pieces"] == again["pieces"]
