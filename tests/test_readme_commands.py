@@ -102,9 +102,10 @@ def test_every_python_m_and_make_target_in_a_readme_exists():
 
 def _make_dry_run(target: str) -> list[str]:
     stamp = ".venv/.installed"
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     proc = subprocess.run(
-        ["make", "-n", "-o", stamp, target],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        ["make", "--no-print-directory", "-n", "-o", stamp, target],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()

@@ -95,7 +95,7 @@ from passes.registry import PASSES
 
 cc = CompilationConfig(
     level=2,
-    backend="demo_compiler",
+    compiler="demo_compiler",
     use_cache=False,
     pass_config=PassConfig(passes=["noop_elimination", "demo_count_adds"]),
 )

@@ -14,9 +14,18 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("framework", "backends", "passes", "models", "experiments", "tests", "scripts")
-OPTIONAL = {"mlflow", "submitit", "hydra_plugins.hydra_submitit_launcher", "importlinter"}
+OPTIONAL = {
+    "mlflow",
+    "submitit",
+    "hydra_plugins.hydra_submitit_launcher",
+    "importlinter",
+    "llama_cpp",
+    "ctranslate2",
+    "gguf",
+}
 """Imported only where present (``pytest.importorskip`` or a guarded import): CPU-side extras
-(experiment tracking, the Slurm launcher) that the GPU check never reaches."""
+(experiment tracking, the Slurm launcher, the ``peers`` extra of the llama.cpp / CTranslate2
+benchmarks) that the GPU check never reaches."""
 SERVING = {"fastapi", "starlette", "uvicorn", "openai"}
 """The OpenAI-compatible server's stack (the ``serve`` extra): framework/serve,
 experiments/bench/serve.py and tests/framework/serve only; the GPU check skips them (its dry

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.bench, pytest.mark.slow]
 
 
 def _clear_inductor_caches() -> None:
-    from torch._inductor.utils import clear_caches
+    from framework.compat.inductor import clear_caches
 
     clear_caches()
 

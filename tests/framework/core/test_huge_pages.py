@@ -92,8 +92,8 @@ def test_never_fails_closed_to_torch_memory_with_one_log_line(caplog):
     assert alloc.huge_bytes == 0 and alloc.plain_bytes == 12 * MB
     lines = [r.getMessage() for r in caplog.records if r.name == hp.__name__]
     assert len(lines) == 1 and "never" in lines[0] and "normal pages" in lines[0]
-    if sys.platform.startswith("linux"):
-        assert hp.page_backing(t).anon_huge == 0 or hp.thp_mode() == "always"
+    # (Not asserted: the kernel's backing of torch's own memory. glibc and khugepaged may give
+    # it huge pages whatever this allocator does; it failed so under a parallel test run.)
 
 
 def test_unknown_mode_fails_closed():
