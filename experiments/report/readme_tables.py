@@ -370,7 +370,8 @@ def _serve_bench(path: Path) -> list[str]:
 @table(
     "moe_bench",
     "experiments/bench/results/moe_bench_cpu.json",
-    "python -m experiments.bench.moe --rounds 3 --out experiments/bench/results/moe_bench_cpu.json",
+    "python -m experiments.bench.moe --rounds 5 --threads 2 "
+    "--out experiments/bench/results/moe_bench_cpu.json",
 )
 def _moe_bench(path: Path) -> list[str]:
     data = json.loads(path.read_text())
