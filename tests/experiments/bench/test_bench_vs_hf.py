@@ -136,7 +136,7 @@ def test_targets_are_ratios_of_one_run():
         "attention 4k context: KV read rate / measured bandwidth": (0.6, True),
         "O2 cold start / (b) cold start (bf16)": (0.4, False),
         "O2 warm LLM(...) in a fresh process after import torch (s)": (0.9, True),
-        "O2 warm start / O2 cold start (bf16)": (0.075, True),
+        "O2 warm start / O2 cold start (bf16)": (0.075, False),  # above the 5% target
     }
     lines = bench_targets.markdown(bench_targets.targets(lat, startup))
     assert any("| NOT met |" in ln for ln in lines) and any("| met |" in ln for ln in lines)
