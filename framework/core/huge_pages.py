@@ -165,7 +165,8 @@ class HugePageAllocator:
 class PageBacking:
     """How a range of this process's memory is backed (bytes), from ``/proc/self/smaps``:
     ``size`` of the mappings it overlaps, ``rss`` resident, ``anon_huge`` in anonymous huge
-    pages, ``file_pmd`` in file pages mapped as huge pages.  smaps reports per mapping, so
+    pages, ``file_pmd`` in file pages mapped as huge pages, ``advised`` the mappings advised
+    ``MADV_HUGEPAGE`` (``hg`` in their ``VmFlags``).  smaps reports per mapping, so
     ranges are counted whole mapping by whole mapping: give tensors that own their mapping,
     or read the figures as the mappings'."""
 
@@ -174,6 +175,7 @@ class PageBacking:
     anon_huge: int = 0
     file_pmd: int = 0
     mappings: int = 0
+    advised: int = 0
 
     @property
     def huge(self) -> int:
@@ -207,4 +209,6 @@ def page_backing(tensors: list[torch.Tensor] | torch.Tensor) -> PageBacking:
             elif cur and head in fields:
                 name = fields[head]
                 setattr(out, name, getattr(out, name) + int(line.split()[1]) * 1024)
+            elif cur and head == "VmFlags:" and "hg" in line.split()[1:]:
+                out.advised += 1
     return out

@@ -47,6 +47,15 @@ class Request:
     def all_tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output, without building the whole list."""
+        p = len(self.prompt)
+        if end <= p:
+            return self.prompt[start:end]
+        if start >= p:
+            return self.output[start - p : end - p]
+        return self.prompt[start:] + self.output[: end - p]
+
     def append(self, token: int) -> None:
         self.output.append(token)
         if token in self.eos_token_ids or token in self.params.stop_token_ids:

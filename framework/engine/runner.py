@@ -138,7 +138,7 @@ class ModelRunner:
                 pos_np[n : n + k] = p
                 prompt = req.prompt
                 if c.spec:  # a verify chunk: known tokens, then the drafts after them
-                    ids_np[n : n + k] = req.all_tokens()[c.start : req.num_tokens] + list(c.spec)
+                    ids_np[n : n + k] = req.tokens(c.start, req.num_tokens) + list(c.spec)
                 else:
                     ids_np[n : n + k] = (
                         prompt[c.start : c.end]
