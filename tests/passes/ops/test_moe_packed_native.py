@@ -6,13 +6,13 @@ max_rows handed to the Python body, only the chosen experts read, and bad ids na
 
 import pytest
 import torch
+from moe_experts import make, packed
 
 import passes.ops  # noqa: F401  (registers the ops)
 import passes.ops.packed_moe as prepack_moe
 from passes import native_ops
 from passes import small_m_linear as small_m
 from passes.ops.moe import fused_moe_reference, topk_softmax_torch
-from passes.ops.packed_moe import PackedExpertsMethod
 
 pytestmark = pytest.mark.skipif(
     not (small_m.kernel_available() and native_ops.load()),
@@ -20,32 +20,6 @@ pytestmark = pytest.mark.skipif(
 )
 ops = torch.ops.piecewise
 BF16 = dict(atol=2e-2, rtol=2e-2)
-
-
-class Experts(torch.nn.Module):
-    def __init__(self, w13, w2):
-        super().__init__()
-        self.w13 = torch.nn.Parameter(w13.clone(), requires_grad=False)
-        self.w2 = torch.nn.Parameter(w2.clone(), requires_grad=False)
-        self.moe_method = None
-
-
-def make(t, experts, k, inter=72, hidden=64, seed=0, weights_dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, hidden, generator=g).bfloat16()
-    logits = torch.randn(t, experts, generator=g)
-    w13 = (0.1 * torch.randn(experts, 2 * inter, hidden, generator=g)).bfloat16()
-    w2 = (0.1 * torch.randn(experts, hidden, inter, generator=g)).bfloat16()
-    weights, ids = topk_softmax_torch(logits, k, True)
-    return x, weights.to(weights_dtype), ids, w13, w2
-
-
-def packed(w13, w2, max_rows=small_m.DEFAULT_MAX_ROWS):
-    m = Experts(w13, w2)
-    method = PackedExpertsMethod(max_rows)
-    method.process(m)
-    m.moe_method = method
-    return m
 
 
 def args_of(m, x, weights, ids, max_rows=None):

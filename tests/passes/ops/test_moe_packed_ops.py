@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from moe_experts import Experts, make, packed
 
 import passes.ops  # noqa: F401  (registers the ops)
 from passes import small_m_linear as small_m
@@ -32,38 +33,6 @@ pytestmark = pytest.mark.skipif(
 ops = torch.ops.piecewise
 H = 64
 BF16 = dict(atol=2e-2, rtol=2e-2)
-
-
-def make(t, experts=6, k=2, inter=72, seed=0, weights_dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, H, generator=g).bfloat16()
-    logits = torch.randn(t, experts, generator=g)
-    w13 = (0.1 * torch.randn(experts, 2 * inter, H, generator=g)).bfloat16()
-    w2 = (0.1 * torch.randn(experts, H, inter, generator=g)).bfloat16()
-    weights, ids = topk_softmax_torch(logits, k, True)
-    return x, weights.to(weights_dtype), ids, w13, w2
-
-
-class Experts(torch.nn.Module):
-    """The stacked-experts protocol (``w13``, ``w2``, ``moe_method``)."""
-
-    def __init__(self, w13, w2):
-        super().__init__()
-        self.w13 = torch.nn.Parameter(w13.clone(), requires_grad=False)
-        self.w2 = torch.nn.Parameter(w2.clone(), requires_grad=False)
-        self.moe_method = None
-
-    def forward(self, x, weights, ids):
-        return self.moe_method.apply(self, x, weights, ids)
-
-
-def packed(w13, w2, max_rows=small_m.DEFAULT_MAX_ROWS, layouts=None):
-    m = Experts(w13, w2)
-    assert PackedExpertsMethod.applies_to(m, max_rows)
-    method = PackedExpertsMethod(max_rows)
-    method.process(m, layouts)
-    m.moe_method = method
-    return m
 
 
 @pytest.mark.parametrize(
