@@ -20,15 +20,14 @@ the same machine.  It prints the median step of each, the ratio, and the streami
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 from typing import Any, Optional
 
 import torch
 
-HUGE = 2 << 20
-MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
+from framework.core import huge_pages as hp
+
 SHAPES_1P1B = (
     ("qkv", 2560, 2048),
     ("o", 2048, 2048),
@@ -37,36 +36,15 @@ SHAPES_1P1B = (
 )
 
 
-def _madvise(ptr: int, length: int, advice: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(ptr, length, advice) != 0:
-        raise OSError(ctypes.get_errno(), "madvise failed")
-
-
 def arena(nbytes: int, huge: bool) -> torch.Tensor:
-    """``nbytes`` of untouched memory, 2 MB aligned, advised huge or not before first touch."""
-    raw = torch.empty(nbytes + HUGE, dtype=torch.uint8)  # a fresh mapping: no page touched yet
-    start = -raw.data_ptr() % HUGE
-    view = raw[start : start + nbytes]
-    length = nbytes // HUGE * HUGE or nbytes
-    _madvise(view.data_ptr(), length, MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE)
-    return view
+    """``nbytes`` of untouched memory in a mapping of its own, 2 MB aligned, advised huge or
+    not before first touch (:func:`framework.core.huge_pages.fresh_mapping`)."""
+    return hp.fresh_mapping(nbytes, huge)
 
 
 def huge_bytes_in(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s range that /proc/self/smaps reports as AnonHugePages."""
-    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    total, cur = 0, None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                a, b = (int(x, 16) for x in head.split("-"))
-                cur = (a, b) if a < hi and b > lo else None
-            elif cur and line.startswith("AnonHugePages:"):
-                total += int(line.split()[1]) * 1024
-    return total
+    """Bytes of the mapping holding ``t`` that /proc/self/smaps reports as AnonHugePages."""
+    return hp.page_backing(t).anon_huge
 
 
 def build(layers: int, huge: bool, seed: int = 0) -> tuple[list[tuple[torch.Tensor, int]], dict]:

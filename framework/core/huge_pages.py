@@ -138,27 +138,39 @@ class HugePageAllocator:
         return self.copy(t)
 
     def _mapped(self, nbytes: int) -> Optional[torch.Tensor]:
-        """``nbytes`` (uint8) starting on a huge-page boundary of a mapping of their own, its
-        whole huge pages advised ``MADV_HUGEPAGE``, the rest ``MADV_NOHUGEPAGE``; None (one log
-        line) where the mapping or the advice is refused."""
+        """:func:`fresh_mapping` of ``nbytes`` advised huge; None (one log line) where the
+        mapping or the advice is refused."""
         try:
-            # Private anonymous (a shared one is shmem, which follows shmem_enabled instead).
-            m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-        except (OSError, ValueError) as e:
+            return fresh_mapping(nbytes, huge=True)
+        except OSError as e:
             self.failures += 1
-            self._fall_back(f"mmap of {nbytes + HUGE_PAGE} bytes refused: {e}")
+            self._fall_back(str(e))
             return None
-        flat = torch.frombuffer(m, dtype=torch.uint8)  # holds the mapping: unmapped with it
-        start = -flat.data_ptr() % HUGE_PAGE
-        whole = nbytes // HUGE_PAGE * HUGE_PAGE
-        err = madvise(flat.data_ptr() + start, whole, MADV_HUGEPAGE) if whole else None
-        if err is None and len(m) > start + whole:
-            madvise(flat.data_ptr() + start + whole, len(m) - start - whole, MADV_NOHUGEPAGE)
+
+
+def fresh_mapping(nbytes: int, huge: bool) -> torch.Tensor:
+    """``nbytes`` (uint8, untouched) starting on a huge-page boundary of an anonymous private
+    mapping of their own, advised before any first touch: its whole huge pages
+    ``MADV_HUGEPAGE`` and the rest ``MADV_NOHUGEPAGE`` when ``huge``, all of it
+    ``MADV_NOHUGEPAGE`` otherwise.  A mapping of its own, not torch's allocator: ``malloc``
+    may hand back pages an earlier tensor already faulted in, whose page size is decided.
+    The mapping is unmapped with the last tensor using it.  Raises OSError naming what was
+    refused (the ``mmap`` or the advice)."""
+    try:
+        # Private anonymous (a shared one is shmem, which follows shmem_enabled instead).
+        m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    except (OSError, ValueError) as e:
+        raise OSError(f"mmap of {nbytes + HUGE_PAGE} bytes refused: {e}") from e
+    flat = torch.frombuffer(m, dtype=torch.uint8)  # holds the mapping: unmapped with it
+    start = -flat.data_ptr() % HUGE_PAGE
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE if huge else 0
+    if whole:
+        err = madvise(flat.data_ptr() + start, whole, MADV_HUGEPAGE)
         if err is not None:
-            self.failures += 1
-            self._fall_back(f"madvise(MADV_HUGEPAGE) failed, errno {err}")
-            return None
-        return flat[start : start + nbytes]
+            raise OSError(f"madvise(MADV_HUGEPAGE) failed, errno {err}")
+    if len(m) > start + whole:  # best effort: a tail without advice is in small pages anyway
+        madvise(flat.data_ptr() + start + whole, len(m) - start - whole, MADV_NOHUGEPAGE)
+    return flat[start : start + nbytes]
 
 
 @dataclass

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from experiments.bench import page_size as bps
+from framework.core import huge_pages as hp
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -17,9 +18,16 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     not THP.is_file() or "[never]" in THP.read_text(), reason="no transparent huge pages"
 )
 def test_advice_before_first_touch_decides_the_page_size():
+    # After other tests freed large tensors, torch's allocator would hand back pages already
+    # faulted in (malloc's heap), whose page size no advice changes: each arena is a mapping of
+    # its own.  Touching and dropping 24 MB tensors first makes that case happen here (glibc
+    # raises its mmap threshold on the first free, so the next ones come from the heap).
+    for _ in range(3):
+        torch.empty(24 << 20, dtype=torch.uint8).fill_(0)
     huge = bps.arena(16 << 20, True)
     small = bps.arena(16 << 20, False)
-    assert huge.data_ptr() % bps.HUGE == 0
+    assert huge.data_ptr() % hp.HUGE_PAGE == 0
+    assert hp.page_backing(huge).advised == 1 and hp.page_backing(small).advised == 0
     huge.fill_(1)
     small.fill_(1)
     assert bps.huge_bytes_in(huge) >= 8 << 20  # most of it (the kernel may split a page)
