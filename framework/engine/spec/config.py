@@ -37,6 +37,10 @@ class SpeculativeConfig(StrictConfig):
     """ngram: the shortest suffix n-gram looked up in the request's earlier tokens."""
     prompt_lookup_max: int = 3
     """ngram: the longest suffix n-gram tried first."""
+    prompt_lookup_periodic: bool = True
+    """ngram: when the tokens after the match run out before k (the match is the last
+    repetition of a loop of period p < k), continue the drafts periodically (draft t is draft
+    t - p) instead of proposing only p.  False: propose what follows the match, no more."""
     model: Optional[str] = None
     """draft_model: the draft's Hugging Face folder (config.json + safetensors)."""
     draft_hash: Optional[str] = None
@@ -75,6 +79,11 @@ class SpeculativeConfig(StrictConfig):
             raise ValueError(
                 f"SpeculativeConfig.prompt_lookup_max: must be an int >= prompt_lookup_min "
                 f"({lo}), got {hi!r}"
+            )
+        if not isinstance(self.prompt_lookup_periodic, bool):
+            raise ValueError(
+                f"SpeculativeConfig.prompt_lookup_periodic: must be true or false, got "
+                f"{self.prompt_lookup_periodic!r}"
             )
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:

@@ -3,7 +3,12 @@
 For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the last n tokens of the
 request (prompt and output so far) are looked up among its earlier tokens; at the longest n
 that matches, the k tokens that followed the *most recent* earlier occurrence are the drafts
-(fewer when the sequence ends sooner; none when nothing matches).  Runs on the CPU in numpy,
+(none when nothing matches).  When the sequence ends sooner -- the match is the previous
+repetition of a loop of period p < k, so only p tokens follow it -- the drafts continue the
+loop (draft t = draft t - p; ``prompt_lookup_periodic``, default on) or stop at p (off).
+On the copy-heavy benchmark prompts the periodic drafts took the b1 speed-up over plain
+decoding from 1.70x to 2.59x, same tokens (``python -m experiments.bench.spec``; off and on
+alternated in one process).  Runs on the CPU in numpy,
 holds no per-request state (the lookup reads ``req.all_tokens()`` every step, so rejected
 drafts need no rollback).
 """
@@ -20,9 +25,13 @@ from framework.engine.spec.config import SpeculativeConfig
 from framework.engine.spec.proposer import ProposerContext, register_proposer
 
 
-def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+def ngram_lookup(
+    tokens: np.ndarray, k: int, n_min: int, n_max: int, periodic: bool = False
+) -> list[int]:
     """Drafts for ``tokens`` (int64, 1-D): the k tokens after the most recent earlier
-    occurrence of the longest suffix n-gram, ``n_min <= n <= n_max``; [] when none."""
+    occurrence of the longest suffix n-gram, ``n_min <= n <= n_max``; [] when none.  Fewer
+    than k when the sequence ends sooner, unless ``periodic``: then the p tokens that do
+    follow repeat until there are k (the match is p tokens back: a loop of period p)."""
     length = len(tokens)
     if length < n_min + 1 or k <= 0:
         return []
@@ -43,7 +52,11 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int
     if best is None or not best.size:
         return []
     start = int(best[-1]) + 1  # the most recent occurrence (ends are increasing)
-    return tokens[start : start + k].tolist()
+    drafts = tokens[start : start + k].tolist()
+    if periodic and len(drafts) < k:
+        p = len(drafts)  # == length - start: the match's continuation is the sequence's end
+        drafts = [drafts[t % p] for t in range(k)]
+    return drafts
 
 
 @register_proposer("ngram")
@@ -54,6 +67,7 @@ class NgramProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.n_min = config.prompt_lookup_min
         self.n_max = config.prompt_lookup_max
+        self.periodic = config.prompt_lookup_periodic
         self._calls = 0
         self._hits = 0
         self._time_s = 0.0
@@ -63,7 +77,9 @@ class NgramProposer:
         out = []
         for r in reqs:
             tokens = np.asarray(r.all_tokens(), dtype=np.int64)
-            drafts = ngram_lookup(tokens, self.num_speculative_tokens, self.n_min, self.n_max)
+            drafts = ngram_lookup(
+                tokens, self.num_speculative_tokens, self.n_min, self.n_max, self.periodic
+            )
             self._hits += bool(drafts)
             out.append(drafts)
         self._calls += len(reqs)

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from framework.engine.request import Request
-from framework.engine.sampler import NON_FINITE, process_logits, uniform_noise
+from framework.engine.sampler import NON_FINITE, greedy_argmax, process_logits, uniform_noise
 
 ACCEPT_STREAM = 1 << 31
 """Offset of the output index that keys a position's acceptance uniform (its race noise uses
@@ -75,15 +75,13 @@ class RejectionSampler:
         starts = [0]
         for n in n_rows:
             starts.append(starts[-1] + n)
-        values, indices = x.max(dim=-1)  # as the sampler's greedy path picks its argmax
-        maxes = values.tolist()
+        argmax, maxes = greedy_argmax(x)  # as the sampler's greedy path picks its argmax
         ok = []
         for i, r in enumerate(reqs):
             good = all(math.isfinite(v) for v in maxes[starts[i] : starts[i + 1]])
             if not good:
                 r.fail(NON_FINITE)
             ok.append(good)
-        argmax = indices.tolist()
         sampled = [i for i, r in enumerate(reqs) if ok[i] and not r.params.greedy]
         drawn: dict[int, list[int]] = {}
         accepted: dict[int, list[bool]] = {}

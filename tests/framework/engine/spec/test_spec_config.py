@@ -31,6 +31,7 @@ def _mc(vocab=256, max_pos=2048):
         (dict(method=""), "SpeculativeConfig.method"),
         (dict(prompt_lookup_min=0), "prompt_lookup_min"),
         (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_max"),
+        (dict(prompt_lookup_periodic="yes"), "prompt_lookup_periodic: must be true or false"),
         (dict(method="draft_model"), "SpeculativeConfig.model: method 'draft_model' needs"),
         (dict(method="ngram", model="/some/draft"), "SpeculativeConfig.model: method 'ngram'"),
     ],
@@ -66,6 +67,7 @@ def test_hash_covers_method_k_and_draft_only():
     assert (
         base.compute_hash()
         == SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=5).compute_hash()
+        == SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_periodic=False).compute_hash()
     )
     a = SpeculativeConfig(method="draft_model", model="/a", num_speculative_tokens=2)
     b = SpeculativeConfig(method="draft_model", model="/b", num_speculative_tokens=2)
