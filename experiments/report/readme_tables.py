@@ -409,6 +409,45 @@ def _moe_bench(path: Path) -> list[str]:
 
 
 @table(
+    "peers",
+    "experiments/bench/results/peers",
+    "python -m experiments.bench.peers --sizes S --batches B "
+    "--out experiments/bench/results/peers/peers_<sizes>_<date>.json",
+)
+def _peers(folder: Path) -> list[str]:
+    out: list[str] = []
+    # Newest first: the names end in the run's date, peers_<sizes>_<YYYY-MM-DDTHHMM>.json.
+    for path in sorted(folder.glob("*.json"), key=lambda p: p.stem.rsplit("_", 1)[-1])[::-1]:
+        data = json.loads(path.read_text())
+        st = data["settings"]
+        floors = "; ".join(
+            f"{size} {f['floor_ms']['bf16']:.2f} ms bf16 / {f['floor_ms']['q8_0']:.2f} ms q8_0 "
+            f"at {f['best_gb_s']:.1f} GB/s ({'the probe' if f['probe_is_best'] else 'a contender'})"
+            for size, f in data["floors"].items()
+        )
+        out += [
+            f"`{path.name}`: sizes {', '.join(st['sizes'])}, batches "
+            f"{', '.join(map(str, st['batches']))}, {st['threads']} threads, fresh process per "
+            f"run; floors {floors}.",
+            "",
+            *_head("size", "batch", "ratio", "baseline ms", "contender ms", "speed-up"),
+        ]
+        for r in data["ratios"]:
+            out.append(
+                f"| {r['size']} | {r['batch']} | {r['ratio']} | {r['baseline_ms']:.2f} | "
+                f"{r['contender_ms']:.2f} | **{r['speedup']:.2f}x** |"
+            )
+        out += ["", *_head("target", "want", "got", "met")]
+        for t in data["targets"]:
+            out.append(
+                f"| {t['target']} | {t['want']} | {t['got']:.3f} | "
+                f"{'met' if t['met'] else 'NOT met'} |"
+            )
+        out.append("")
+    return out[:-1]
+
+
+@table(
     "synthetic_models",
     "models/synthetic",
     "python -m experiments.synthetic.train (the commands below)",
