@@ -72,17 +72,44 @@ grep -E "^gpu-check env:|^imported |gpu-check collection:" "$TMP/dry.log"
 step "tiny LLM: O2 (cold, warm) tokens == O0"
 "$V" scripts/o2_equals_o0.py "$TMP/o2"
 
-step "CPU smoke subset"
+step "CPU smoke subset (two pytest processes side by side: CI has 2 cores)"
 T=tests/framework/engine/test_llm.py
-"$V" -m pytest -q -p no:cacheprovider -m "not slow" \
+smoke() {  # smoke NAME TESTS...: one pytest process, its output in $TMP/NAME.log
+    local name=$1
+    shift
+    OMP_NUM_THREADS=1 "$V" -m pytest -q -p no:cacheprovider -m "not slow" "$@" >"$TMP/$name.log" 2>&1
+}
+C=tests/framework/cache
+# Two halves of about equal time (the end-to-end cache tests are the long ones); every cache
+# test file is in one of them.
+CACHE_A=(test_artifact_cache_e2e test_cache_cli test_cache_key test_store test_cache_explain_passes)
+CACHE_B=(test_cache_pass_edit test_cache_pass_records test_disk_faults test_lean_artifacts
+    test_warm_start_lean test_weight_cache)
+MISSING=$(comm -23 <(cd "$C" && ls test_*.py | sed 's/\.py$//' | sort) \
+    <(printf '%s\n' "${CACHE_A[@]}" "${CACHE_B[@]}" | sort))
+[ -z "$MISSING" ] || { echo "error: add to CACHE_A or CACHE_B: $MISSING" >&2; exit 1; }
+in_cache() { local f; for f; do printf '%s\n' "$C/$f.py"; done; }
+mapfile -t CACHE_A < <(in_cache "${CACHE_A[@]}")
+mapfile -t CACHE_B < <(in_cache "${CACHE_B[@]}")
+smoke cache "${CACHE_A[@]}" &
+CACHE_PID=$!
+smoke rest \
+    "${CACHE_B[@]}" \
     tests/framework/compat \
     "$T::test_eager_matches_transformers_batched_and_alone" \
     "$T::test_compiled_levels_match_eager[mistral-2]" \
     "$T::test_compiled_levels_match_eager[qwen2-2]" \
     "$T::test_compiled_levels_match_eager[qwen3-2]" \
-    tests/framework/cache \
     tests/passes/test_fuse_add_rmsnorm.py \
     tests/passes/ops/test_triton_kernels.py \
-    tests/backends/attention/test_triton_paged.py
+    tests/backends/attention/test_triton_paged.py &
+REST_PID=$!
+FAILED=0
+for part in cache:$CACHE_PID rest:$REST_PID; do
+    if ! wait "${part#*:}"; then FAILED=1; fi
+    echo "--- smoke (${part%%:*}):"
+    grep -vE "^(SKIPPED|\.+|s+|[.s]+ +\[)" "$TMP/${part%%:*}.log" | tail -25
+done
+[ "$FAILED" = 0 ] || { echo "error: the CPU smoke subset failed (above)" >&2; exit 1; }
 
 step "done"
