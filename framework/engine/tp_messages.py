@@ -14,7 +14,7 @@ class _MirrorRequest:
     """What a worker's runner reads of a request: its tokens in the chunk and its blocks."""
 
     def __init__(self, req_id, start, tokens, block_ids, samples):
-        self.req_id, self.start, self.tokens = req_id, start, tokens
+        self.req_id, self.start, self._tokens = req_id, start, list(tokens)
         self.block_ids = block_ids
         self.num_tokens = start + len(tokens) + (0 if samples else 1)
 
@@ -23,7 +23,11 @@ class _MirrorRequest:
         self.prompt = [0] * start + list(tokens)
 
     def token_at(self, p: int) -> int:
-        return self.tokens[p - self.start]
+        return self._tokens[p - self.start]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` (inside the chunk), as :meth:`Request.tokens`."""
+        return self._tokens[start - self.start : end - self.start]
 
     def all_tokens(self) -> list[int]:
         return self.prompt
