@@ -33,6 +33,7 @@ from framework.compat.ops import no_python_dispatcher, unset_fake_temporarily
 from framework.core.compile_range import CompileRange
 from passes.verify_inputs import (  # noqa: F401
     _FP8,
+    AMPLIFYING_OPS,
     DEFAULT_TOKENS,
     UNINITIALIZED_OPS,
     PassVerificationError,
@@ -40,6 +41,7 @@ from passes.verify_inputs import (  # noqa: F401
     attention_calls,
     attention_context,
     concrete_size,
+    op_name,
     random_inputs,
     symbol_bindings,
     undefined_nodes,
@@ -310,11 +312,27 @@ class PassVerifier:
             if any(n in tainted for n in new_inputs):
                 tainted.add(node.name)
                 continue
+            if op_name(node) in AMPLIFYING_OPS and self._input_moved(
+                old_inputs or new_inputs, new_inputs, values
+            ):
+                tainted.add(node.name)
+                continue
             if node.name in self._values and node.target not in UNINITIALIZED_OPS:
                 problem = check(node.name, node, seen=False)
                 if problem:
                     return _Divergence(problem, tainted)
         return _Divergence(None, tainted)
+
+    def _input_moved(
+        self, old_inputs: list[str], new_inputs: list[str], values: dict[str, Any]
+    ) -> bool:
+        """Whether any input tensor of a node differs at all from its value before the pass."""
+        for old, new in zip(old_inputs, new_inputs):
+            before, after = self._values.get(_SEEN + old), values.get(_SEEN + new)
+            if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor):
+                if before.shape != after.shape or not torch.equal(before, after):
+                    return True
+        return False
 
 
 def _input_names(graph: torch.fx.Graph) -> dict[str, list[str]]:

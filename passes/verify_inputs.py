@@ -99,6 +99,26 @@ UNINITIALIZED_OPS = {
 }
 """Allocations whose values are garbage until an op writes them: never compared."""
 
+AMPLIFYING_OPS = frozenset(
+    {
+        "piecewise::int8_packed_linear",  # W8A8: quantizes its input per token, inside
+        "piecewise::int8_packed_linear_python",
+        "piecewise::fused_moe_int8",  # W8A8 experts (quantize_activations)
+        "piecewise::topk_softmax",  # a discrete choice: which experts
+    }
+)
+"""Ops whose output may move by a whole quantization step (or pick another expert) when an
+input moves by one rounding.  A fusion that rounds an input of one differently is judged on
+that input; what the op makes of it is not compared (its output and what follows are
+tainted), as for a quantized tensor the graph shows (``passes.verify``)."""
+
+
+def op_name(node: torch.fx.Node) -> Optional[str]:
+    """``namespace::name`` of a call to an operator overload, else None."""
+    target = node.target
+    return target.name() if isinstance(target, OpOverload) else None
+
+
 _VIEW_OPS = {
     torch.ops.aten.reshape.default,
     torch.ops.aten.view.default,

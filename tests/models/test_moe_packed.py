@@ -78,15 +78,19 @@ def test_fp32_experts_stay_plain(tiny_checkpoint):
 
 
 @pytest.mark.slow  # three engines, an Inductor compile (~40-60 s here)
-def test_llm_o2_bf16_runs_the_packed_experts_with_the_o0_tokens(tiny_checkpoint, compile_cache_dir):
+def test_llm_o2_bf16_runs_the_packed_experts_with_the_o0_tokens(tiny_checkpoint, tmp_path):
     """Cold and warm (artifacts loaded) O2 engines run the packed experts inside their
-    pieces with the tokens of an O0 engine on the plain experts."""
+    pieces with the tokens of an O0 engine on the plain experts.  Its own cache, and the cold
+    build dumps (which makes Inductor run the passes even where its own FX-graph cache holds
+    the graph from another test): "cold" must run prepack_linear."""
     path = str(tiny_checkpoint("qwen3_moe"))
     kw = dict(dtype="bfloat16", max_model_len=64, max_num_seqs=4)
     expected = LLM(path, optimization_level=0, **kw).generate(PROMPTS, NEW_TOKENS, ignore_eos=True)
-    config = dict(progress_bar=False, cache_dir=compile_cache_dir)
+    config = dict(progress_bar=False, cache_dir=str(tmp_path / "cache"))
     for start in ("cold", "warm"):
-        llm = LLM(path, optimization_level=2, compilation_config=CompilationConfig(**config), **kw)
+        dump = {"debug_dump_path": str(tmp_path / "dump")} if start == "cold" else {}
+        cc = CompilationConfig(**config, **dump)
+        llm = LLM(path, optimization_level=2, compilation_config=cc, **kw)
         moe_layers = [m for m in llm.model.modules() if isinstance(m, FusedMoE)]
         assert len(moe_layers) == 2 and all(
             isinstance(m.moe_method, PackedExpertsMethod) for m in moe_layers

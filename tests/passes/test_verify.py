@@ -146,3 +146,39 @@ def test_known_inputs_replace_random_ones_when_shape_and_dtype_match():
     inputs = random_inputs(gm.graph, 3, known={1: w, 0: torch.zeros(2, 2)})
     assert inputs[1] is not None and torch.equal(inputs[1], w)
     assert inputs[0].shape == (3, 8)  # wrong shape: random instead
+
+
+class ZeroToTiny(GraphPass):
+    """Test-only pass within tolerance: ``x * 0`` becomes ``x * 1e-6`` (an error of ~1e-6)."""
+
+    def __call__(self, graph):
+        self.match_count = 0
+        for node in graph.find_nodes(op="call_function", target=aten.mul.Tensor):
+            if node.args[1] == 0:
+                node.args = (node.args[0], 1e-6)
+                self.match_count += 1
+
+
+def _router(x):
+    weights, ids = torch.ops.piecewise.topk_softmax(x * 0, 2, True)
+    return weights, ids, x + 1
+
+
+def test_an_amplifying_op_is_judged_on_its_input_not_its_output():
+    """All-zero logits pick experts 0 and 1; moved by 1e-6 (within tolerance) they pick
+    others: topk_softmax (``AMPLIFYING_OPS``) is a discrete choice, so its outputs are not
+    compared once its input moved, and the pass verifies; the rest still is compared."""
+    import passes.ops  # noqa: F401  (registers piecewise::topk_softmax)
+
+    gm = _traced(_router, torch.randn(6, 8))
+    pm = PassManager(PassConfig(passes=[f"{__name__}:ZeroToTiny"], verify_passes=True))
+    pm.set_current_piece("submod_0", _Range(1, 64))
+    pm.run_on_graph_module(gm)
+    assert pm.stats()[f"{__name__}:ZeroToTiny"]["pieces"][0]["matches"] == 1
+    # The same pass where the rounding reaches an output directly still fails beyond tolerance.
+    gm = _traced(lambda x: (x * 0 + 1e-3, x), torch.randn(6, 8))
+    pm = PassManager(
+        PassConfig(passes=[f"{__name__}:ZeroToTiny", f"{__name__}:MulToAdd"], verify_passes=True)
+    )
+    with pytest.raises(PassVerificationError, match="MulToAdd"):
+        pm.run_on_graph_module(gm)

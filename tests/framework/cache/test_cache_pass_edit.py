@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from framework import LLM, CompilationConfig, PassConfig
+from framework.cache.cli import scan_cache
 
 ROOT = Path(__file__).resolve().parents[3]
 PASS = "edited_pass_mod:ScaleFirstMul"
@@ -83,8 +84,9 @@ def test_pass_edited_in_process_never_stores_under_the_new_code_key(
         assert second.generate([[1, 2, 3]], 4)[0] == out_v1
     finally:
         sys.modules.pop("edited_pass_mod", None)
-    keys = [p for p in Path(cache).iterdir() if p.is_dir()]
-    assert len(keys) == 1
+    # One compile-cache key (the processed-weights cache, <cache>/weights, is not one).
+    keys = scan_cache(Path(cache))
+    assert len(keys) == 1 and keys[0].path in Path(first.stats["cache_dir"]).parents
 
     # A fresh process imports v2: a different key, nothing to load, v2's own numerics.
     env = {
