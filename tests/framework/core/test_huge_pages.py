@@ -81,7 +81,13 @@ def test_copy_and_place_keep_values():
     assert alloc.place(small) is small  # under min_bytes: stays where it is
 
 
-def test_never_fails_closed_to_torch_memory_with_one_log_line(caplog):
+def test_never_fails_closed_to_torch_memory_with_one_log_line(caplog, monkeypatch):
+    # What the allocator itself does: no mapping of its own and no madvise at all.  (Whether
+    # the pages torch's allocator hands out lie in some earlier-advised mapping of this
+    # process is malloc's and the kernel's business, not this allocator's.)
+    calls = []
+    monkeypatch.setattr(hp, "fresh_mapping", lambda *a: calls.append(("map", a)))
+    monkeypatch.setattr(hp, "madvise", lambda *a: calls.append(("madvise", a)))
     alloc = hp.HugePageAllocator(mode="never")
     src = torch.randn(1024, 1024)  # 4 MB
     with caplog.at_level(logging.INFO, logger=hp.__name__):
@@ -91,11 +97,9 @@ def test_never_fails_closed_to_torch_memory_with_one_log_line(caplog):
     assert placed is src  # no pointless copy
     assert t.shape == (1024, 1024) and u.shape == (2048, 1024)
     assert alloc.huge_bytes == 0 and alloc.plain_bytes == 12 * MB
+    assert calls == []
     lines = [r.getMessage() for r in caplog.records if r.name == hp.__name__]
     assert len(lines) == 1 and "never" in lines[0] and "normal pages" in lines[0]
-    if sys.platform.startswith("linux"):  # nothing of it advised huge (the kernel may still
-        # give torch's own memory huge pages: that is not this allocator's doing)
-        assert hp.page_backing(t).mappings >= 1 and hp.page_backing(t).advised == 0
 
 
 def test_unknown_mode_fails_closed():
