@@ -12,7 +12,10 @@ ratios (``experiments.report.statistics.compare``: geometric mean and 95% interv
   random seed text and the model's own greedy continuation of it, which loops), against the
   same engine without speculation; ``copy_fraction`` says how much of the continuation an
   n-gram lookup could draft.  Same tokens
-  required.  Target: >= 2x tokens/s at batch 1.
+  required.  Target: >= 2x tokens/s at batch 1.  ``ngram_copy_cut`` times the same n-gram
+  engine with ``prompt_lookup_periodic=False`` (drafts stop where the sequence ends instead
+  of continuing a loop shorter than k) against the same plain engine: the A/B of that
+  option, in the same rounds.
 * ``draft_addition`` -- the trained draft ``models/synthetic/addition-draft`` drafting for
   ``models/synthetic/addition`` on held-out addition prompts (the answer and its EOS).
   Acceptance (per position, mean accepted length) and the speed-up.  Target: >= 1.5x at
@@ -157,13 +160,23 @@ def run(
             max_model_len=512,
             **common,
         )
+        log("building it again with prompt_lookup_periodic=False (the option's A/B)")
+        cut = build(
+            default_model,
+            spec={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_periodic": False},
+            max_model_len=512,
+            **common,
+        )
         prompts = copy_workload(plain, num_prompts, seed_len=16, echo_len=192)
         for b in batches:
             base = Contender(f"ngram_copy b{b} plain", plain, prompts, new_tokens, True, b)
             spec = Contender(f"ngram_copy b{b} ngram k={k}", ngram, prompts, new_tokens, True, b)
-            contenders += [base, spec]
+            stop = Contender(f"ngram_copy_cut b{b} ngram k={k}", cut, prompts, new_tokens, True, b)
+            contenders += [base, spec, stop]
             pairs[f"ngram_copy b{b}"] = (base.name, spec.name)
+            pairs[f"ngram_copy_cut b{b}"] = (base.name, stop.name)
         extra["ngram_copy"] = {"llm": ngram, "prompts": prompts}
+        extra["ngram_copy_cut"] = {"llm": cut}
     if "draft_addition" in scenarios:
         task = get_task("addition")
         keys = task.held_out_keys(num_prompts, 1234)
@@ -224,6 +237,7 @@ def run(
         results["ngram_copy_acceptance"] = _spec_stats(x["llm"])
         outs = by_name[pairs[f"ngram_copy b{batches[0]}"][0]].outputs
         results["ngram_copy_copy_fraction"] = copy_fraction(x["prompts"], outs)
+        results["ngram_copy_cut_acceptance"] = _spec_stats(extra["ngram_copy_cut"]["llm"])
     if "draft_addition" in extra:
         results["draft_addition_acceptance"] = _spec_stats(extra["draft_addition"]["llm"])
     if "verify_step" in scenarios:

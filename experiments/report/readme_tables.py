@@ -312,7 +312,7 @@ def _spec_bench(path: Path) -> list[str]:
             f"{v['tokens_per_s']['spec']:.1f} | **{sp['ratio']:.2f}** [{lo:.2f}, {hi:.2f}] | "
             f"{'yes' if v['same_tokens'] else 'NO'} |"
         )
-    for name in ("ngram_copy_acceptance", "draft_addition_acceptance"):
+    for name in ("ngram_copy_acceptance", "ngram_copy_cut_acceptance", "draft_addition_acceptance"):
         a = res.get(name)
         if a:
             out += [""]
