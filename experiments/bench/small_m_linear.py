@@ -61,7 +61,20 @@ FAMILIES = {
     "int8": (("kernel", "_int_mm", "fallback"), "_int_mm"),
     "int8_wo": (("kernel", "torch", "fallback"), "torch"),
 }
-"""Family -> (variants, the baseline the kernel is compared with)."""
+"""Family -> (variants, the baseline the kernel is compared with), where oneDNN lays out bf16
+weights; see :func:`family_spec`."""
+
+
+def family_spec(family: str) -> tuple[tuple[str, ...], str]:
+    """(variants, baseline) of ``family`` on this machine: where oneDNN cannot lay out bf16
+    weights (AVX2-only CPUs, :func:`framework.compat.onednn.packs`) the bf16 family has no
+    ``oneDNN`` variant and its baseline is ``F.linear``, what a layer runs above max_rows."""
+    from framework.compat import onednn
+
+    variants, baseline = FAMILIES[family]
+    if family == "bf16" and not onednn.packs(torch.bfloat16):
+        return tuple(v for v in variants if v != "oneDNN"), "F.linear"
+    return variants, baseline
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
@@ -84,14 +97,16 @@ def _bf16_impls(n: int, k: int, copies: int, g: torch.Generator) -> dict[str, tu
     from passes import small_m_linear as small_m
 
     ops = torch.ops.piecewise
+    with_onednn = "oneDNN" in family_spec("bf16")[0]
     plain, panels, onednn = [], [], []
     for _ in range(copies):  # this benchmark's own copies, not an engine's
         w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
         plain.append(w)
         panels.append(small_m.pack(w))
-        onednn.append(torch.ops.mkldnn._reorder_linear_weight(w))
+        if with_onednn:
+            onednn.append(torch.ops.mkldnn._reorder_linear_weight(w))
     nbytes = 2 * n * k
-    return {
+    impls = {
         "kernel": (lambda x, i: ops.packed_linear(x, panels[i], None, None, n, k, BIG), nbytes),
         "oneDNN": (
             lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
@@ -99,6 +114,9 @@ def _bf16_impls(n: int, k: int, copies: int, g: torch.Generator) -> dict[str, tu
         ),
         "F.linear": (lambda x, i: F.linear(x, plain[i]), nbytes),
     }
+    if not with_onednn:
+        del impls["oneDNN"]
+    return impls
 
 
 def _int8_impls(n: int, k: int, copies: int, g: torch.Generator, weight_only: bool) -> dict:
@@ -184,6 +202,7 @@ def bench_shape(
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 times[name].append(_sweep_s(impls[name][0], xs, copies, CLOCKS[clock]))
         row: dict = {"family": family, "shape": f"{n}x{k}", "M": m}
+        row["baseline"] = family_spec(family)[1]
         for name, ts in times.items():
             t, nbytes = statistics.median(ts), impls[name][1]
             row[name] = (t * 1e6, nbytes / t / 1e9, nbytes / min(ts) / 1e9)
@@ -194,10 +213,10 @@ def bench_shape(
 def crossover(rows: list[dict], family: str) -> tuple[dict[int, float], int]:
     """Per M, the geometric mean over shapes of baseline / kernel (median µs); and the largest
     M up to which (every smaller measured M included) that mean stays >= 1 (0: none)."""
-    baseline = FAMILIES[family][1]
     by_m: dict[int, list[float]] = {}
     for r in rows:
         if r["family"] == family:
+            baseline = r.get("baseline") or FAMILIES[family][1]
             by_m.setdefault(r["M"], []).append(r[baseline][0] / r["kernel"][0])
     gmean = {m: math.exp(sum(math.log(v) for v in vs) / len(vs)) for m, vs in sorted(by_m.items())}
     best = 0
@@ -209,7 +228,7 @@ def crossover(rows: list[dict], family: str) -> tuple[dict[int, float], int]:
 
 
 def _print_family(family: str, rows: list[dict]) -> None:
-    variants, baseline = FAMILIES[family]
+    variants, baseline = family_spec(family)
     head = " | ".join(f"{v} µs | GB/s (best)" for v in variants)
     print(f"\n## {family}: kernel vs {baseline}")
     print(f"| shape NxK | M | {head} | kernel vs {baseline} |")
@@ -268,7 +287,7 @@ def main(argv=None) -> list[dict]:
             )
         _print_family(family, got)
         gmean, best = crossover(got, family)
-        baseline = FAMILIES[family][1]
+        baseline = family_spec(family)[1]
         print(
             f"\n{family}: geometric mean over shapes of kernel vs {baseline}: "
             + ", ".join(f"M={m} {v:.2f}x" for m, v in gmean.items())

@@ -54,10 +54,32 @@ class Packed:
         self._opaque = self.data = None
 
 
+@functools.lru_cache(maxsize=None)
+def packs(dtype: torch.dtype) -> bool:
+    """oneDNN re-lays out linear weights of ``dtype`` on this machine.  Not a given where
+    oneDNN is built in: its bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only
+    CPU, e.g. AMD Zen 3, raises).  Probed once per dtype on a small weight; a refusal is logged
+    once, and :func:`reorder` then returns None for that dtype without asking again."""
+    if not available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=dtype))
+    except (AttributeError, RuntimeError) as e:
+        logger.warning(
+            "oneDNN cannot lay out %s linear weights here (%s); such linears use the small-M "
+            "kernel up to its max_rows and F.linear above",
+            dtype,
+            str(e).splitlines()[0],
+        )
+        return False
+    return True
+
+
 def reorder(w: torch.Tensor) -> Optional[Packed]:
     """``w [N, K]`` re-laid out by oneDNN (one copy; ``w`` untouched), or None where this torch
-    cannot say.  Copy ``data`` into a tensor of your own, then :meth:`Packed.release`."""
-    if not available() or _shim() is None:
+    or this CPU cannot (:func:`packs`).  Copy ``data`` into a tensor of your own, then
+    :meth:`Packed.release`."""
+    if not available() or _shim() is None or not packs(w.dtype):
         return None
     try:
         opaque = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())

@@ -42,6 +42,9 @@
 #if defined(__AVX512VNNI__)
 #define PW_I8_VNNI 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PW_I8_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace pw_int8 {
@@ -228,6 +231,114 @@ void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32
   }
 }
 
+#elif defined(PW_I8_AVX2)
+
+// AVX2 (no VNNI): vpmaddubsw multiplies u8 x s8 pairs into saturating int16 sums, so the sign
+// goes to the activation side: |w| (u8, <= 128) x (q * sign(w)) with q = u ^ 0x80 = u - 128
+// (|q| <= 127: the prologue's scale is absmax / 127), two products per int16 at most
+// 128 * 127 * 2 = 32512, no saturation; vpmaddwd by ones sums the quad into int32.  So acc is
+// sum q * w exactly (no offset, no comp), the same integer the VNNI path reaches.  One row
+// sweeps the whole panel (8 accumulators); more rows go in groups of two over half panels
+// over k-blocks of kI8Avx2Block quads held in L1 (as the bf16 AVX2 kernel).
+constexpr int64_t kI8Avx2Block = 64;
+
+template <int G, int V>
+inline void qsweep(const int8_t* w, const uint8_t* u, int64_t ust, int64_t i0, int64_t i1,
+                   int v0, int32_t* acc_rows) {
+  __m256i acc[G][V];
+  for (int r = 0; r < G; ++r)
+    for (int v = 0; v < V; ++v)
+      acc[r][v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc_rows + r * kLanes +
+                                                                       8 * (v0 + v)));
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(int8_t(0x80));
+  for (int64_t i = i0; i < i1; ++i) {
+    const int8_t* wi = w + i * kQuad * kLanes + 32 * v0;
+    __m256i q[G];
+    for (int r = 0; r < G; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, u + r * ust + kQuad * i, 4);
+      q[r] = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);
+    }
+    for (int v = 0; v < V; ++v) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + 32 * v));
+      const __m256i aw = _mm256_abs_epi8(wv);
+      for (int r = 0; r < G; ++r) {
+        const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(q[r], wv));
+        acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(p16, ones));
+      }
+    }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int v = 0; v < V; ++v)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc_rows + r * kLanes + 8 * (v0 + v)),
+                          acc[r][v]);
+}
+
+// Rows in the AVX2 kernels' tiles (one row: the whole panel; more: pairs over half panels)
+// over k-blocks of `block` steps; `sweep<G, V>(r, b0, b1, v0)` runs one tile.
+template <int MR, class Sweep>
+inline void avx2_tiles(int64_t i0, int64_t i1, int64_t block, const pw_panel::Prefetch& pf,
+                       const int8_t* next, const Sweep& sweep) {
+  int64_t turn = pf.phase;
+  for (int64_t b0 = i0; b0 < i1; b0 += block) {
+    const int64_t b1 = std::min(i1, b0 + block);
+    if (pf.every)
+      for (int64_t i = b0; i < b1; ++i) {
+        if (turn == 0) pw_panel::prefetch_step(next + i * kQuad * kLanes);
+        if (++turn == pf.every) turn = 0;
+      }
+    if constexpr (MR == 1) {
+      sweep.template run<1, 8>(0, b0, b1, 0);
+    } else {
+      for (int r = 0; r + 1 < MR; r += 2)
+        for (int h = 0; h < 2; ++h) sweep.template run<2, 4>(r, b0, b1, 4 * h);
+      if constexpr (MR % 2)
+        for (int h = 0; h < 2; ++h) sweep.template run<1, 4>(MR - 1, b0, b1, 4 * h);
+    }
+  }
+}
+
+struct QSweep {
+  const int8_t* w;
+  const uint8_t* u;
+  int64_t ust;
+  int32_t* acc;
+  template <int G, int V>
+  void run(int r, int64_t b0, int64_t b1, int v0) const {
+    qsweep<G, V>(w, u + r * ust, ust, b0, b1, v0, acc + r * kLanes);
+  }
+};
+
+template <int MR>
+void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32_t* buf,
+            bool first, bool last, const pw_panel::Prefetch& pf) {
+  const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
+  const int64_t ust = a.kq * kQuad;
+  alignas(32) int32_t acc[MR * kLanes];
+  if (first)
+    std::fill(acc, acc + MR * kLanes, 0);
+  else
+    std::copy(buf, buf + MR * kLanes, acc);
+  avx2_tiles<MR>(i0, i1, kI8Avx2Block, pf, w + (i1 - i0) * kQuad * kLanes,
+                 QSweep{w, a.u + m0 * ust, ust, acc});
+  if (!last) {
+    std::copy(acc, acc + MR * kLanes, buf);
+    return;
+  }
+  const int64_t n0 = p * kLanes;
+  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
+  for (int r = 0; r < MR; ++r) {
+    const int64_t row = (m0 + r) * a.out_st + n0;
+    for (int64_t j = 0; j < valid; ++j) {
+      float y = static_cast<float>(acc[r * kLanes + j]);  // = sum u x W_q - comp, exactly
+      y = y * a.xs[m0 + r];
+      y = y * a.ws[n0 + j];
+      if (a.bias) y = y + load1(a.bias, n0 + j, a.dt);
+      store1(a.out, row + j, y, a.dt);
+    }
+  }
+}
+
 #else  // portable: the same packed layout, plain loops
 
 template <int MR>
@@ -338,6 +449,77 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
       __m512 y = _mm512_mul_ps(acc[r][b], ws);
       if (a.bias) y = _mm512_add_ps(y, bias);
       store16(a.out, (m0 + r) * a.out_st + n0 + 16 * b, y, mask, a.dt);
+    }
+  }
+}
+
+#elif defined(PW_I8_AVX2)
+
+// Weight-only on AVX2: byte t of each lane sign-extended by shifts and widened to fp32, four
+// FMAs per k-quad in k order (as the AVX-512 path); tiles as the W8A8 AVX2 kernel.
+template <int G, int V>
+inline void wsweep(const int8_t* w, const float* x, int64_t xst, int64_t i0, int64_t i1, int v0,
+                   float* acc_rows) {
+  __m256 acc[G][V];
+  for (int r = 0; r < G; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_loadu_ps(acc_rows + r * kLanes + 8 * (v0 + v));
+  for (int64_t i = i0; i < i1; ++i) {
+    const int8_t* wi = w + i * kQuad * kLanes + 32 * v0;
+    for (int v = 0; v < V; ++v) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + 32 * v));
+      const __m256 f0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(wv, 24), 24));
+      const __m256 f1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(wv, 16), 24));
+      const __m256 f2 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(wv, 8), 24));
+      const __m256 f3 = _mm256_cvtepi32_ps(_mm256_srai_epi32(wv, 24));
+      for (int r = 0; r < G; ++r) {
+        const float* xr = x + r * xst + kQuad * i;
+        __m256 s = acc[r][v];
+        s = _mm256_fmadd_ps(_mm256_broadcast_ss(xr), f0, s);
+        s = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), f1, s);
+        s = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 2), f2, s);
+        acc[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 3), f3, s);
+      }
+    }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_rows + r * kLanes + 8 * (v0 + v), acc[r][v]);
+}
+
+struct WSweep {
+  const int8_t* w;
+  const float* x;
+  int64_t xst;
+  float* acc;
+  template <int G, int V>
+  void run(int r, int64_t b0, int64_t b1, int v0) const {
+    wsweep<G, V>(w, x + r * xst, xst, b0, b1, v0, acc + r * kLanes);
+  }
+};
+
+template <int MR>
+void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
+            bool last, const pw_panel::Prefetch& pf) {
+  const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
+  const int64_t xst = a.kq * kQuad;
+  alignas(32) float acc[MR * kLanes];
+  if (first)
+    std::fill(acc, acc + MR * kLanes, 0.0f);
+  else
+    std::copy(buf, buf + MR * kLanes, acc);
+  avx2_tiles<MR>(i0, i1, kI8Avx2Block, pf, w + (i1 - i0) * kQuad * kLanes,
+                 WSweep{w, a.x + m0 * xst, xst, acc});
+  if (!last) {
+    std::copy(acc, acc + MR * kLanes, buf);
+    return;
+  }
+  const int64_t n0 = p * kLanes;
+  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
+  for (int r = 0; r < MR; ++r) {
+    const int64_t row = (m0 + r) * a.out_st + n0;
+    for (int64_t j = 0; j < valid; ++j) {
+      float y = acc[r * kLanes + j] * a.ws[n0 + j];
+      if (a.bias) y = y + load1(a.bias, n0 + j, a.dt);
+      store1(a.out, row + j, y, a.dt);
     }
   }
 }
@@ -497,6 +679,8 @@ const char* piecewise_int8_linear_isa() {
   return "avx512_vnni";
 #elif defined(PW_I8_AVX512)
   return "avx512";
+#elif defined(PW_I8_AVX2)
+  return "avx2_fma";
 #elif defined(__AVX2__)
   return "avx2";
 #elif defined(__ARM_NEON)

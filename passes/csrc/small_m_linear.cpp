@@ -18,6 +18,7 @@
 // the piecewise torch ops (csrc/torch_ops.cpp includes this file, hence the named namespace).
 // The portable path runs the same layout with plain loops the compiler vectorises.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -26,6 +27,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512BF16__)
 #define PW_AVX512BF16 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PW_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -131,6 +135,105 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
       const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], bias));
       _mm256_mask_storeu_epi16(a.out + (m0 + r) * a.out_st + n0 + 16 * b, mask, (__m256i)y);
     }
+  }
+}
+
+#elif defined(PW_AVX2)
+
+// AVX2 + FMA (no bf16 dot product): a 32-bit lane of the packed weight holds (W[j][2i],
+// W[j][2i+1]) as two bf16, so one 256-bit load is 8 outputs' k-pair, widened exactly to fp32
+// by a shift (even k) and a mask (odd k); each output takes two FMAs per k-pair, even k first.
+// Sixteen ymm registers: one row sweeps the whole 64-lane panel (8 accumulators); more rows go
+// in groups of two over half panels (2 x 4 accumulators), over k-blocks of kAvx2Block pairs
+// (16 KB) that stay in L1 while every group and half runs over them, the partial sums waiting
+// in `acc` (on the stack).  Each output sees the same operations in the same order whatever
+// MR, the grouping or the blocking, so a row's bits never depend on the rows beside it.
+constexpr int64_t kAvx2Block = 64;
+
+inline void widen_pair(const uint16_t* x, __m256& x0, __m256& x1) {
+  int32_t pair;
+  std::memcpy(&pair, x, 4);
+  const __m256i v = _mm256_set1_epi32(pair);
+  x0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  x1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+
+// Rows [r0, r0 + G) over k-pairs [i0, i1), lanes [8 v0, 8 (v0 + V)) of the panel at w.
+template <int G, int V>
+inline void avx2_sweep(const uint16_t* w, const uint16_t* x, int64_t x_st, int64_t i0,
+                       int64_t i1, int v0, float* acc_rows) {
+  __m256 acc[G][V];
+  for (int r = 0; r < G; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_loadu_ps(acc_rows + r * kLanes + 8 * (v0 + v));
+  const __m256i hi = _mm256_set1_epi32(int32_t(0xffff0000u));
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint16_t* wi = w + i * 2 * kLanes + 16 * v0;
+    __m256 xa[G], xb[G];
+    for (int r = 0; r < G; ++r) widen_pair(x + r * x_st + 2 * i, xa[r], xb[r]);
+    for (int v = 0; v < V; ++v) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + 16 * v));
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(wv, hi));
+      for (int r = 0; r < G; ++r) {
+        acc[r][v] = _mm256_fmadd_ps(xa[r], w0, acc[r][v]);
+        acc[r][v] = _mm256_fmadd_ps(xb[r], w1, acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_rows + r * kLanes + 8 * (v0 + v), acc[r][v]);
+}
+
+template <int MR>
+void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf,
+              bool first, bool last, const pw_panel::Prefetch& pf) {
+  const int64_t kp = (a.k + 1) / 2, full = std::min(i1, a.k / 2);
+  const uint16_t* w = a.w + p * kp * 2 * kLanes;
+  const uint16_t* x = a.x + m0 * a.x_st;
+  alignas(32) float acc[MR * kLanes];
+  if (first)
+    std::fill(acc, acc + MR * kLanes, 0.0f);
+  else
+    std::copy(buf, buf + MR * kLanes, acc);
+  const uint16_t* next = w + (i1 - i0) * 2 * kLanes;
+  int64_t turn = pf.phase;
+  for (int64_t b0 = i0; b0 < full; b0 += kAvx2Block) {
+    const int64_t b1 = std::min(full, b0 + kAvx2Block);
+    if (pf.every)
+      for (int64_t i = b0; i < b1; ++i) {
+        if (turn == 0) pw_panel::prefetch_step(next + i * 2 * kLanes);
+        if (++turn == pf.every) turn = 0;
+      }
+    if constexpr (MR == 1) {
+      avx2_sweep<1, 8>(w, x, a.x_st, b0, b1, 0, acc);
+    } else {
+      for (int r = 0; r + 1 < MR; r += 2)
+        for (int h = 0; h < 2; ++h)
+          avx2_sweep<2, 4>(w, x + r * a.x_st, a.x_st, b0, b1, 4 * h, acc + r * kLanes);
+      if constexpr (MR % 2)
+        for (int h = 0; h < 2; ++h)
+          avx2_sweep<1, 4>(w, x + (MR - 1) * a.x_st, a.x_st, b0, b1, 4 * h,
+                           acc + (MR - 1) * kLanes);
+    }
+  }
+  if ((a.k & 1) && i1 == kp) {  // last k alone; its partner in the packed weight is zero
+    const uint16_t* wi = w + (kp - 1) * 2 * kLanes;
+    for (int r = 0; r < MR; ++r) {
+      const float x0 = bf16_to_f32(x[r * a.x_st + a.k - 1]);
+      for (int j = 0; j < kLanes; ++j)
+        acc[r * kLanes + j] = std::fma(x0, bf16_to_f32(wi[2 * j]), acc[r * kLanes + j]);
+    }
+  }
+  if (!last) {
+    std::copy(acc, acc + MR * kLanes, buf);
+    return;
+  }
+  const int64_t n0 = p * kLanes;
+  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
+  for (int r = 0; r < MR; ++r) {
+    uint16_t* y = a.out + (m0 + r) * a.out_st + n0;
+    for (int64_t j = 0; j < valid; ++j)
+      y[j] = f32_to_bf16(acc[r * kLanes + j] + (a.bias ? bf16_to_f32(a.bias[n0 + j]) : 0.0f));
   }
 }
 
@@ -242,6 +345,8 @@ const char* piecewise_small_m_linear_isa() {
   return "avx512_bf16";
 #elif defined(__AVX512F__)
   return "avx512";
+#elif defined(PW_AVX2)
+  return "avx2_fma";
 #elif defined(__AVX2__)
   return "avx2";
 #elif defined(__ARM_NEON)
