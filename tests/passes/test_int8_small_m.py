@@ -324,3 +324,27 @@ def test_the_int8_knob_is_validated_and_part_of_the_cache_key():
     assert KernelConfig(int8_small_m_max_rows=8, small_m_linear=False).int8_max_rows() == 0
     with pytest.raises(ValueError, match="KernelConfig.int8_small_m_max_rows"):
         KernelConfig(int8_small_m_max_rows=-1)
+
+
+def test_extreme_int8_weights_are_exact_on_every_build():
+    """Weights at -128 and 127 against activations at the ends of their range: the AVX2 build
+    (vpmaddubsw: u8 x s8 pairs into saturating int16) moves the sign to the activation side so
+    no pair sum saturates; W8A8 stays bit for bit the reference on every build."""
+    from framework.core.native_build import cpu_flags
+
+    flags = set(cpu_flags().split())
+    if {"avx2", "fma"} <= flags and "avx512f" not in flags:
+        assert i8.isa() == "avx2_fma"
+    g = torch.Generator().manual_seed(3)
+    n, k = 130, 1027
+    w_q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    w_q[:, ::3] = -128
+    w_q[:, 1::3] = 127
+    scale = torch.rand(n, generator=g) * 1e-2 + 1e-3
+    for m in (1, 2, 3, 7, 13):
+        x = torch.randn(m, k, generator=g).to(BF16)
+        x[:, ::5] = x.abs().amax(dim=1, keepdim=True)  # q = 127 ...
+        x[:, 2::5] = -x.abs().amax(dim=1, keepdim=True)  # ... and -127
+        for portable in (None, True):
+            out = kernel(x, w_q, scale, None, portable)
+            assert torch.equal(out, reference(x, w_q, scale, None)), f"M={m} portable={portable}"

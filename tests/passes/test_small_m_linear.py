@@ -251,3 +251,30 @@ def test_every_included_source_is_in_the_build_key():
                     seen.add(path)
                     todo.append(path)
         assert seen and seen <= set(library.depends), (library.name, seen - set(library.depends))
+
+
+def _cpu_flags() -> set[str]:
+    from framework.core.native_build import cpu_flags
+
+    return set(cpu_flags().split())
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma"} <= _cpu_flags() or "avx512_bf16" in _cpu_flags(),
+    reason="the AVX2 path is the native build's on CPUs with AVX2 + FMA and no AVX512-BF16",
+)
+def test_avx2_build_runs_the_intrinsics_and_matches_the_portable_loops():
+    """On an AVX2-only CPU (AMD Zen 3, Intel client parts) the native build is the AVX2 + FMA
+    kernel, not the plain loops; it agrees with the reference and with the portable build
+    within one bf16 rounding, for odd K, tails of panels and every row-pass split."""
+    assert small_m.isa() == ("avx512" if "avx512f" in _cpu_flags() else "avx2_fma")
+    if small_m.isa() != "avx2_fma":
+        pytest.skip("an AVX-512 CPU without AVX512-BF16 runs the plain loops")
+    for n, k, m in [(100, 33, 3), (1024, 512, 1), (96, 64, 2), (130, 1025, 7), (64, 96, 40)]:
+        x, w, b = make(m, n, k, True)
+        native = small_m.small_m_linear(x, w, b)
+        check(native, x, w, b)
+        portable = small_m.small_m_linear(x, w, b, portable=True)
+        torch.testing.assert_close(native, portable, atol=1e-2, rtol=1e-2)
+        for r in range(m):  # a row's bits do not depend on the rows beside it
+            assert torch.equal(small_m.small_m_linear(x[r : r + 1], w, b)[0], native[r])
