@@ -289,6 +289,26 @@ def probe_process(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- results file
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+"""The CPU feature flags that decide which kernels run (``machine``)."""
+
+
+def machine() -> dict[str, Any]:
+    """The CPU the run measured: its name and the flags of :data:`ISA_FLAGS` it has (the
+    kernels differ: AVX512-BF16/VNNI on one machine of this workplace, AVX2 only on another)."""
+    from framework.core.native_build import cpu_flags
+
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+            name = next(names, "")
+    except OSError:
+        pass
+    flags = set(cpu_flags().split())
+    return {"cpu": name, "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count()}
+
+
 def load_results(path: Path, settings: dict[str, Any], fresh: bool) -> dict[str, Any]:
     if path.is_file() and not fresh:
         data = json.loads(path.read_text())
@@ -296,7 +316,14 @@ def load_results(path: Path, settings: dict[str, Any], fresh: bool) -> dict[str,
             return data
         log(f"{path}: written with other settings; starting over (old file kept as .old)")
         shutil.copyfile(path, path.with_suffix(path.suffix + ".old"))
-    return {"settings": settings, "runs": [], "prepare": [], "probes": [], "skipped": {}}
+    return {
+        "settings": settings,
+        "machine": machine(),
+        "runs": [],
+        "prepare": [],
+        "probes": [],
+        "skipped": {},
+    }
 
 
 def save(path: Path, data: dict[str, Any]) -> None:

@@ -425,10 +425,12 @@ def _peers(folder: Path) -> list[str]:
             f"at {f['best_gb_s']:.1f} GB/s ({'the probe' if f['probe_is_best'] else 'a contender'})"
             for size, f in data["floors"].items()
         )
+        m = data.get("machine")
+        cpu = f" on {m['cpu'] or 'a CPU'} ({', '.join(m['isa']) or 'no AVX2'})" if m else ""
         out += [
             f"`{path.name}`: sizes {', '.join(st['sizes'])}, batches "
-            f"{', '.join(map(str, st['batches']))}, {st['threads']} threads, fresh process per "
-            f"run; floors {floors}.",
+            f"{', '.join(map(str, st['batches']))}, {st['threads']} threads{cpu}, fresh process "
+            f"per run; floors {floors}.",
             "",
             *_head("size", "batch", "ratio", "baseline ms", "contender ms", "speed-up"),
         ]

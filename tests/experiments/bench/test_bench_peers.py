@@ -165,6 +165,11 @@ def test_rounds_alternate_append_resume_and_give_the_targets(tmp_path, llama_che
     assert timed[3:6] == ["project_int8", "hf_eager", "project_bf16"]  # rotated
     saved = json.loads(out.read_text())
     assert len(saved["runs"]) == 12 and saved["reference"]["1.1b"]["1"] == [list(range(16))]
+    # the CPU is part of the record: which kernels ran depends on it (AVX-512 or AVX2 only)
+    from framework.core.native_build import cpu_flags
+
+    flags = set(cpu_flags().split())
+    assert saved["machine"]["isa"] == [f for f in bench_peers.ISA_FLAGS if f in flags]
 
     s = data["summary"]["1.1b/project_bf16"]["batches"]["1"]["stats"]
     assert s["median"] == 10.75 and s["spread"] == pytest.approx(12 / 10)
