@@ -1,12 +1,12 @@
 """A hand-written CPU linear for the few rows of a decode step (bf16), near memory bandwidth.
 
 ``small_m_linear(x2, w, bias)`` computes ``x2 @ w.T + bias`` for a 2-D bf16 ``x2`` with the C++
-kernel ``csrc/small_m_linear.cpp`` (AVX512-BF16 ``vdpbf16ps`` where the build targets
-it; AVX2 + FMA on CPUs without it, e.g. AMD Zen 3: each bf16 pair widened exactly to fp32
-by a shift and a mask, two FMAs; a portable loop elsewhere).  fp32 accumulation, the output rounded to nearest even once, after
-the bias (as ``F.linear`` does).  Any number of rows: past 6 the rows take passes over k-blocks
-of each weight panel held in L1/L2 (``csrc/panel_loop.h``), so the weight is streamed once for
-all rows, and a row's bits never depend on how many rows came with it.
+kernel ``csrc/small_m_linear.cpp`` (AVX512-BF16 ``vdpbf16ps`` where the build targets it; AVX2
++ FMA on CPUs without it, e.g. AMD Zen 3: each bf16 pair widened exactly to fp32 by a shift and
+a mask, two FMAs; a portable loop elsewhere). fp32 accumulation, the output rounded to nearest
+even once, after the bias (as ``F.linear`` does). Any number of rows: past 6 the rows take
+passes over k-blocks of each weight panel held in L1/L2 (``csrc/panel_loop.h``), so the weight
+is streamed once for all rows, and a row's bits never depend on how many rows came with it.
 
 Why: at batch 1 a linear is a GEMV that only has to stream its weight once; oneDNN's
 ``_linear_pointwise`` on a packed weight reaches ~12-17 GB/s here, against ~31 GB/s of read
