@@ -170,6 +170,26 @@ struct QArgs {
   int64_t dt;  // dtype of x, bias and out
 };
 
+// The W8A8 epilogue of the panels whose partial sums end in memory (AVX2, portable), in the
+// reference's order: y = float(acc - comp) * s_x * s_w (+ bias), one rounding; comp null when
+// acc is already sum q x W_q (the AVX2 path).
+template <int MR>
+inline void q_store_rows(const QArgs& a, int64_t p, int64_t m0, const int32_t* acc,
+                         const int32_t* comp) {
+  const int64_t n0 = p * kLanes;
+  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
+  for (int r = 0; r < MR; ++r) {
+    const int64_t row = (m0 + r) * a.out_st + n0;
+    for (int64_t j = 0; j < valid; ++j) {
+      float y = static_cast<float>(acc[r * kLanes + j] - (comp ? comp[n0 + j] : 0));
+      y = y * a.xs[m0 + r];
+      y = y * a.ws[n0 + j];
+      if (a.bias) y = y + load1(a.bias, n0 + j, a.dt);
+      store1(a.out, row + j, y, a.dt);
+    }
+  }
+}
+
 // One pass of MR rows (from m0) over k-quads [i0, i1) of panel p.  `first`: start from zero,
 // else from the partial sums in `buf` (MR x 64 int32); `last`: run the epilogue, else leave the
 // partial sums in `buf`; `pf`: the k-quads of the next block to prefetch (csrc/panel_loop.h;
@@ -312,28 +332,13 @@ void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32
   const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
   const int64_t ust = a.kq * kQuad;
   alignas(32) int32_t acc[MR * kLanes];
-  if (first)
-    std::fill(acc, acc + MR * kLanes, 0);
-  else
-    std::copy(buf, buf + MR * kLanes, acc);
+  pw_panel::load_partials(acc, buf, MR * kLanes, first);
   (void)pf;
   avx2_tiles<MR>(i0, i1, kI8Avx2Block, QSweep{w, a.u + m0 * ust, ust, acc});
-  if (!last) {
+  if (last)
+    q_store_rows<MR>(a, p, m0, acc, nullptr);  // acc = sum u x W_q - comp, exactly
+  else
     std::copy(acc, acc + MR * kLanes, buf);
-    return;
-  }
-  const int64_t n0 = p * kLanes;
-  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
-  for (int r = 0; r < MR; ++r) {
-    const int64_t row = (m0 + r) * a.out_st + n0;
-    for (int64_t j = 0; j < valid; ++j) {
-      float y = static_cast<float>(acc[r * kLanes + j]);  // = sum u x W_q - comp, exactly
-      y = y * a.xs[m0 + r];
-      y = y * a.ws[n0 + j];
-      if (a.bias) y = y + load1(a.bias, n0 + j, a.dt);
-      store1(a.out, row + j, y, a.dt);
-    }
-  }
 }
 
 #else  // portable: the same packed layout, plain loops
@@ -345,8 +350,7 @@ void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32
   const int64_t ust = a.kq * kQuad;
   const uint8_t* u = a.u + m0 * ust;
   int32_t acc[MR][kLanes];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < kLanes; ++j) acc[r][j] = first ? 0 : buf[r * kLanes + j];
+  pw_panel::load_partials(&acc[0][0], buf, MR * kLanes, first);
   for (int64_t i = i0; i < i1; ++i) {
     const int8_t* wi = w + i * kQuad * kLanes;
     for (int r = 0; r < MR; ++r) {
@@ -357,23 +361,10 @@ void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32
         acc[r][j] += u0 * wi[4 * j] + u1 * wi[4 * j + 1] + u2 * wi[4 * j + 2] + u3 * wi[4 * j + 3];
     }
   }
-  if (!last) {
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < kLanes; ++j) buf[r * kLanes + j] = acc[r][j];
-    return;
-  }
-  const int64_t n0 = p * kLanes;
-  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
-  for (int r = 0; r < MR; ++r) {
-    const int64_t row = (m0 + r) * a.out_st + n0;
-    for (int64_t j = 0; j < valid; ++j) {
-      float y = static_cast<float>(acc[r][j] - a.comp[n0 + j]);
-      y = y * a.xs[m0 + r];
-      y = y * a.ws[n0 + j];
-      if (a.bias) y = y + load1(a.bias, n0 + j, a.dt);
-      store1(a.out, row + j, y, a.dt);
-    }
-  }
+  if (last)
+    q_store_rows<MR>(a, p, m0, &acc[0][0], a.comp);
+  else
+    std::copy(&acc[0][0], &acc[0][0] + MR * kLanes, buf);
 }
 
 #endif
@@ -392,6 +383,22 @@ struct WArgs {
   int64_t kq;
   int64_t dt;
 };
+
+// The weight-only epilogue of the panels whose partial sums end in memory (AVX2, portable):
+// y = acc * s_w (+ bias), one rounding.
+template <int MR>
+inline void w_store_rows(const WArgs& a, int64_t p, int64_t m0, const float* acc) {
+  const int64_t n0 = p * kLanes;
+  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
+  for (int r = 0; r < MR; ++r) {
+    const int64_t row = (m0 + r) * a.out_st + n0;
+    for (int64_t j = 0; j < valid; ++j) {
+      float y = acc[r * kLanes + j] * a.ws[n0 + j];
+      if (a.bias) y = y + load1(a.bias, n0 + j, a.dt);
+      store1(a.out, row + j, y, a.dt);
+    }
+  }
+}
 
 #if defined(PW_I8_AVX512)
 
@@ -500,26 +507,13 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
   const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
   const int64_t xst = a.kq * kQuad;
   alignas(32) float acc[MR * kLanes];
-  if (first)
-    std::fill(acc, acc + MR * kLanes, 0.0f);
-  else
-    std::copy(buf, buf + MR * kLanes, acc);
+  pw_panel::load_partials(acc, buf, MR * kLanes, first);
   (void)pf;
   avx2_tiles<MR>(i0, i1, kI8Avx2Block, WSweep{w, a.x + m0 * xst, xst, acc});
-  if (!last) {
+  if (last)
+    w_store_rows<MR>(a, p, m0, acc);
+  else
     std::copy(acc, acc + MR * kLanes, buf);
-    return;
-  }
-  const int64_t n0 = p * kLanes;
-  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
-  for (int r = 0; r < MR; ++r) {
-    const int64_t row = (m0 + r) * a.out_st + n0;
-    for (int64_t j = 0; j < valid; ++j) {
-      float y = acc[r * kLanes + j] * a.ws[n0 + j];
-      if (a.bias) y = y + load1(a.bias, n0 + j, a.dt);
-      store1(a.out, row + j, y, a.dt);
-    }
-  }
 }
 
 #else
@@ -531,8 +525,7 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
   const int64_t xst = a.kq * kQuad;
   const float* x = a.x + m0 * xst;
   float acc[MR][kLanes];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < kLanes; ++j) acc[r][j] = first ? 0.0f : buf[r * kLanes + j];
+  pw_panel::load_partials(&acc[0][0], buf, MR * kLanes, first);
   for (int64_t i = i0; i < i1; ++i) {
     const int8_t* wi = w + i * kQuad * kLanes;
     for (int r = 0; r < MR; ++r) {
@@ -543,21 +536,10 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
         acc[r][j] += x0 * wi[4 * j] + x1 * wi[4 * j + 1] + x2 * wi[4 * j + 2] + x3 * wi[4 * j + 3];
     }
   }
-  if (!last) {
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < kLanes; ++j) buf[r * kLanes + j] = acc[r][j];
-    return;
-  }
-  const int64_t n0 = p * kLanes;
-  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
-  for (int r = 0; r < MR; ++r) {
-    const int64_t row = (m0 + r) * a.out_st + n0;
-    for (int64_t j = 0; j < valid; ++j) {
-      float y = acc[r][j] * a.ws[n0 + j];
-      if (a.bias) y = y + load1(a.bias, n0 + j, a.dt);
-      store1(a.out, row + j, y, a.dt);
-    }
-  }
+  if (last)
+    w_store_rows<MR>(a, p, m0, &acc[0][0]);
+  else
+    std::copy(&acc[0][0], &acc[0][0] + MR * kLanes, buf);
 }
 
 #endif

@@ -93,6 +93,16 @@ inline void run_panel(int64_t m, int64_t ksteps, int64_t block, int64_t lanes, i
   }
 }
 
+// A pass's partial sums held in memory (the AVX2 and portable panels; mr x lanes, row-major,
+// the layout of `buf`): zero on a pass's first block, else what its previous block left.
+template <class Acc>
+inline void load_partials(Acc* acc, const Acc* buf, int64_t n, bool first) {
+  if (first)
+    std::fill(acc, acc + n, Acc{});
+  else
+    std::copy(buf, buf + n, acc);
+}
+
 struct NoPrologue {
   void operator()(int64_t) const {}
 };

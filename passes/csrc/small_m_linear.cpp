@@ -68,6 +68,19 @@ struct Args {
   int64_t k;
 };
 
+// The epilogue of the panels whose partial sums end in memory (AVX2, portable): rows
+// [m0, m0 + MR) of panel p, acc MR x 64: add the bias, round once, store the valid lanes.
+template <int MR>
+inline void store_rows(const Args& a, int64_t p, int64_t m0, const float* acc) {
+  const int64_t n0 = p * kLanes;
+  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
+  for (int r = 0; r < MR; ++r) {
+    uint16_t* y = a.out + (m0 + r) * a.out_st + n0;
+    for (int64_t j = 0; j < valid; ++j)
+      y[j] = f32_to_bf16(acc[r * kLanes + j] + (a.bias ? bf16_to_f32(a.bias[n0 + j]) : 0.0f));
+  }
+}
+
 // One pass of MR rows (from m0) over k-pairs [i0, i1) of panel p.  `first`: start from zero,
 // else from the partial sums in `buf` (MR x 64 floats); `last`: add the bias, round and store
 // the outputs, else leave the partial sums in `buf`; `pf`: the k-pairs of the next block to
@@ -192,10 +205,7 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
   const uint16_t* w = a.w + p * kp * 2 * kLanes;
   const uint16_t* x = a.x + m0 * a.x_st;
   alignas(32) float acc[MR * kLanes];
-  if (first)
-    std::fill(acc, acc + MR * kLanes, 0.0f);
-  else
-    std::copy(buf, buf + MR * kLanes, acc);
+  pw_panel::load_partials(acc, buf, MR * kLanes, first);
   (void)pf;  // the sweeps prefetch for themselves (below), whatever the caller's row passes
   for (int64_t b0 = i0; b0 < full; b0 += kAvx2Block) {
     const int64_t b1 = std::min(full, b0 + kAvx2Block);
@@ -223,17 +233,10 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
         acc[r * kLanes + j] = std::fma(x0, bf16_to_f32(wi[2 * j]), acc[r * kLanes + j]);
     }
   }
-  if (!last) {
+  if (last)
+    store_rows<MR>(a, p, m0, acc);
+  else
     std::copy(acc, acc + MR * kLanes, buf);
-    return;
-  }
-  const int64_t n0 = p * kLanes;
-  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
-  for (int r = 0; r < MR; ++r) {
-    uint16_t* y = a.out + (m0 + r) * a.out_st + n0;
-    for (int64_t j = 0; j < valid; ++j)
-      y[j] = f32_to_bf16(acc[r * kLanes + j] + (a.bias ? bf16_to_f32(a.bias[n0 + j]) : 0.0f));
-  }
 }
 
 #else  // portable: the same packed layout, plain loops
@@ -246,8 +249,7 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
   const uint16_t* x = a.x + m0 * a.x_st;
   float acc[MR][kLanes];
   float w0[kLanes], w1[kLanes];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < kLanes; ++j) acc[r][j] = first ? 0.0f : buf[r * kLanes + j];
+  pw_panel::load_partials(&acc[0][0], buf, MR * kLanes, first);
   for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* wi = w + i * 2 * kLanes;
 #pragma omp simd
@@ -262,18 +264,10 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
       for (int j = 0; j < kLanes; ++j) acc[r][j] += x0 * w0[j] + x1 * w1[j];
     }
   }
-  if (!last) {
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < kLanes; ++j) buf[r * kLanes + j] = acc[r][j];
-    return;
-  }
-  const int64_t n0 = p * kLanes;
-  const int64_t valid = std::min<int64_t>(kLanes, a.n - n0);
-  for (int r = 0; r < MR; ++r) {
-    uint16_t* y = a.out + (m0 + r) * a.out_st + n0;
-    for (int64_t j = 0; j < valid; ++j)
-      y[j] = f32_to_bf16(acc[r][j] + (a.bias ? bf16_to_f32(a.bias[n0 + j]) : 0.0f));
-  }
+  if (last)
+    store_rows<MR>(a, p, m0, &acc[0][0]);
+  else
+    std::copy(&acc[0][0], &acc[0][0] + MR * kLanes, buf);
 }
 
 #endif
