@@ -281,7 +281,7 @@ def markdown(result: dict) -> str:
             "",
             f"per generated token through LLM.generate, {r['dtype']} b{r['batch']} "
             f"{LABELS[r['contender']]}: {r['per_token_ms']:.3f} ms "
-            f"((t({r['new_tokens'][1]}) - t({r['new_tokens'][0]})) / "
+            f"((best t({r['new_tokens'][1]}) - best t({r['new_tokens'][0]})) / "
             f"{r['new_tokens'][1] - r['new_tokens'][0]})",
         ]
     if result.get("floor"):
