@@ -7,8 +7,9 @@
 // read once per item and never repeated.  Sliding window: keys in [pos - window + 1, pos].
 //
 // Per KV block: the block's K and V rows of the head are staged once in fp32; the scores of
-// 16 keys come from D/16 FMAs per key and one transposing reduction (AVX-512 intrinsics when
-// the build targets AVX-512; a plain `omp simd` dot product elsewhere); the value accumulator
+// 16 keys come from D/16 FMAs per key and one transposing reduction when the build targets
+// AVX-512 (8 keys from D/8 FMAs and two horizontal-add levels on AVX2 + FMA; a plain
+// `omp simd` dot product elsewhere); the value accumulator
 // of a row stays in registers across the block's keys.
 //
 // No torch headers: plain C ABI called through ctypes on data pointers, so the build is one
@@ -24,7 +25,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -139,6 +140,47 @@ inline void block_scores(const float* __restrict q, int rows, const float* __res
         const __m512 sc = _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88),
                                         _mm512_shuffle_f32x4(w0, w1, 0xDD));
         _mm512_mask_storeu_ps(s + r * s_stride + j0, static_cast<__mmask16>((1u << n) - 1), sc);
+      }
+    }
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kD > 0 && kD % 8 == 0) {
+    // 8 keys at a time: per key a vector of D/8 partial products, then two horizontal-add
+    // levels and one 128-bit lane swap turn 8 such vectors into the 8 scores.
+    constexpr int V = kD / 8;
+    for (int r = 0; r < rows; ++r) {
+      __m256 qv[V];
+      for (int x = 0; x < V; ++x) qv[x] = _mm256_loadu_ps(q + r * kD + 8 * x);
+      for (int j0 = 0; j0 < nk; j0 += 8) {
+        const int n = std::min(8, nk - j0);
+        __m256 accs[8];
+        for (int j = 0; j < 8; ++j) {
+          __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+          if (j < n) {
+            const float* kr = k + (j0 + j) * kD;
+            for (int x = 0; x + 1 < V; x += 2) {
+              t0 = _mm256_fmadd_ps(qv[x], _mm256_loadu_ps(kr + 8 * x), t0);
+              t1 = _mm256_fmadd_ps(qv[x + 1], _mm256_loadu_ps(kr + 8 * x + 8), t1);
+            }
+            if constexpr (V % 2) t0 = _mm256_fmadd_ps(qv[V - 1], _mm256_loadu_ps(kr + 8 * (V - 1)), t0);
+          }
+          accs[j] = _mm256_add_ps(t0, t1);
+        }
+        // h[i] = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] for keys (2i, 2i+1)
+        const __m256 h0 = _mm256_hadd_ps(accs[0], accs[1]), h1 = _mm256_hadd_ps(accs[2], accs[3]);
+        const __m256 h2 = _mm256_hadd_ps(accs[4], accs[5]), h3 = _mm256_hadd_ps(accs[6], accs[7]);
+        // u0 = [k0 k1 k2 k3 | k0 k1 k2 k3]: lanes 0..3 of each key summed, then lanes 4..7
+        const __m256 u0 = _mm256_hadd_ps(h0, h1), u1 = _mm256_hadd_ps(h2, h3);
+        const __m256 sc = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                        _mm256_permute2f128_ps(u0, u1, 0x31));
+        if (n == 8) {
+          _mm256_storeu_ps(s + r * s_stride + j0, sc);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, sc);
+          for (int j = 0; j < n; ++j) s[r * s_stride + j0 + j] = tmp[j];
+        }
       }
     }
     return;
@@ -322,9 +364,11 @@ int run(const Args& a) {
   bool (*item_fn)(const Args&, const Item&, std::vector<float>&) =
       a.d == 32 ? run_item<T, 32> : a.d == 64 ? run_item<T, 64> : a.d == 128 ? run_item<T, 128>
       : a.d == 256 ? run_item<T, 256> : run_item<T, 0>;
-  // Below ~20 µs of serial work (b1 decode up to ~512 tokens) waking the team costs more
-  // than it saves.
-  const bool parallel = work * a.hq * a.d >= (1 << 18) && n_items > 1;
+  // Threads from ~16k query-key-dim products on (a b1 decode of 32+ tokens): in a decode step
+  // the team is already awake (the linears just ran on it), and the KV rows come from DRAM,
+  // where a second thread doubles the misses in flight (b1, ctx ~160, in the engine: 0.33 ms a
+  // step against 0.46-0.60 ms serial).  Tiny calls stay on the calling thread.
+  const bool parallel = work * a.hq * a.d >= (1 << 14) && n_items > 1;
   int bad_block = 0;
 #pragma omp parallel if (parallel) reduction(| : bad_block)
   {
