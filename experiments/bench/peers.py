@@ -412,6 +412,11 @@ RATIOS = (
     ("project bf16 vs llama.cpp bf16", "llamacpp_bf16", "project_bf16"),
     ("project int8 vs llama.cpp q8_0", "llamacpp_q8_0", "project_int8"),
     ("project int8 vs project bf16", "project_bf16", "project_int8"),
+    (
+        "project int8 (LM head int8, as q8_0) vs llama.cpp q8_0",
+        "llamacpp_q8_0",
+        "project_int8@head",
+    ),
     ("project bf16 vs CTranslate2 int8", "ct2_int8", "project_bf16"),
     ("project int8 vs CTranslate2 int8", "ct2_int8", "project_int8"),
     ("project bf16 vs transformers eager bf16", "hf_eager", "project_bf16"),

@@ -217,6 +217,12 @@ PEER_SPEEDUP_TARGETS = (
     ("1.1b", 1, "llamacpp_bf16", "project_bf16", 1.4),
     ("1.1b", 1, "llamacpp_q8_0", "project_int8", 1.3),
     ("1.1b", 1, "project_bf16", "project_int8", 1.6),
+    # The same int8 targets for the variant that quantizes the LM head as well
+    # (``--variant head=PIECEWISE_PEERS_INT8_HEAD=1``): the q8_0 GGUF holds ``output.weight`` in
+    # q8_0, so this is the comparison over the same quantized tensors.
+    ("tiny", 1, "llamacpp_q8_0", "project_int8@head", 1.1),
+    ("1.1b", 1, "llamacpp_q8_0", "project_int8@head", 1.3),
+    ("1.1b", 1, "project_bf16", "project_int8@head", 1.6),
     ("tiny", 8, "llamacpp_bf16", "project_bf16", 1.6),
     ("tiny", 32, "llamacpp_bf16", "project_bf16", 1.6),
     ("1.1b", 8, "llamacpp_bf16", "project_bf16", 1.6),
@@ -230,6 +236,7 @@ PEER_SPREAD_PROCESSES = 4
 PEER_LABELS = {
     "project_bf16": "project bf16",
     "project_int8": "project int8",
+    "project_int8@head": "project int8 with an int8 LM head",
     "llamacpp_bf16": "llama.cpp bf16",
     "llamacpp_q8_0": "llama.cpp q8_0",
 }

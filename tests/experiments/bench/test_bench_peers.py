@@ -399,3 +399,25 @@ def test_project_compile_sizes_variant():
     assert peers.project_compile_sizes({}) is None
     assert peers.project_compile_sizes({peers.COMPILE_SIZES_ENV: "1"}) == [1]
     assert peers.project_compile_sizes({peers.COMPILE_SIZES_ENV: "1, 8"}) == [1, 8]
+
+
+def test_the_int8_head_variant_is_judged_against_q8_0_by_the_same_targets():
+    """q8_0 quantizes ``output.weight``: ``project_int8@head`` (the same tensors quantized)
+    gets the int8 targets' numbers beside the default int8 run, and its own ratio row."""
+    from experiments.bench import targets
+
+    def stats(contender, median):
+        return {"contender": contender, "batches": {"1": {"stats": {"median": median, "n": 3}}}}
+
+    summary = {
+        f"tiny/{c}": stats(c, m)
+        for c, m in (("llamacpp_q8_0", 3.0), ("project_int8", 6.0), ("project_int8@head", 2.5))
+    }
+    t = {x["target"]: x for x in targets.peer_targets(summary, {}, {})}
+    plain = t["tiny, b1: project int8 vs llama.cpp q8_0"]
+    head = t["tiny, b1: project int8 with an int8 LM head vs llama.cpp q8_0"]
+    assert (plain["got"], plain["met"]) == (pytest.approx(0.5), False)
+    assert (head["got"], head["met"]) == (pytest.approx(1.2), True)
+    assert plain["want"] == head["want"] == ">= 1.1x"
+    rows = {r["ratio"]: r["speedup"] for r in bench_peers.ratios(summary, ["tiny"], [1])}
+    assert rows["project int8 (LM head int8, as q8_0) vs llama.cpp q8_0"] == pytest.approx(1.2)
