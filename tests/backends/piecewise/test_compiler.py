@@ -52,3 +52,33 @@ def test_a_registered_adaptor_compiles_a_piece():
         assert save is None and torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
     finally:
         COMPILERS.remove("zz_identity")
+
+
+def test_inductor_pieces_leave_out_the_size_asserts_unless_asked(monkeypatch):
+    """A piece's inputs have the layouts it was compiled for, so Inductor's per-call
+    ``assert_size_stride`` checks are left out (``BASE_PATCHES``, in the adaptor's hash);
+    ``inductor_config={"size_asserts": True}`` brings them back."""
+    import backends.piecewise.compiler as compiler_mod
+    from backends.piecewise.compiler import CompileRange
+
+    sources = []
+    load_lean = compiler_mod.load_lean
+    monkeypatch.setattr(
+        compiler_mod, "load_lean", lambda source, kernels: sources.append(source) or
+        load_lean(source, kernels)
+    )  # fmt: skip
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+
+    def f(x, w):
+        return (torch.relu(x @ w) * 2 + 1,)
+
+    plain, checked = (
+        make_compiler("inductor"),
+        make_compiler("inductor", inductor_config={"size_asserts": True}),
+    )
+    for c in (plain, checked):
+        fn, _ = c.compile(torch.fx.symbolic_trace(f), [x, w], CompileRange(4, 4))
+        torch.testing.assert_close(fn(x, w)[0], f(x, w)[0])
+    assert len(sources) == 2
+    assert "assert_size_stride(" not in sources[0] and "assert_size_stride(" in sources[1]
+    assert plain.compute_hash() != checked.compute_hash()
