@@ -273,18 +273,18 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
           }
       }
     }
-    const int j0 = static_cast<int>(std::max<int64_t>(kstart - b * bs, 0));
-    const int j1 = static_cast<int>(std::min<int64_t>(kend - b * bs + 1, bs));
-    const int nk = j1 - j0;
+    // Keys from the block's start (those before the window are masked below), so that a
+    // key's score sits at its offset in the block whatever the tile's window start.
+    const int nk = static_cast<int>(std::min<int64_t>(kend - b * bs + 1, bs));
     for (int j = 0; j < nk; ++j) {
-      load_row(kc + ((base + j0 + j) * a.hkv + it.head) * d, kblk + j * d, d);
-      load_row(vc + ((base + j0 + j) * a.hkv + it.head) * d, vblk + j * d, d);
+      load_row(kc + ((base + j) * a.hkv + it.head) * d, kblk + j * d, d);
+      load_row(vc + ((base + j) * a.hkv + it.head) * d, vblk + j * d, d);
     }
     block_scores<kD>(qf, rows, kblk, nk, d, s, bs);
     // Rows are (query token, head) pairs; row r sees keys [pos - window + 1, pos] with
     // pos = pos0 + r / g.  A block inside every row's range (all of a decode's blocks but the
     // window's edge) skips the mask.
-    const int64_t kb0 = b * bs + j0, kb1 = b * bs + j1 - 1;
+    const int64_t kb0 = b * bs, kb1 = b * bs + nk - 1;
     if (!(kb1 <= pos0 && (win <= 0 || kb0 > pos1 - win))) {
       for (int r = 0; r < rows; ++r) {
         const int64_t pos = pos0 + r / g;
@@ -313,9 +313,14 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
       }
 #pragma omp simd
       for (int j = 0; j < nk; ++j) sr[j] = exp_neg(sr[j] - m_new);
+      // The block's sum over all bs slots, zeros past the keys: the association of the sum
+      // then depends on the block size only, not on how many keys this tile reads (a verify
+      // row of a speculative step reads more, masked, keys than the decode step it stands
+      // for, and must give the same bits).
+      std::fill(sr + nk, sr + bs, 0.0f);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < nk; ++j) sum += sr[j];
+      for (int j = 0; j < bs; ++j) sum += sr[j];
       l[r] += sum;
       accumulate_values<kD>(ar, sr, vblk, nk, d);
     }

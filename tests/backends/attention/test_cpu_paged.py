@@ -213,3 +213,42 @@ def test_short_inputs_and_block_table_are_rejected_before_the_kernel():
         run("cpu_paged", q, k, v, out, kv, narrow, 0.1, -1)
     with pytest.raises(ValueError, match="runs on CPU tensors"):  # (the op sends meta to fake)
         paged_attention(q.to("meta"), k, v, out, kv, md, 0.1, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [-1, 24])
+@pytest.mark.parametrize("ctx", [21, 37, 64, 90])
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_verify_row_has_the_bits_of_the_decode_step_it_stands_for(
+    portable, ctx, window, dtype, monkeypatch
+):
+    """Speculative decoding keeps greedy tokens only if a verify step's row i (1 + k query
+    tokens of one request) computes exactly what a decode step at that position would: the
+    keys beyond the row are masked, and neither they nor where the block's keys start (the
+    window) may change the order of the softmax sums (they did on AVX2: 3 of 16 cases)."""
+    import backends.attention.cpu_paged as cpu_paged
+
+    if portable:
+        monkeypatch.setattr(cpu_paged, "load_library", lambda: load_library(portable=True))
+    ql = 5
+    q, k, v, out, kv, md = make_step([ctx], [ql], 8, 4, 64, 16, dtype)
+    scale = 1 / math.sqrt(64)
+    verify, kv_after = run("cpu_paged", q, k, v, out, kv, md, scale, window)
+    for i in range(ql):
+        L = ctx - ql + 1 + i
+        one = AttentionMetadata(
+            "cpu_paged",
+            1,
+            1,
+            1,
+            L,
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([L], dtype=torch.int32),
+            md.block_table,
+            md.slot_mapping[i : i + 1].clone(),
+            [0, 1],
+            [L],
+        )
+        dec, _ = run("cpu_paged", q[i : i + 1], k[i : i + 1], v[i : i + 1],
+                     out[i : i + 1], kv_after, one, scale, window)  # fmt: skip
+        assert torch.equal(dec[0], verify[i]), f"row {i} (context {L}) differs from its decode"
