@@ -145,6 +145,7 @@ class LLM:
                 max_num_tokens=worker.config.max_num_tokens,
                 max_model_len=max_model_len,
                 on_release=self.spec.release if self.spec is not None else None,
+                draft_rows_limit=self._draft_rows_limit(worker),
             )
             self.engine = EngineCore(
                 executor,
@@ -155,6 +156,17 @@ class LLM:
                 spec=self.spec,
             )
             self.startup.startup_s = time.perf_counter() - t_start
+
+    @staticmethod
+    def _draft_rows_limit(worker: Worker) -> Optional[int]:
+        """Tokens up to which a step runs every re-laid linear on its small-M kernel (the
+        kernels whose rows do not depend on the rows beside them): the limit of prefill drafts
+        (``Scheduler.draft_rows_limit``).  None where no linear was re-laid."""
+        if not getattr(worker, "packed_layers", None):
+            return None
+        kc = worker.config.kernel_config
+        rows = [r for r in (kc.max_rows(), kc.int8_max_rows()) if r > 0]
+        return min(rows) if rows else None
 
     @staticmethod
     def _speculation(

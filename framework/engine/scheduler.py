@@ -51,9 +51,16 @@ class Scheduler:
         max_num_tokens: int,
         max_model_len: int,
         on_release: Optional[Callable[[int], None]] = None,
+        draft_rows_limit: Optional[int] = None,
     ):
         self.block_manager = block_manager
         self.on_release = on_release
+        self.draft_rows_limit = draft_rows_limit
+        """A step that verifies drafts in a prefill chunk stays at or under this many tokens
+        (None: no limit).  Up to it every row of the step runs the row-independent kernels a
+        decode step runs (the small-M linears); above it the linears switch to another kernel,
+        a draft row's bits would differ from those of the decode step it stands for, and greedy
+        tokens with speculation would part from those without."""
         """Called with a request's id whenever it leaves the running set with its blocks
         freed (finished, aborted, preempted, step error): a proposer drops its state."""
         self.block_size = block_size
@@ -152,11 +159,30 @@ class Scheduler:
         verified in the prefill chunk itself: the first new tokens need no decode step of
         their own.  Sampling requests draft from their first decode step on, so whether a
         step had room for prefill drafts (which depends on the batch) never changes a seeded
-        request's draws.  KV is not checked here: :meth:`schedule` drops drafts that find no
-        blocks, and never delays an admission for them."""
+        request's draws.  With :attr:`draft_rows_limit` the step's tokens, every draft
+        included, stay within it: decoding requests past it (in running order) decode
+        plainly, and waiting ones get no drafts.  KV is not checked here: :meth:`schedule`
+        drops drafts that find no blocks, and never delays an admission for them."""
         out = [r for r in self.running if r.num_tokens - r.num_computed == 1]
-        budget = self.max_num_tokens - sum(r.num_tokens - r.num_computed for r in self.running)
-        budget -= k * len(out)
+        running = sum(r.num_tokens - r.num_computed for r in self.running)
+        budget = self.max_num_tokens - running - k * len(out)
+        admitted, tokens = self._admissions(budget)
+        limit = self.draft_rows_limit
+        if limit is not None and k > 0:
+            # The most a step could admit (fewer drafts leave it more budget), then drafts for
+            # the decoding requests, in running order, as far as the step stays within limit.
+            most = self._admissions(self.max_num_tokens - running)[1]
+            out = out[: max(0, (limit - running - most) // k)]
+            tokens = max(tokens, most)
+        greedy = [r for r in admitted if r.params.greedy]
+        rows = running + k * len(out) + tokens + k * len(greedy)  # with every draft
+        if greedy and tokens + k * len(greedy) <= budget and (limit is None or rows <= limit):
+            out += greedy
+        return out
+
+    def _admissions(self, budget: int) -> tuple[list[Request], int]:
+        """The waiting requests a step with ``budget`` tokens left would admit (at least
+        begin), and their tokens to compute."""
         slots = self.max_num_seqs - len(self.running)
         admitted: list[Request] = []
         tokens = 0
@@ -165,10 +191,7 @@ class Scheduler:
                 break
             tokens += req.num_tokens - req.num_computed
             admitted.append(req)
-        greedy = [r for r in admitted if r.params.greedy]
-        if greedy and tokens + k * len(greedy) <= budget:
-            out += greedy
-        return out
+        return admitted, tokens
 
     def schedule(self, drafts: Optional[dict[int, Sequence[int]]] = None) -> list[ScheduledChunk]:
         """The step's chunks.  ``drafts``: speculative decoding's draft tokens per request

@@ -130,3 +130,30 @@ def test_draft_candidates_respect_slots_and_budget():
     s, r, _ = setup(budget=32)
     s.add(Request(9, [1, 2], 8, params=SamplingParams(temperature=0.8)))
     assert s.draft_candidates(4) == [r]
+
+
+def test_drafts_keep_the_step_within_the_row_independent_kernels():
+    """``draft_rows_limit``: a step with drafts stays within the rows the small-M linears
+    take, where a row's bits do not depend on the rows beside it.  Above it the linears switch
+    kernel, and a draft row would part from the decode step it stands for (greedy tokens with
+    speculation parted from those without on the AVX2 machine: a 208-token prompt's drafts
+    rode in its 212-row prefill step)."""
+    s, r, _ = setup(budget=512)  # r decodes (1 token)
+    s.draft_rows_limit = 16
+    long_prompt, short_prompt = Request(1, [1] * 14, 8), Request(2, [1] * 3, 8)
+    s.add(long_prompt)
+    # 1 + 14 plain rows: no room for 4 drafts anywhere (the prompt is not cut for them)
+    assert s.draft_candidates(4) == []
+    s.draft_rows_limit = 19
+    assert s.draft_candidates(4) == [r]  # 1 + 4 + 14 = 19: r verifies, the prompt plainly
+    s.draft_rows_limit = None
+    assert s.draft_candidates(4) == [r, long_prompt]  # no limit: drafts follow the prompt too
+
+    s, r, _ = setup(budget=512)
+    s.draft_rows_limit = 12
+    s.add(short_prompt)
+    assert s.draft_candidates(4) == [r, short_prompt]  # 1 + 4 + 3 + 4 = 12: both draft
+    s.draft_rows_limit = 11
+    assert s.draft_candidates(4) == [r]  # 1 + 4 + 3 = 8 <= 11, but + 4 prefill drafts > 11
+    s.draft_rows_limit = 7
+    assert s.draft_candidates(4) == []  # 1 + 3 = 4 plain rows, + 4 drafts = 8 > 7
