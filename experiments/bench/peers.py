@@ -62,6 +62,7 @@ from typing import Any, Callable, Optional
 
 from experiments.bench import RESULTS_DIR
 from experiments.bench import targets as bench_targets
+from experiments.bench.machine import ISA_FLAGS, machine  # noqa: F401  (ISA_FLAGS: tests)
 from experiments.bench.peer_worker import KINDS, RESULT_MARK
 from framework.core.files import publish_dir
 
@@ -289,26 +290,6 @@ def probe_process(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- results file
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
-"""The CPU feature flags that decide which kernels run (``machine``)."""
-
-
-def machine() -> dict[str, Any]:
-    """The CPU the run measured: its name and the flags of :data:`ISA_FLAGS` it has (the
-    kernels differ: AVX512-BF16/VNNI on one machine of this workplace, AVX2 only on another)."""
-    from framework.core.native_build import cpu_flags
-
-    name = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-            name = next(names, "")
-    except OSError:
-        pass
-    flags = set(cpu_flags().split())
-    return {"cpu": name, "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count()}
-
-
 def load_results(path: Path, settings: dict[str, Any], fresh: bool) -> dict[str, Any]:
     if path.is_file() and not fresh:
         data = json.loads(path.read_text())

@@ -45,6 +45,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from experiments.bench.machine import machine
 from experiments.report.statistics import compare
 from experiments.run.job_inputs import copy_fraction, copy_prompts
 from framework import LLM
@@ -296,6 +297,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": "python -m experiments.bench.spec " + " ".join(argv or sys.argv[1:]),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {
+            **machine(),
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),

@@ -262,6 +262,7 @@ def peer_targets(
                 f"{size}, b{batch}: {PEER_LABELS[c]} vs {PEER_LABELS[base]}"
                 if base != "project_bf16"
                 else f"{size}, b{batch}: int8 vs bf16 inside the project"
+                + ("" if c == "project_int8" else f" ({PEER_LABELS[c]})")
             )
             out.append(_target(what, f">= {want}x", got, got >= want))
     f = floors.get("1.1b")
