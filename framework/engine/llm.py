@@ -30,6 +30,7 @@ from framework.core.config import CompilationConfig
 from framework.engine.core import EngineCore, StepObserver
 from framework.engine.executor import Executor, InProcessExecutor, TensorParallelExecutor
 from framework.engine.llm_stats import compile_stats, memory_stats, step_time_stats
+from framework.engine.model_prep import rows_independent
 from framework.engine.outputs import RequestOutput
 from framework.engine.parallel import (
     run_torchrun_worker,
@@ -160,9 +161,11 @@ class LLM:
     @staticmethod
     def _draft_rows_limit(worker: Worker) -> Optional[int]:
         """Tokens up to which a step runs every re-laid linear on its small-M kernel (the
-        kernels whose rows do not depend on the rows beside them): the limit of prefill drafts
-        (``Scheduler.draft_rows_limit``).  None where no linear was re-laid."""
-        if not getattr(worker, "packed_layers", None):
+        kernels whose rows do not depend on the rows beside them): the limit of steps with
+        drafts (``Scheduler.draft_rows_limit``).  None where no linear was re-laid, or where
+        every re-laid linear runs that kernel at any row count (AVX2-only CPUs, bf16)."""
+        packed = getattr(worker, "packed_layers", None)
+        if not packed or rows_independent(worker.model, packed):
             return None
         kc = worker.config.kernel_config
         rows = [r for r in (kc.max_rows(), kc.int8_max_rows()) if r > 0]

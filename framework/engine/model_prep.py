@@ -158,6 +158,18 @@ def process_weights(
     return packed
 
 
+def rows_independent(model: torch.nn.Module, packed: list[str]) -> bool:
+    """Every re-laid layer in ``packed`` computes each row with bits that do not depend on
+    the rows beside it, at any row count (:meth:`PackedLinearMethod.rows_independent`): then
+    a step of any size gives a row the bits a decode step gives it."""
+    for name in packed:
+        module = model.get_submodule(name)
+        method = getattr(module, "linear_method", None)
+        if not (isinstance(method, PackedLinearMethod) and method.rows_independent(module)):
+            return False
+    return bool(packed)
+
+
 RELAID = ("weight", "w13", "w2")
 """The parameters a packed layer holds re-laid out: a linear's ``weight``, stacked experts'
 ``w13`` and ``w2``."""

@@ -141,6 +141,16 @@ class PackedLinearMethod:
         self.layout = ""
         self.out_features = self.in_features = 0
 
+    def rows_independent(self, layer: nn.Module) -> bool:
+        """Every call of ``layer``, whatever its row count, runs the small-M kernel, so a
+        row's bits never depend on the rows beside it: the panel layout with no oneDNN view
+        (AVX2-only CPUs), where batches past ``max_rows`` run the kernel in slices."""
+        return (
+            self.layout == "panel"
+            and self.max_rows > 0
+            and getattr(layer, "weight_md", None) is None
+        )
+
     @staticmethod
     def applies_to(layer: nn.Module) -> bool:
         w = getattr(layer, "weight", None)

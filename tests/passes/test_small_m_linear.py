@@ -287,3 +287,19 @@ def test_avx2_build_runs_the_intrinsics_and_matches_the_portable_loops():
         torch.testing.assert_close(native, portable, atol=1e-2, rtol=1e-2)
         for r in range(m):  # a row's bits do not depend on the rows beside it
             assert torch.equal(small_m.small_m_linear(x[r : r + 1], w, b)[0], native[r])
+
+
+def test_rows_independent_when_every_row_count_runs_the_kernel():
+    """A panel layer without a oneDNN view runs the kernel at every row count (slices past
+    max_rows), so its rows never depend on the batch: the engine then lets a step with drafts
+    grow past max_rows (``Scheduler.draft_rows_limit`` None).  With a oneDNN view, batches
+    past max_rows run oneDNN: not row-independent."""
+    from framework.engine.model_prep import rows_independent
+
+    layer, x, w, b = _layer(150, 96, 64, True, small_m.DEFAULT_MAX_ROWS)
+    independent = layer.weight_md is None
+    assert layer.linear_method.rows_independent(layer) is independent
+    model = torch.nn.Sequential(layer)
+    assert rows_independent(model, ["0"]) is independent and not rows_independent(model, [])
+    if independent:  # the bits of a row inside a 150-row batch are its bits alone
+        assert torch.equal(layer(x)[70:71], layer(x[70:71]))
