@@ -164,7 +164,7 @@ class LLM:
         kernels whose rows do not depend on the rows beside them): the limit of steps with
         drafts (``Scheduler.draft_rows_limit``).  None where no linear was re-laid, or where
         every re-laid linear runs that kernel at any row count (AVX2-only CPUs, bf16)."""
-        packed = getattr(worker, "packed_layers", None)
+        packed = worker.packed_layers
         if not packed or rows_independent(worker.model, packed):
             return None
         kc = worker.config.kernel_config

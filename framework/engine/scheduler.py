@@ -55,14 +55,14 @@ class Scheduler:
     ):
         self.block_manager = block_manager
         self.on_release = on_release
-        self.draft_rows_limit = draft_rows_limit
-        """A step that verifies drafts in a prefill chunk stays at or under this many tokens
-        (None: no limit).  Up to it every row of the step runs the row-independent kernels a
-        decode step runs (the small-M linears); above it the linears switch to another kernel,
-        a draft row's bits would differ from those of the decode step it stands for, and greedy
-        tokens with speculation would part from those without."""
         """Called with a request's id whenever it leaves the running set with its blocks
         freed (finished, aborted, preempted, step error): a proposer drops its state."""
+        self.draft_rows_limit = draft_rows_limit
+        """A step that verifies drafts (in verify or prefill chunks) stays at or under this
+        many tokens (None: no limit).  Up to it every row of the step runs the row-independent
+        kernels a decode step runs (the small-M linears); above it the linears switch to
+        another kernel, a draft row's bits would differ from those of the decode step it
+        stands for, and greedy tokens with speculation would part from those without."""
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
