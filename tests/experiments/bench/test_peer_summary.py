@@ -1,0 +1,97 @@
+"""experiments/bench/peer_summary.py: a results file read back into medians, spreads, ratios
+and floors, on a hand-made results dict (no contender runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.bench import peer_summary
+
+
+def _run(contender: str, round_: int, step_ms: dict[int, float], *, timed: bool = True) -> dict:
+    return {
+        "size": "tiny",
+        "contender": contender,
+        "round": round_,
+        "start_s": 1.0 + round_,
+        "warm_after_torch_s": 0.5,
+        "rss_end": {"VmHWM": int(2e9) + round_},
+        "load": {"others_frac": 0.01, "steal_frac": 0.0},
+        "batches": {
+            str(b): {
+                "timed": timed,
+                "step_ms": ms,
+                "tokens_match": True if contender != "project_bf16" else None,
+                "first_divergence": None,
+                "why_not_timed": None if timed else "tokens differ",
+                "rss_after": {"VmHWM": int(1e9)},
+            }
+            for b, ms in step_ms.items()
+        },
+    }
+
+
+@pytest.fixture
+def data() -> dict:
+    runs = []
+    for r, (ours, peer, variant) in enumerate([(2.0, 3.0, 2.5), (4.0, 3.3, 2.0), (3.0, 2.7, 3.0)]):
+        runs.append(_run("project_bf16", r, {1: ours, 8: 2 * ours}))
+        runs.append(_run("llamacpp_bf16", r, {1: peer, 8: 3 * peer}))
+        runs.append(_run("project_bf16@head", r, {1: variant}))
+    return {
+        "runs": runs,
+        "probes": [{"best_gb_s": 40.0}],
+        "models": {"tiny": {"streamed_bytes": {"bf16": int(80e6), "q8_0": int(43e6)}}},
+        "skipped": {"ct2_int8": "ctranslate2 is not installed"},
+    }
+
+
+def test_medians_spreads_and_ratios_of_medians(data):
+    summary = peer_summary.summarize(data)
+    ours = summary["tiny/project_bf16"]["batches"]["1"]["stats"]
+    assert (ours["median"], ours["min"], ours["max"], ours["spread"], ours["n"]) == (
+        3.0,
+        2.0,
+        4.0,
+        2.0,
+        3,
+    )
+    assert summary["tiny/project_bf16"]["start_s"]["median"] == 2.0
+    rat = {
+        (r["batch"], r["ratio"]): r["speedup"]
+        for r in peer_summary.ratios(summary, ["tiny"], [1, 8])
+    }
+    assert rat[(1, "project bf16 vs llama.cpp bf16")] == pytest.approx(3.0 / 3.0)
+    assert rat[(8, "project bf16 vs llama.cpp bf16")] == pytest.approx(9.0 / 6.0)
+    # a variant is compared with the contender it varies, where both ran that batch
+    assert rat[(1, "project_bf16@head vs project_bf16")] == pytest.approx(3.0 / 2.5)
+    assert (8, "project_bf16@head vs project_bf16") not in rat
+    # pairs with a contender that never ran are left out, not reported as 0 or inf
+    assert not any("CTranslate2" in label for _, label in rat)
+
+
+def test_untimed_batches_have_no_stats_and_say_why(data):
+    data["runs"].append(_run("llamacpp_q8_0", 0, {1: 1.0}, timed=False))
+    summary = peer_summary.summarize(data)
+    q8 = summary["tiny/llamacpp_q8_0"]["batches"]["1"]
+    assert q8["stats"] is None and q8["checks"][0]["why_not_timed"] == "tokens differ"
+    assert peer_summary.median_step(summary, "tiny", "llamacpp_q8_0", 1) is None
+    assert "| tiny | llamacpp_q8_0 | 1 | - | - | - | 0 | = ref |" in peer_summary.markdown(
+        data, summary, [], {}
+    )
+
+
+def test_the_floor_uses_the_best_bandwidth_seen_in_the_run(data):
+    summary = peer_summary.summarize(data)
+    fl = peer_summary.floors(summary, data, ["tiny"])["tiny"]
+    # llama.cpp's best round streamed 80 MB in 2.7 ms = 29.6 GB/s; ours 80 MB in 2.0 ms = 40
+    assert fl["contender_best_gb_s"]["project_bf16"] == pytest.approx(40.0)
+    assert fl["contender_best_gb_s"]["llamacpp_bf16"] == pytest.approx(80e6 / 2.7e-3 / 1e9)
+    assert fl["best_gb_s"] == pytest.approx(40.0) and fl["probe_is_best"]
+    assert fl["floor_ms"]["bf16"] == pytest.approx(2.0)
+    data["probes"] = [{"best_gb_s": 30.0}]
+    fl = peer_summary.floors(summary, data, ["tiny"])["tiny"]
+    assert not fl["probe_is_best"] and fl["best_gb_s"] == pytest.approx(40.0)
+    text = peer_summary.markdown(data, summary, [], {"tiny": fl})
+    assert "the probe is below a contender's rate" in text
+    assert "left out: ct2_int8: ctranslate2 is not installed" in text
