@@ -59,6 +59,7 @@ import torch
 
 from experiments.bench.bandwidth import floor_bandwidth, measure_read_bandwidth
 from experiments.bench.contenders import Contender, HFLoop, Piecewise, build_llm, load_hf
+from experiments.bench.machine import machine
 from experiments.bench.measure import measure_latency
 from models.tiny import ensure_tiny_model
 from passes.ops.packed_moe import PackedExpertsMethod, fused_moe_packed_cpu
@@ -368,6 +369,7 @@ def run(args: argparse.Namespace) -> dict:
         "moe_kernel": torch_ops_kernel(),
         "profiles": profiles,
         "load_average": {"start": load_start, "end": list(os.getloadavg())},
+        "machine": machine(),
         "command": "python -m experiments.bench.moe " + " ".join(args.argv),
         "active_weight_bytes": weights,
         "floor_ms": floor_ms,

@@ -209,6 +209,14 @@ def _select(header: list[str], rows: list[list[str]], columns: Sequence[str]) ->
     return out
 
 
+
+def _on_cpu(m: Optional[dict]) -> str:
+    """' on <CPU> (<kernel ISA flags>)' from a results file's ``machine`` record
+    (:func:`experiments.bench.machine.machine`); empty for a file from before it was kept."""
+    if not m or "isa" not in m:
+        return ""
+    return f" on {m.get('cpu') or 'a CPU'} ({', '.join(m['isa']) or 'no AVX2'})"
+
 @table(
     "ablate_passes",
     "experiments/bench/results/ablations/ablate_passes",
@@ -292,7 +300,7 @@ def _spec_bench(path: Path) -> list[str]:
     res = data["results"]
     out = [
         f"{data['date_utc']}, load average {data['machine']['load_average_before'][0]:.2f} "
-        f"before, {data['machine']['torch_threads']} threads.",
+        f"before, {data['machine']['torch_threads']} threads{_on_cpu(data['machine'])}.",
         "",
         *_head(
             "workload",
@@ -378,8 +386,8 @@ def _moe_bench(path: Path) -> list[str]:
     rows = data["rows"]
     o2 = {(r["dtype"], r["batch"]): r["median_ms"] for r in rows if r["contender"] == "O2"}
     out = [
-        f"`{data['preset']}`, {data['threads']} threads, load average "
-        f"{data['load_average']['start'][0]:.2f} at the start.",
+        f"`{data['preset']}`, {data['threads']} threads{_on_cpu(data.get('machine'))}, load "
+        f"average {data['load_average']['start'][0]:.2f} at the start.",
         "",
         *_head(
             "dtype",
@@ -425,8 +433,7 @@ def _peers(folder: Path) -> list[str]:
             f"at {f['best_gb_s']:.1f} GB/s ({'the probe' if f['probe_is_best'] else 'a contender'})"
             for size, f in data["floors"].items()
         )
-        m = data.get("machine")
-        cpu = f" on {m['cpu'] or 'a CPU'} ({', '.join(m['isa']) or 'no AVX2'})" if m else ""
+        cpu = _on_cpu(data.get("machine"))
         out += [
             f"`{path.name}`: sizes {', '.join(st['sizes'])}, batches "
             f"{', '.join(map(str, st['batches']))}, {st['threads']} threads{cpu}, fresh process "
