@@ -209,13 +209,13 @@ def _select(header: list[str], rows: list[list[str]], columns: Sequence[str]) ->
     return out
 
 
-
 def _on_cpu(m: Optional[dict]) -> str:
     """' on <CPU> (<kernel ISA flags>)' from a results file's ``machine`` record
     (:func:`experiments.bench.machine.machine`); empty for a file from before it was kept."""
     if not m or "isa" not in m:
         return ""
     return f" on {m.get('cpu') or 'a CPU'} ({', '.join(m['isa']) or 'no AVX2'})"
+
 
 @table(
     "ablate_passes",
