@@ -137,9 +137,8 @@ def floors(summary: dict[str, Any], data: dict[str, Any], sizes: list[str]) -> d
         nbytes = info["streamed_bytes"]
         rates = {}
         for c, fmt in rate_bytes.items():
-            ms = median_step(summary, size, c, 1)
             best = summary.get(f"{size}/{c}", {}).get("batches", {}).get("1", {}).get("stats")
-            if ms and best and best["min"] > 0:
+            if best and best["min"] > 0:
                 rates[c] = nbytes[fmt] / (best["min"] / 1e3) / 1e9  # best round
         best_bw = max([probe or 0.0, *rates.values()]) or None
         out[size] = {
