@@ -8,6 +8,12 @@ times ``--steps`` plain decode steps (1 query token per request) and ``--steps``
 rejection sampling), alternating which goes first.  Reports per batch size the median step
 times and the median over rounds of the per-round ratio verify / decode.  The forward is
 the engine's runner (the same compiled pieces, dispatcher and sampler a step uses).
+
+Each batch also gets the verify step's *compute floor*: the FLOPs of its ``batch * (1 + k)``
+rows through every linear and the LM head, at the best ``torch.mm`` rate this machine
+reaches in the step's dtype (:func:`experiments.bench.compute.matmul_peak`), and
+``ratio_floor``, that floor over the measured decode step: no verify kernel slower than
+oneDNN's best GEMM can bring the ratio below it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import time
 
 import torch
 
+from experiments.bench.compute import compute_floor_ms, matmul_flops, matmul_peak
+from experiments.bench.profile_step import step_bytes
 from framework import LLM
 from framework.engine.request import Request, ScheduledChunk
 
@@ -37,6 +45,12 @@ def _requests(llm: LLM, batch: int, context: int, k: int) -> list[Request]:
     for r in reqs:  # prefill, one request at a time (the step budget is max_model_len)
         llm.runner.execute([ScheduledChunk(r, 0, context)], record=False)
     return reqs
+
+
+def weight_elements(llm: LLM) -> int:
+    """Weights every token multiplies through: the linears and the LM head (the embedding
+    table is a lookup)."""
+    return step_bytes(llm, 1, 0)["weights"] // llm.dtype.itemsize
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
@@ -105,6 +119,9 @@ def main(argv=None) -> dict:
     )
     result: dict = {"k": args.k, "context": args.context, "dtype": args.dtype, "batches": {}}
     result["clock"] = args.clock
+    peak = matmul_peak(llm.dtype) if llm.dtype.is_floating_point else None
+    result["matmul_peak"] = peak
+    weights = weight_elements(llm)
     for b in args.batch:
         reqs = _requests(llm, b, args.context, args.k)
         last = args.context - 1
@@ -132,13 +149,18 @@ def main(argv=None) -> dict:
             )
         for r in reqs:
             llm.block_manager.free(r.block_ids)
-        result["batches"][b] = {
+        row = result["batches"][b] = {
             "decode_ms_median": statistics.median(d_med) * 1e3,
             "verify_ms_median": statistics.median(v_med) * 1e3,
             "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
         }
+        if peak is not None:
+            flops = matmul_flops(weights, b * (1 + args.k))
+            row["verify_matmul_gflop"] = flops / 1e9
+            row["compute_floor_ms"] = compute_floor_ms(flops, peak["best_gflops"])
+            row["ratio_floor"] = row["compute_floor_ms"] / row["decode_ms_median"]
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
