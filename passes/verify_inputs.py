@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.fx
 
-from framework.compat.ops import HigherOrderOperator, OpOverload, c10d_functional
+from framework.compat.ops import UNSAFE_VIEW, HigherOrderOperator, OpOverload, c10d_functional
 from framework.core.attention_metadata import AttentionMetadata
 from framework.core.compile_range import CompileRange
 from framework.core.errors import CompileStepError
@@ -122,7 +122,7 @@ def op_name(node: torch.fx.Node) -> Optional[str]:
 _VIEW_OPS = {
     torch.ops.aten.reshape.default,
     torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
+    UNSAFE_VIEW,
 }
 """Ops whose result may alias their first argument besides those whose schema says so."""
 

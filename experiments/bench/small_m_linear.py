@@ -94,6 +94,7 @@ def _copies(bytes_per_copy: int, sweep_bytes: int) -> int:
 
 
 def _bf16_impls(n: int, k: int, copies: int, g: torch.Generator) -> dict[str, tuple]:
+    from framework.compat import onednn as compat_onednn
     from passes import small_m_linear as small_m
 
     ops = torch.ops.piecewise
@@ -104,12 +105,12 @@ def _bf16_impls(n: int, k: int, copies: int, g: torch.Generator) -> dict[str, tu
         plain.append(w)
         panels.append(small_m.pack(w))
         if with_onednn:
-            onednn.append(torch.ops.mkldnn._reorder_linear_weight(w))
+            onednn.append(compat_onednn.prepack(w))
     nbytes = 2 * n * k
     impls = {
         "kernel": (lambda x, i: ops.packed_linear(x, panels[i], None, None, n, k, BIG), nbytes),
         "oneDNN": (
-            lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
+            lambda x, i: compat_onednn.linear_prepacked(x, onednn[i]),
             nbytes,
         ),
         "F.linear": (lambda x, i: F.linear(x, plain[i]), nbytes),

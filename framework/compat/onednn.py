@@ -135,6 +135,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, md: torch.Tensor, bias, n: int, k: 
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), v, bias, "none", [], "")
 
 
+def prepack(w: torch.Tensor) -> Optional[torch.Tensor]:
+    """oneDNN's own opaque packed tensor of ``w [N, K]`` (what ``torch.compile``'s freezing
+    makes), or None where this torch or this CPU cannot (:func:`packs`); for
+    :func:`linear_prepacked`."""
+    if not packs(w.dtype):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+
+
+def linear_prepacked(x: torch.Tensor, packed: torch.Tensor, bias=None) -> torch.Tensor:
+    """``x @ W.T + bias`` with oneDNN on a tensor from :func:`prepack`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 @functools.lru_cache(maxsize=None)
 def _shim():
     """The AOTInductor C shim that makes a oneDNN tensor over existing memory, or None."""

@@ -9,7 +9,7 @@ module names; they are required (no public path), so a missing one fails at impo
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -51,6 +51,13 @@ auto_functionalized_v2 = _attr(
 get_mutable_args = _attr("torch._higher_order_ops.auto_functionalize", "get_mutable_args")
 
 
+# Underscore aten ops (torch 2.11, 2.13) that graphs contain and passes match by identity.
+LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+"""What ``Tensor.item()`` dispatches to: a read of a device value on the host."""
+UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+"""The view decompositions emit for ``reshape`` of a fresh tensor."""
+
+
 def qualified_name(target: Any) -> str:
     """The name FX's code generation gives a callable (``torch.fx.node._get_qualified_name``,
     torch 2.11, 2.13); raises for a callable FX cannot name."""
@@ -71,3 +78,16 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if fn is not None:
         return fn(a, b)
     return torch.matmul(a.to(torch.int32), b.to(torch.int32))
+
+
+def weight_int8pack_mm(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
+) -> Optional[torch.Tensor]:
+    """``x @ (w_q * w_scale[:, None])^T`` for int8 ``w_q [N, K]``, in x's dtype, through
+    ``torch.ops.aten._weight_int8pack_mm`` (torch 2.11, 2.13); None where this torch has no
+    such op (the caller dequantises and runs the public ``F.linear``)."""
+    try:
+        op = torch.ops.aten._weight_int8pack_mm
+    except (AttributeError, RuntimeError):  # an unknown aten op raises one of these
+        return None
+    return op(x, w_q, w_scale)

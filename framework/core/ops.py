@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import importlib
 import importlib.util
+import threading
 import warnings
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -47,7 +48,12 @@ DEVICE_KEYS = {"default": "CompositeExplicitAutograd", "cpu": "CPU", "cuda": "CU
 
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 _KERNELS: dict[str, dict[str, KernelRef]] = {}
-"""qualname -> device ("default", "cpu", "cuda") -> what was registered (for overrides)."""
+"""qualname -> device ("default", "cpu", "cuda") -> what was registered (for overrides).  It
+mirrors torch's dispatcher, which is one per process (an op is defined once per process,
+whatever engine uses it), so it is process-wide too; :data:`_REGISTRY_LOCK` guards both."""
+_REGISTRY_LOCK = threading.RLock()
+"""Held while a kernel (or an override's trampoline) is registered and :data:`_KERNELS` /
+:data:`_TRAMPOLINES` change: two threads overriding one op at once install one trampoline."""
 
 
 def if_installed(package: str, ref: str) -> Optional[str]:
@@ -87,10 +93,10 @@ def _lazy(ref: KernelRef) -> Callable:
 def _register(qualname: str, device: str, ref: KernelRef) -> None:
     if device not in DEVICE_KEYS:
         raise ValueError(f"{qualname}: unknown device {device!r}; use one of {sorted(DEVICE_KEYS)}")
-    with warnings.catch_warnings():  # re-registering is what an override is for
+    with _REGISTRY_LOCK, warnings.catch_warnings():  # re-registering is what an override is for
         warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
         _LIB.impl(_split(qualname), _lazy(ref), DEVICE_KEYS[device], allow_override=True)
-    _KERNELS.setdefault(qualname, {})[device] = ref
+        _KERNELS.setdefault(qualname, {})[device] = ref
 
 
 def define_op(
@@ -126,6 +132,7 @@ _OVERRIDES: contextvars.ContextVar[dict[tuple[str, str], Callable]] = contextvar
 """(qualname, device) -> the kernel that replaces it in the current context (never mutated:
 each ``override_kernel`` block sets a new dict and restores the old one)."""
 _TRAMPOLINES: set[tuple[str, str]] = set()
+"""(qualname, device) whose registered kernel is a trampoline reading :data:`_OVERRIDES`."""
 
 
 def _trampoline(qualname: str, device: str, ref: KernelRef) -> Callable:
@@ -152,18 +159,21 @@ def override_kernel(qualname: str, device: str, kernel: KernelRef) -> Iterator[N
     if kernel is None:
         raise ValueError(f"override_kernel({qualname!r}): give the kernel to run in the block")
     key = (qualname, device)
-    if key not in _TRAMPOLINES:
-        table = _KERNELS[qualname]
-        ref = table.get(device, table["default"])
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
-            _LIB.impl(
-                _split(qualname),
-                _trampoline(qualname, device, ref),
-                DEVICE_KEYS[device],
-                allow_override=True,
-            )
-        _TRAMPOLINES.add(key)
+    with _REGISTRY_LOCK:
+        if key not in _TRAMPOLINES:
+            table = _KERNELS[qualname]
+            ref = table.get(device, table["default"])
+            with warnings.catch_warnings():
+                warnings.filterwarnings(
+                    "ignore", message=".*Overriding a previously registered kernel"
+                )
+                _LIB.impl(
+                    _split(qualname),
+                    _trampoline(qualname, device, ref),
+                    DEVICE_KEYS[device],
+                    allow_override=True,
+                )
+            _TRAMPOLINES.add(key)
     token = _OVERRIDES.set({**_OVERRIDES.get(), key: resolve_kernel(kernel)})
     try:
         yield

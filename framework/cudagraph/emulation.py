@@ -41,7 +41,13 @@ import torch
 from framework.compat import inductor as compat_inductor
 from framework.compat import tensors as compat_tensors
 from framework.compat import warn_once
-from framework.compat.ops import OpOverload, TorchDispatchMode, tree_flatten, tree_unflatten
+from framework.compat.ops import (
+    LOCAL_SCALAR_DENSE,
+    OpOverload,
+    TorchDispatchMode,
+    tree_flatten,
+    tree_unflatten,
+)
 
 _NO_REPLAY = frozenset(
     getattr(torch.ops.aten, name)
@@ -49,7 +55,7 @@ _NO_REPLAY = frozenset(
 )
 """Allocations and no-ops: a graph replays no allocation (the memory is already there)."""
 
-_HOST_SYNC = torch.ops.aten._local_scalar_dense.default
+_HOST_SYNC = LOCAL_SCALAR_DENSE
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from framework.compat.ops import int_mm
+from framework.compat.ops import int_mm, weight_int8pack_mm
 from framework.core.ops import define_op, if_installed
 
 _TRITON = "passes.ops.triton.scaled_mm"
@@ -100,8 +100,9 @@ def int8_weight_only_mm_torch(
 ) -> Tensor:
     """``x @ (w_q * w_scale[:, None])^T + bias`` for int8 ``w_q [N, K]``; result in x's dtype."""
     if _packed_ok(x, w_q):
-        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w_q, w_scale.to(x.dtype))
-        return y if bias is None else y + bias
+        y = weight_int8pack_mm(x.contiguous(), w_q, w_scale.to(x.dtype))
+        if y is not None:
+            return y if bias is None else y + bias
     w = w_q.to(x.dtype) * w_scale.to(x.dtype).unsqueeze(-1)
     return F.linear(x, w, bias)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import sys
 import tokenize
 from pathlib import Path
 
@@ -211,20 +212,50 @@ def test_emulation_without_the_inductor_hook_replays_the_whole_callable(
 
 
 def _private_uses(path: Path) -> list[str]:
-    """``torch._<name>`` in code (not comments or strings): NAME 'torch', OP '.', NAME '_x'."""
+    """Private torch in code (not comments or strings): ``torch._<name>`` (NAME 'torch', OP '.',
+    NAME '_x'), and an underscore op or op namespace, ``torch.ops.<ns>._<op>`` or
+    ``torch.ops._<ns>`` (the project's own ``piecewise`` namespace is public)."""
     tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
+    names = [t.string if t.type in (tokenize.NAME, tokenize.OP) else None for t in tokens]
     hits = []
-    for a, dot, b in zip(tokens, tokens[1:], tokens[2:]):
-        if (
-            a.type == tokenize.NAME
-            and a.string == "torch"
-            and dot.string == "."
-            and b.type == tokenize.NAME
-            and b.string.startswith("_")
-            and b.string not in ("__version__", "__file__")
+    for i, a in enumerate(tokens):
+        if a.type != tokenize.NAME or a.string != "torch" or names[i + 1 : i + 2] != ["."]:
+            continue
+        chain = []  # the dotted names after "torch"
+        j = i + 1
+        while (
+            names[j : j + 1] == ["."]
+            and j + 1 < len(tokens)
+            and tokens[j + 1].type == tokenize.NAME
         ):
-            hits.append(f"{path.relative_to(ROOT)}:{a.start[0]}: torch.{b.string}")
+            chain.append(tokens[j + 1].string)
+            j += 2
+        private = (
+            chain[:1] and chain[0].startswith("_") and chain[0] not in ("__version__", "__file__")
+        )
+        private_op = chain[:1] == ["ops"] and any(c.startswith("_") for c in chain[1:3])
+        if private or private_op:
+            hits.append(f"{path.relative_to(ROOT)}:{a.start[0]}: torch.{'.'.join(chain)}")
     return hits
+
+
+def test_the_private_use_check_finds_attributes_and_underscore_ops(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    src = tmp_path / "m.py"
+    src.write_text(
+        "import torch\n"
+        "a = torch.ops.aten._weight_int8pack_mm\n"
+        "b = torch._C._foo\n"
+        "c = torch.ops._c10d_functional.all_reduce\n"
+        "d = torch.ops.piecewise.packed_linear.default + torch.ops.aten.mm.default\n"
+        "e = torch.__version__  # torch._x in a comment\n"
+        "f = 'torch._y'\n"
+    )
+    assert _private_uses(src) == [
+        "m.py:2: torch.ops.aten._weight_int8pack_mm",
+        "m.py:3: torch._C._foo",
+        "m.py:4: torch.ops._c10d_functional.all_reduce",
+    ]
 
 
 def test_no_private_torch_api_outside_the_compat_package():
@@ -235,3 +266,27 @@ def test_no_private_torch_api_outside_the_compat_package():
                 continue
             hits += _private_uses(path)
     assert not hits, "private torch API outside framework/compat:\n" + "\n".join(hits)
+
+
+def test_weight_int8pack_mm_and_its_public_fallback(monkeypatch):
+    from passes.ops import scaled_mm
+    from passes.ops.scaled_mm import int8_weight_only_mm_torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, generator=g).bfloat16()
+    w_q = torch.randint(-127, 127, (32, 64), generator=g, dtype=torch.int8)
+    scale = torch.rand(32, generator=g) * 0.01
+    ref = x.float() @ (w_q.float() * scale.bfloat16().float()[:, None]).t()
+    got = compat_ops.weight_int8pack_mm(x, w_q, scale.bfloat16())
+    assert got is not None and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+    packed = int8_weight_only_mm_torch(x, w_q, scale, None)
+    torch.testing.assert_close(packed.float(), ref, rtol=2e-2, atol=2e-2)
+    # a torch without the private op: the wrapper says so ...
+    with monkeypatch.context() as m:
+        m.setattr(torch.ops, "aten", type("NoAten", (), {})())
+        assert compat_ops.weight_int8pack_mm(x, w_q, scale.bfloat16()) is None
+    # ... and the weight-only op dequantises and runs F.linear instead
+    monkeypatch.setattr(scaled_mm, "weight_int8pack_mm", lambda *a: None)
+    out = int8_weight_only_mm_torch(x, w_q, scale, None)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

@@ -152,3 +152,40 @@ def test_importing_ops_does_not_import_triton():
         cwd=Path(__file__).parents[3],
     )
     assert out.stdout.strip() == "False"
+
+
+def test_threads_overriding_one_op_at_once_install_one_trampoline(monkeypatch):
+    """The first override of an op installs its trampoline under the registry lock: threads
+    racing to override the same op register it once, and each sees its own kernel."""
+    import threading
+
+    key = ("piecewise::silu_and_mul", "cpu")
+    monkeypatch.setattr(core_ops, "_TRAMPOLINES", set(core_ops._TRAMPOLINES) - {key})
+    installs = []
+    real = core_ops._trampoline
+
+    def counting(*args):
+        installs.append(args[:2])
+        return real(*args)
+
+    monkeypatch.setattr(core_ops, "_trampoline", counting)
+    start = threading.Barrier(4)
+    seen = {}
+
+    def run(i):
+        def fill(o, x):
+            o.fill_(i)
+
+        start.wait(10)
+        with core_ops.override_kernel(*key, fill):
+            o = torch.empty(2, 4)
+            ops.silu_and_mul(o, torch.ones(2, 8))
+            seen[i] = o.unique().tolist()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert installs == [key]
+    assert seen == {i: [float(i)] for i in range(4)}
