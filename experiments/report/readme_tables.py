@@ -340,6 +340,19 @@ def _spec_bench(path: Path) -> list[str]:
             "",
             f"Verify step of 1 + {vs['k']} tokens vs a decode step: " + ", ".join(parts) + ".",
         ]
+        peak = vs.get("matmul_peak")
+        floors = [
+            f"b{b} {r['compute_floor_ms']:.2f} ms ({r['ratio_floor']:.2f}x the decode step)"
+            for b, r in sorted(vs["batches"].items(), key=lambda kv: int(kv[0]))
+            if "compute_floor_ms" in r
+        ]
+        if peak and floors:
+            out += [
+                "",
+                "The verify step's compute floor, its matmul FLOPs at the best torch.mm rate "
+                f"measured in the run ({peak['best_gflops']:.0f} GFLOP/s {peak['dtype']}, "
+                "`experiments.bench.compute`): " + ", ".join(floors) + ".",
+            ]
     return out
 
 
