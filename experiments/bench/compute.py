@@ -41,7 +41,10 @@ def matmul_peak(
     rate of ``torch.mm`` over ``shapes`` (best of ``repeats`` timed calls each, after one
     untimed)."""
     if repeats <= 0 or not shapes:
-        raise ValueError(f"matmul_peak: repeats and shapes must be non-empty, got {repeats}")
+        raise ValueError(
+            f"matmul_peak: repeats must be positive and shapes non-empty, got repeats="
+            f"{repeats} and {len(shapes)} shapes"
+        )
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     g = torch.Generator().manual_seed(0)
     rows = []

@@ -55,8 +55,6 @@ _NO_REPLAY = frozenset(
 )
 """Allocations and no-ops: a graph replays no allocation (the memory is already there)."""
 
-_HOST_SYNC = LOCAL_SCALAR_DENSE
-
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
@@ -110,7 +108,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _HOST_SYNC and self.opaque_depth == 0:
+        if func is LOCAL_SCALAR_DENSE and self.opaque_depth == 0:
             raise RuntimeError(
                 "CUDA-graph capture (emulated): a device value was read on the host during "
                 "capture (.item(), bool(tensor), int(tensor), .tolist()); a real "
