@@ -317,3 +317,58 @@ def peer_targets(
             )
         )
     return out
+
+
+# ----------------------------------------------------------------------------- speculation
+# The targets of speculative decoding (``experiments.bench.spec``), bf16 O2, k = 4.
+SPEC_NGRAM_B1 = 2.0  # n-gram proposer on the copy-heavy workload: tokens/s spec / plain, b1
+SPEC_DRAFT_B1 = 1.5  # draft model on the addition task: tokens/s spec / plain, b1 ...
+SPEC_DRAFT_MIN_ACCEPTANCE = 0.7  # ... when its acceptance is at least this
+SPEC_VERIFY = 1.3  # a verify step of 1 + k tokens / a plain decode step (default model)
+SPEC_DRAFT_SCENARIOS = ("draft_addition", "draft_addition_large")
+
+
+def spec_targets(results: dict[str, Any]) -> list[dict]:
+    """The speculative-decoding targets that a ``bench.spec`` run has the numbers for.  A
+    draft scenario whose acceptance is under :data:`SPEC_DRAFT_MIN_ACCEPTANCE` is reported
+    as not met (the target asks for the speed-up at that acceptance)."""
+    out = []
+    ngram = results.get("ngram_copy b1")
+    if ngram:
+        got = ngram["speedup"]["ratio"]
+        ok = got >= SPEC_NGRAM_B1 and ngram["same_tokens"]
+        out.append(
+            _target("n-gram, copy workload, b1: spec / plain", f">= {SPEC_NGRAM_B1}x", got, ok)
+        )
+    for scenario in SPEC_DRAFT_SCENARIOS:
+        row = results.get(f"{scenario} b1")
+        acc = results.get(f"{scenario}_acceptance", {}).get("spec_acceptance_rate")
+        if row and acc is not None:
+            got = row["speedup"]["ratio"]
+            ok = got >= SPEC_DRAFT_B1 and acc >= SPEC_DRAFT_MIN_ACCEPTANCE and row["same_tokens"]
+            out.append(
+                _target(
+                    f"{scenario}, b1: spec / plain (acceptance {acc:.2f}, needs >= "
+                    f"{SPEC_DRAFT_MIN_ACCEPTANCE})",
+                    f">= {SPEC_DRAFT_B1}x",
+                    got,
+                    ok,
+                )
+            )
+    verify = results.get("verify_step")
+    if verify:
+        for b, row in sorted(verify["batches"].items(), key=lambda kv: int(kv[0])):
+            got = row["ratio_median"]
+            out.append(
+                _target(
+                    f"verify step of 1 + {verify['k']} tokens / decode step, b{b}",
+                    f"<= {SPEC_VERIFY}x",
+                    got,
+                    got <= SPEC_VERIFY,
+                )
+            )
+    return out
+
+
+# ----------------------------------------------------------------------------- MoE
+MOE_FLOOR_TARGET = 1.5  # MoE O2 bf16 b1 step / its active-weight floor (``experiments.bench.moe``)

@@ -320,8 +320,8 @@ def _spec_bench(path: Path) -> list[str]:
             f"{v['tokens_per_s']['spec']:.1f} | **{sp['ratio']:.2f}** [{lo:.2f}, {hi:.2f}] | "
             f"{'yes' if v['same_tokens'] else 'NO'} |"
         )
-    for name in ("ngram_copy_acceptance", "ngram_copy_cut_acceptance", "draft_addition_acceptance"):
-        a = res.get(name)
+    for name in sorted(k for k in res if k.endswith("_acceptance")):
+        a = res[name]
         if a:
             out += [""]
             out.append(
@@ -353,6 +353,8 @@ def _spec_bench(path: Path) -> list[str]:
                 f"measured in the run ({peak['best_gflops']:.0f} GFLOP/s {peak['dtype']}, "
                 "`experiments.bench.compute`): " + ", ".join(floors) + ".",
             ]
+    if data.get("targets"):
+        out += ["", *_targets(data["targets"])]
     return out
 
 
@@ -459,14 +461,18 @@ def _peers(folder: Path) -> list[str]:
                 f"| {r['size']} | {r['batch']} | {r['ratio']} | {r['baseline_ms']:.2f} | "
                 f"{r['contender_ms']:.2f} | **{r['speedup']:.2f}x** |"
             )
-        out += ["", *_head("target", "want", "got", "met")]
-        for t in data["targets"]:
-            out.append(
-                f"| {t['target']} | {t['want']} | {t['got']:.3f} | "
-                f"{'met' if t['met'] else 'NOT met'} |"
-            )
-        out.append("")
+        out += ["", *_targets(data["targets"]), ""]
     return out[:-1]
+
+
+def _targets(rows: Sequence[dict]) -> list[str]:
+    """A results file's ``targets`` (``experiments.bench.targets``) as a table."""
+    out = _head("target", "want", "got", "met")
+    for t in rows:
+        out.append(
+            f"| {t['target']} | {t['want']} | {t['got']:.3f} | {'met' if t['met'] else 'NOT met'} |"
+        )
+    return out
 
 
 @table(

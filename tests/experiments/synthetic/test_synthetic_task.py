@@ -232,3 +232,28 @@ def test_compiled_o2_keeps_the_accuracy(tmp_path):
     )
     assert res["exact_match"] >= base["exact_match"] - 1 / n
     assert res["token_agreement_vs"]["unquantized_O0"] >= 0.98
+
+
+# --- the larger target (models/synthetic/addition-large) ------------------------------------
+
+ADDITION_LARGE = ROOT / "models" / "synthetic" / "addition-large"
+
+
+def test_large_target_is_a_deeper_model_of_the_same_task_and_vocabulary():
+    """The draft-worthy target: same task, tokenizer and vocabulary as ``addition/`` and its
+    draft, four times the layers of ``addition/``; its recorded accuracy means something."""
+    m = json.loads((ADDITION_LARGE / "metrics.json").read_text())
+    small = _metrics()
+    assert m["task"] == small["task"] == "addition" and m["format"] == small["format"]
+    config = json.loads((ADDITION_LARGE / "config.json").read_text())
+    assert config["vocab_size"] == VOCAB_SIZE and config["eos_token_id"] == EOS_ID
+    assert config["num_hidden_layers"] == m["recipe"]["num_layers"] == 8
+    assert m["eval"]["unquantized"]["exact_match"] >= 0.99
+    assert (ADDITION_LARGE / "tokenizer.json").is_file()
+
+
+def test_large_target_reproduces_its_recorded_accuracy():
+    rec = json.loads((ADDITION_LARGE / "metrics.json").read_text())["eval"]
+    n = rec["smoke_n"]
+    res = evaluate(ADDITION_LARGE, n=n, seed=rec["seed"])
+    assert abs(res["exact_match"] - rec["unquantized"]["exact_match_first_smoke_n"]) <= 1 / n
