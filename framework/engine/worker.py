@@ -33,6 +33,7 @@ from framework.cudagraph.emulation import EmulatedGraphOps
 from framework.cudagraph.graph_setup import setup_graphs
 from framework.engine.block_manager import BlockManager
 from framework.engine.capture import capture_graphs, dummy_batch
+from framework.engine.cpu_env import warn_cpu_settings
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from framework.engine.llm_stats import StartupStats
 from framework.engine.model_prep import prepare_model
@@ -112,6 +113,8 @@ class Worker:
         self.tp: TPState = group.state if group is not None else TPState()
         self.rank = self.tp.rank
         self.device = torch.device((group.device if group is not None else None) or device or "cpu")
+        if self.device.type == "cpu":
+            warn_cpu_settings()
         self.max_model_len = max_model_len
         self.startup = StartupStats()
         """Typed timings and counts of construction (per instance)."""
