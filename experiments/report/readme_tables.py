@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from experiments.bench.targets import markdown as target_markdown
+
 ROOT = Path(__file__).resolve().parents[2]
 BEGIN = re.compile(r"^<!-- table: ([a-z0-9_]+) -->$")
 END = "<!-- /table -->"
@@ -354,7 +356,7 @@ def _spec_bench(path: Path) -> list[str]:
                 "`experiments.bench.compute`): " + ", ".join(floors) + ".",
             ]
     if data.get("targets"):
-        out += ["", *_targets(data["targets"])]
+        out += ["", *target_markdown(data["targets"])]
     return out
 
 
@@ -461,18 +463,8 @@ def _peers(folder: Path) -> list[str]:
                 f"| {r['size']} | {r['batch']} | {r['ratio']} | {r['baseline_ms']:.2f} | "
                 f"{r['contender_ms']:.2f} | **{r['speedup']:.2f}x** |"
             )
-        out += ["", *_targets(data["targets"]), ""]
+        out += ["", *target_markdown(data["targets"]), ""]
     return out[:-1]
-
-
-def _targets(rows: Sequence[dict]) -> list[str]:
-    """A results file's ``targets`` (``experiments.bench.targets``) as a table."""
-    out = _head("target", "want", "got", "met")
-    for t in rows:
-        out.append(
-            f"| {t['target']} | {t['want']} | {t['got']:.3f} | {'met' if t['met'] else 'NOT met'} |"
-        )
-    return out
 
 
 @table(
