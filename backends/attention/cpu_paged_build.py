@@ -25,6 +25,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     )
     fn.restype = ctypes.c_int
     lib.piecewise_cpu_paged_isa.restype = ctypes.c_char_p
+    lib.piecewise_cpu_paged_exp_neg.argtypes = [p, p, p, i64]
+    lib.piecewise_cpu_paged_exp_neg.restype = None
 
 
 LIBRARY = NativeLibrary(

@@ -195,6 +195,28 @@ def test_portable_build_matches_reference(monkeypatch):
     check([129, 3], [1, 3], hq=8, hkv=1, d=128)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_softmax_exp_of_the_block_path_has_the_scalar_bits(portable):
+    """The block softmax's 16-lane exp (AVX-512 builds) gives every input exp_neg's bits: a
+    verify row and the decode row it stands for may take either path, and the values must
+    stay within the polynomial's ~2 ulp of exp."""
+    lib = load_library(portable=portable)
+    g = torch.Generator().manual_seed(0)
+    edges = torch.tensor([0.0, -0.0, -87.0, -87.0001, -86.9999, -1e-30, -float("inf"), 1e-3])
+    x = torch.cat([edges, -100 * torch.rand(200_003, generator=g), -torch.rand(5_000, generator=g)])
+    vec, scalar = torch.empty_like(x), torch.empty_like(x)
+    lib.piecewise_cpu_paged_exp_neg(x.data_ptr(), vec.data_ptr(), scalar.data_ptr(), x.numel())
+    assert torch.equal(vec.view(torch.int32), scalar.view(torch.int32))
+    live = x >= -87
+    ref = torch.exp(x.double())
+    rel = ((scalar.double() - ref).abs() / ref)[live]
+    assert rel.max() < 1e-6
+    assert torch.all(scalar[~live] == 0)
+    nan = torch.full((3,), float("nan"))
+    lib.piecewise_cpu_paged_exp_neg(nan.data_ptr(), vec.data_ptr(), scalar.data_ptr(), 3)
+    assert torch.isnan(vec[:3]).all() and torch.isnan(scalar[:3]).all()
+
+
 def test_default_backend_is_the_fused_kernel_on_cpu(monkeypatch):
     from backends.attention import selector
 
