@@ -16,6 +16,9 @@ CUDA-graph support: NEVER (a CPU kernel; FULL graphs come from the Triton backen
 
 from __future__ import annotations
 
+import ctypes
+from typing import Optional
+
 import torch
 
 from backends.attention.common import AttentionBackend, AttentionCGSupport, register_backend
@@ -108,8 +111,11 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     sliding_window: int,
+    library: Optional[ctypes.CDLL] = None,
 ) -> None:
-    """The fused kernel on explicit tensors (see :class:`AttentionBackend.forward`)."""
+    """The fused kernel on explicit tensors (see :class:`AttentionBackend.forward`).
+    ``library``: another build of the kernel to call (default: this machine's build of the
+    current source; ``experiments.bench.attention_ab`` times two versions side by side)."""
     dtype = _DTYPES.get(q.dtype)
     if (
         dtype is None
@@ -142,7 +148,7 @@ def paged_attention(
             f"cpu_paged attention: num_actual_tokens={n} exceeds the rows of "
             f"q/k/v/out ({q_rows}, {k_rows}, {v_rows}, {out_rows})"
         )
-    rc = load_library().piecewise_cpu_paged_attention(
+    rc = (library or load_library()).piecewise_cpu_paged_attention(
         q.data_ptr(),
         q_st,
         k.data_ptr(),

@@ -12,10 +12,12 @@ from pathlib import Path
 
 from framework.core.native_build import KernelBuildError, NativeLibrary, compiler
 
-__all__ = ["LIBRARY", "KernelBuildError", "compiler", "isa", "load_library"]
+__all__ = ["LIBRARY", "KernelBuildError", "compiler", "declare_attention", "isa", "load_library"]
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def declare_attention(lib: ctypes.CDLL) -> None:
+    """The signature of the kernel's entry point (the one function every version of the
+    source has had; ``experiments.bench.attention_ab`` loads older ones)."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn = lib.piecewise_cpu_paged_attention
     fn.argtypes = (
@@ -24,6 +26,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         + [ctypes.c_float, i64, i64]
     )
     fn.restype = ctypes.c_int
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    declare_attention(lib)
     lib.piecewise_cpu_paged_isa.restype = ctypes.c_char_p
     lib.piecewise_cpu_paged_exp_neg.argtypes = [p, p, p, i64]
     lib.piecewise_cpu_paged_exp_neg.restype = None

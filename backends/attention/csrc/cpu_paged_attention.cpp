@@ -10,9 +10,10 @@
 // 16 keys come from D/16 FMAs per key and one transposing reduction when the build targets
 // AVX-512 (8 keys from D/8 FMAs and two horizontal-add levels on AVX2 + FMA; a plain
 // `omp simd` dot product elsewhere); the value accumulator of a row stays in registers across
-// the block's keys.  With AVX-512 the block's softmax (max, exp, sum) runs 16 keys per
-// instruction, its exp bit-identical to the scalar one (GCC left that loop scalar: a fifth
-// of a decode call; measured with `python -m experiments.bench.attention`).
+// the block's keys.  With AVX-512 the block's softmax max and exp run 16 keys per
+// instruction, the exp bit-identical to the scalar one (GCC left that loop scalar: a fifth of
+// a decode call); `python -m experiments.bench.attention_ab` times a change of this file
+// against an earlier revision and checks the bits.
 //
 // No torch headers: plain C ABI called through ctypes on data pointers, so the build is one
 // g++ call of ~1-2 s.  Other loops are vectorised by the compiler (`omp simd`, built with
