@@ -287,7 +287,8 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict p,
     for (int x = 0; x < V; ++x) a[x] = _mm512_loadu_ps(acc + 16 * x);
     for (int j = 0; j < nk; ++j) {
       const __m512 pj = _mm512_set1_ps(p[j]);
-      for (int x = 0; x < V; ++x) a[x] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + j * kD + 16 * x), a[x]);
+      for (int x = 0; x < V; ++x)
+        a[x] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + j * kD + 16 * x), a[x]);
     }
     for (int x = 0; x < V; ++x) _mm512_storeu_ps(acc + 16 * x, a[x]);
     return;
