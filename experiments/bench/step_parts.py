@@ -1,0 +1,218 @@
+"""Where a decode step's time goes, timed without a profiler: wall-clock wrappers on the parts.
+
+    python -m experiments.bench.step_parts [--batch 1 8] [--steps 64] [--reps 3] [--threads 2]
+        [--model-dir DIR | --preset NAME] [--dtype bfloat16] [--level 2]
+
+The torch profiler adds a record per op, and at tens of µs per call it inflates the parts
+made of many small calls (``profile_step``'s "elementwise pieces" row).  Here the engine runs
+as it always does; only these calls are timed, with one ``perf_counter`` pair each (~0.1 µs):
+
+===================  =========================================================================
+forward              ``ModelRunner.forward``: the compiled model, every piece and op
+  attention          the fused CPU attention calls inside it (``cpu_paged.paged_attention``)
+  compiled kernels   the Inductor kernels the lean pieces call (norms, RoPE, activations)
+LM head              ``compute_logits``
+sampler              the sampler
+build_context        staging a step's inputs and attention metadata
+rest of the step     the step minus the four above: scheduling, the scheduler update,
+                     outputs, and the engine loop
+===================  =========================================================================
+
+A part's time per decode step comes from two generations of ``--steps + 8`` and 8 new tokens
+after the same prompts (the difference, over ``--steps``, leaves out prefill and warm-up);
+the table gives the median over ``--reps`` such pairs, the calls per step and µs per call.
+The linears are what the forward has left after attention and the compiled kernels, together
+with the Python that joins the pieces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+
+PARTS = (
+    "forward",
+    "attention",
+    "compiled kernels",
+    "LM head",
+    "sampler",
+    "build_context",
+    "rest of the step",
+)
+
+
+class Timers:
+    """Seconds and calls per part name."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+
+    def wrap(self, fn, part: str):
+        clock = time.perf_counter
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += clock() - t0
+                self.calls[part] += 1
+
+        return timed
+
+    def snapshot(self) -> tuple[dict, dict]:
+        return dict(self.seconds), dict(self.calls)
+
+
+@contextmanager
+def _kernel_timers(timers: Timers) -> Iterator[None]:
+    """Lean pieces loaded inside this block hand out timed kernels (restored on exit)."""
+    from backends.piecewise import inductor_lean
+
+    cls = inductor_lean.AsyncCompile
+    original = cls.cpp_pybinding_named
+
+    def named(self, name: str, argtypes: Any, source: str):
+        return timers.wrap(original(self, name, argtypes, source), "compiled kernels")
+
+    cls.cpp_pybinding_named = named
+    try:
+        yield
+    finally:
+        cls.cpp_pybinding_named = original
+
+
+@contextmanager
+def _attention_timer(timers: Timers) -> Iterator[None]:
+    from backends.attention import cpu_paged
+
+    original = cpu_paged.paged_attention
+    cpu_paged.paged_attention = timers.wrap(original, "attention")
+    try:
+        yield
+    finally:
+        cpu_paged.paged_attention = original
+
+
+def build(args: argparse.Namespace, timers: Timers):
+    """The LLM with its runner's parts wrapped (call inside :func:`_kernel_timers`: pieces
+    load their kernels when a token range is first run)."""
+    from framework import LLM, CompilationConfig
+    from models.tiny import ensure_tiny_model
+
+    path = args.model_dir or str(ensure_tiny_model(preset=args.preset))
+    llm = LLM(
+        path,
+        dtype=args.dtype,
+        max_num_seqs=max(args.batch),
+        max_model_len=args.prompt_len + args.steps + 16,
+        compilation_config=CompilationConfig(
+            level=args.level, cache_dir=args.cache_dir, progress_bar=False
+        ),
+    )
+    runner = llm.runner
+    runner.forward = timers.wrap(runner.forward, "forward")
+    runner.model.compute_logits = timers.wrap(runner.model.compute_logits, "LM head")
+    runner.sampler = timers.wrap(runner.sampler, "sampler")
+    runner.build_context = timers.wrap(runner.build_context, "build_context")
+    return llm, path
+
+
+def measure(llm, timers: Timers, batch: int, prompt_len: int, steps: int, reps: int) -> dict:
+    """Per decode step: ms per part (median over reps), calls per step, µs per call."""
+    g = torch.Generator().manual_seed(batch)
+    vocab = llm.model_config.vocab_size
+    prompts = [torch.randint(vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    llm.generate(prompts, 4, ignore_eos=True)  # warm-up
+    per_step: dict[str, list[float]] = {p: [] for p in PARTS}
+    per_step["step"] = []
+    calls: dict[str, float] = {}
+    for _ in range(reps):
+        s0, c0 = timers.snapshot()
+        t0 = time.perf_counter()
+        llm.generate(prompts, 8, ignore_eos=True)
+        t_short = time.perf_counter() - t0
+        s1, c1 = timers.snapshot()
+        t0 = time.perf_counter()
+        llm.generate(prompts, 8 + steps, ignore_eos=True)
+        t_long = time.perf_counter() - t0
+        s2, c2 = timers.snapshot()
+        step = (t_long - t_short) / steps
+        per_step["step"].append(step)
+        for p in PARTS[:-1]:
+            short = s1.get(p, 0.0) - s0.get(p, 0.0)
+            long_ = s2.get(p, 0.0) - s1.get(p, 0.0)
+            per_step[p].append((long_ - short) / steps)
+            calls[p] = ((c2.get(p, 0) - c1.get(p, 0)) - (c1.get(p, 0) - c0.get(p, 0))) / steps
+        outer = ("forward", "LM head", "sampler", "build_context")
+        per_step["rest of the step"].append(step - sum(per_step[p][-1] for p in outer))
+    out: dict[str, Any] = {"batch": batch, "step_ms": statistics.median(per_step["step"]) * 1e3}
+    for p in PARTS:
+        ms = statistics.median(per_step[p]) * 1e3
+        n = calls.get(p)
+        out[p] = {
+            "ms": ms,
+            "calls_per_step": n,
+            "us_per_call": ms * 1e3 / n if n else None,
+        }
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    batches = [r["batch"] for r in rows]
+    head = "| part | " + " | ".join(f"b{b} ms/step (calls, µs/call)" for b in batches) + " |"
+    lines = [head, "|---" * (len(batches) + 1) + "|"]
+    lines.append("| decode step | " + " | ".join(f"**{r['step_ms']:.3f}**" for r in rows) + " |")
+    for p in PARTS:
+        cells = []
+        for r in rows:
+            e = r[p]
+            extra = ""
+            if e["calls_per_step"]:
+                extra = f" ({e['calls_per_step']:.0f}, {e['us_per_call']:.1f})"
+            cells.append(f"{e['ms']:.3f}{extra}")
+        name = f"&nbsp;&nbsp;{p}" if p in ("attention", "compiled kernels") else p
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="default")
+    p.add_argument("--model-dir")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--level", type=int, default=2)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache-dir", help="artifact cache root (default: the user cache)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    timers = Timers()
+    with _attention_timer(timers), _kernel_timers(timers):
+        llm, path = build(args, timers)
+        rows = [measure(llm, timers, b, args.prompt_len, args.steps, args.reps) for b in args.batch]
+    print(
+        f"# decode step parts: {path}, {args.dtype}, O{args.level}, prompt {args.prompt_len}, "
+        f"{args.steps} steps x {args.reps} reps (medians), {torch.get_num_threads()} threads, "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}"
+    )
+    print(format_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
