@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from framework.engine import greedy_native
 from framework.engine.request import Request
 
 _M32 = 0xFFFFFFFF
@@ -165,11 +166,17 @@ def greedy_argmax(logits: torch.Tensor) -> tuple[list[Optional[int]], list[float
     """Per row of ``logits [n, V]``: the index of its first maximum and that maximum as a
     float, NaN first (a row holding a NaN gets a NaN's index and value, as ``torch.max``).
 
-    On CPU the rows are read as fp32 (exact for bf16/fp16 values) by numpy's vectorised
-    ``argmax``: ~9 us for a 32000-way bf16 row against ~50 us for ``x.float().max(-1)``
-    (whose index-tracking reduction is not vectorised) and ~120 us for the bf16 ``argmax``,
-    measured side by side here; 8 rows ~53 us against ~280 us.  Ties go to the first index,
-    as in torch.  Elsewhere ``torch.max`` on fp32 (one transfer of indices and maxima)."""
+    On CPU, bf16 and fp32 rows go to one native pass over the logits as they lie
+    (:mod:`framework.engine.greedy_native`: no fp32 copy; the rows over the threads); other
+    dtypes, or where the kernel cannot be built, are read as fp32 (exact for bf16/fp16
+    values) by numpy's vectorised ``argmax``: ~9 us for a 32000-way bf16 row against ~50 us
+    for ``x.float().max(-1)`` (whose index-tracking reduction is not vectorised) and ~120 us
+    for the bf16 ``argmax``, measured side by side here; 8 rows ~53 us against ~280 us.  Ties
+    go to the first index, as in torch.  Elsewhere ``torch.max`` on fp32 (one transfer of
+    indices and maxima)."""
+    native = greedy_native.greedy_argmax(logits.detach())
+    if native is not None:
+        return native
     x = logits.float()
     if x.device.type != "cpu" or x.dim() != 2:
         values, indices = x.max(dim=-1)

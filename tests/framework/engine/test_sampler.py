@@ -215,7 +215,7 @@ def test_top_k_candidates_race_equals_the_full_race(logits):
 
 
 def test_greedy_fast_path_equals_the_full_sampler_with_ties_and_bf16():
-    """The greedy fast path (numpy's argmax over the rows as fp32) picks what torch picks and
+    """The greedy fast path (the native pass over bf16 rows) picks what torch picks and
     what the full sampler picks, ties included (bf16 logits tie often: the first index wins),
     and fails exactly the rows that are not finite."""
     from framework.engine.sampler import greedy_argmax
