@@ -131,6 +131,7 @@ def measure(llm, timers: Timers, batch: int, prompt_len: int, steps: int, reps: 
     vocab = llm.model_config.vocab_size
     prompts = [torch.randint(vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     llm.generate(prompts, 4, ignore_eos=True)  # warm-up
+    s_start = timers.snapshot()[0]
     per_step: dict[str, list[float]] = {p: [] for p in PARTS}
     per_step["step"] = []
     calls: dict[str, float] = {}
@@ -154,6 +155,10 @@ def measure(llm, timers: Timers, batch: int, prompt_len: int, steps: int, reps: 
         outer = ("forward", "LM head", "sampler", "build_context")
         per_step["rest of the step"].append(step - sum(per_step[p][-1] for p in outer))
     out: dict[str, Any] = {"batch": batch, "step_ms": statistics.median(per_step["step"]) * 1e3}
+    # seconds per part over every generation of this batch (prefill included): the parts
+    # nested in the forward always sum to less than it, whatever the noise of the differences
+    s_end = timers.snapshot()[0]
+    out["total_s"] = {p: s_end.get(p, 0.0) - s_start.get(p, 0.0) for p in PARTS[:-1]}
     for p in PARTS:
         ms = statistics.median(per_step[p]) * 1e3
         n = calls.get(p)

@@ -43,8 +43,12 @@ def test_parts_of_a_real_engine_step(llama_checkpoint, compile_cache_dir, capsys
         assert r["attention"]["calls_per_step"] == layers
         assert r["compiled kernels"]["calls_per_step"] > 0
         assert r["forward"]["calls_per_step"] == 1 and r["LM head"]["calls_per_step"] == 1
-        inner = r["attention"]["ms"] + r["compiled kernels"]["ms"]
-        assert 0 < inner < r["forward"]["ms"]
+        # (per-step ms are differences of two generations: noisy at 3 steps on a busy
+        # machine; the totals are not)
+        total = r["total_s"]
+        inner = total["attention"] + total["compiled kernels"]
+        assert 0 < inner < total["forward"]
+        assert total["LM head"] > 0 and total["sampler"] > 0
     out = capsys.readouterr().out
     assert "| decode step |" in out and "compiled kernels" in out
     # the instrumentation is gone afterwards
