@@ -3,9 +3,10 @@
     python -m experiments.bench.step_parts [--batch 1 8] [--steps 64] [--reps 3] [--threads 2]
         [--model-dir DIR | --preset NAME] [--dtype bfloat16] [--level 2]
 
-The torch profiler adds a record per op, and at tens of µs per call it inflates the parts
-made of many small calls (``profile_step``'s "elementwise pieces" row).  Here the engine runs
-as it always does; only these calls are timed, with one ``perf_counter`` pair each (~0.1 µs):
+The torch profiler adds a record per op, which weighs most on the parts made of many small
+calls, and ``profile_step``'s "elementwise pieces" row also holds the Python that joins the
+pieces.  Here the engine runs as it always does; only these calls are timed, with one
+``perf_counter`` pair each:
 
 ===================  =========================================================================
 forward              ``ModelRunner.forward``: the compiled model, every piece and op
