@@ -3,13 +3,24 @@ attention layer and a free-list block allocator shared by all layers.
 
 Block 0 is reserved as the *null block*: padded block-table entries point at it, so a CUDA
 graph captured for a larger batch reads valid (if meaningless) memory for padded requests.
+
+On CPU each layer's cache is placed in transparent huge pages (:mod:`framework.core.huge_pages`;
+torch's allocator where they cannot be had).  A decode step reads a layer's KV blocks after
+the step's weights went through the caches, scattered over the cache (one 4 KB page per block
+and head row group): in 2 MB pages those reads need far fewer page walks.  Measured in one
+engine, the same caches swapped between 4 KB and 2 MB pages (tiny model, bf16, 2 threads,
+8 alternating rounds): attention 0.955x (b1), 0.941x (b8), 0.979x (b32) the time per call, the
+same tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from framework.core.huge_pages import HugePageAllocator
 
 
 @dataclass(frozen=True)
@@ -45,10 +56,19 @@ def num_blocks_for(
 
 
 def allocate_kv_caches(
-    spec: KVCacheSpec, layer_names: list[str], num_blocks: int, device: torch.device | str
+    spec: KVCacheSpec,
+    layer_names: list[str],
+    num_blocks: int,
+    device: torch.device | str,
+    huge_pages: Optional[HugePageAllocator] = None,
 ) -> dict[str, torch.Tensor]:
+    """One zeroed cache per layer; on CPU in huge pages from ``huge_pages`` (default: an
+    allocator of its own), which falls back to torch's allocator by itself."""
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return {name: torch.zeros(shape, dtype=spec.dtype, device=device) for name in layer_names}
+    if torch.device(device).type != "cpu":
+        return {name: torch.zeros(shape, dtype=spec.dtype, device=device) for name in layer_names}
+    alloc = huge_pages if huge_pages is not None else HugePageAllocator()
+    return {name: alloc.empty(shape, spec.dtype).zero_() for name in layer_names}
 
 
 NULL_BLOCK = 0
