@@ -33,6 +33,7 @@ from backends.piecewise.runtime import PiecewiseRuntime, RangeEntry
 from backends.piecewise.split import (
     PieceInfo,
     graph_hash,
+    inline_splitting_ops,
     module_code,
     piece_example_inputs,
     split_graph,
@@ -144,6 +145,7 @@ class PiecewiseBackend:
             self._program = program
         except NotSerializable as e:
             logger.info("split graph not serializable (%s): warm starts will re-trace", e)
+        inline_splitting_ops(split)  # after the program is saved: it keeps the submodules
         return split
 
     def _build_piece(
@@ -293,6 +295,7 @@ class PiecewiseBackend:
                 info = PieceInfo(name, int(name.removeprefix("submod_")), False)
                 modules[name] = self._register(info, runtime)
             split = graph_from_json(program["graph"], modules)
+            inline_splitting_ops(split)
             for name, rng in loaded:
                 self._piece_done(name, rng, "loaded")
         except (KeyError, ValueError, TypeError, AttributeError) as e:
