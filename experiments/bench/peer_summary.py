@@ -1,6 +1,7 @@
 """The peer benchmark's results, read back: per (size, contender, batch) the step times over the
 rounds (median, min, max, spread), start and peak RSS per contender, the ratios of medians
-(:data:`RATIOS`, plus every ``name@variant`` against its ``name``), the streaming floors and
+(:data:`RATIOS`, plus every ``name@variant`` against its ``name``; the targets use these) and
+beside them the ratios within each round (:func:`paired`), the streaming floors and
 the markdown the run prints and commits.  Pure functions of the results file
 (:mod:`experiments.bench.peers` writes it; nothing here runs a contender)."""
 
@@ -94,28 +95,69 @@ RATIOS = (
 )
 
 
-def ratios(summary: dict[str, Any], sizes: list[str], batches: list[int]) -> list[dict[str, Any]]:
-    out = []
-    variants = sorted({s["contender"] for s in summary.values() if "@" in s["contender"]})
-    pairs = list(RATIOS) + [
+def ratio_pairs(contenders: set[str]) -> list[tuple[str, str, str]]:
+    """(label, baseline, contender) of every ratio: :data:`RATIOS`, then each ``name@variant``
+    against its ``name``."""
+    variants = sorted(c for c in contenders if "@" in c)
+    return list(RATIOS) + [
         (f"{v} vs {v.partition('@')[0]}", v.partition("@")[0], v) for v in variants
     ]
+
+
+def paired(
+    runs: list[dict[str, Any]], size: str, base: str, contender: str, batch: int
+) -> Optional[dict[str, Any]]:
+    """The ratio within each round (baseline step / contender step, the two processes of one
+    round run minutes apart at most), over the rounds where both were timed: median, min,
+    max, n.  A machine whose speed drifts over a run moves the two medians apart by whatever
+    each contender's rounds happened to meet; a round's own ratio sees the same machine."""
+    steps: dict[tuple[str, int], float] = {}
+    for r in runs:
+        row = r["batches"].get(str(batch)) if r["size"] == size and "round" in r else None
+        if row and row.get("timed"):
+            steps[(r["contender"], r["round"])] = row["step_ms"]
+    rounds = sorted({k[1] for k in steps})
+    xs = [
+        steps[(base, n)] / steps[(contender, n)]
+        for n in rounds
+        if (base, n) in steps and (contender, n) in steps
+    ]
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def ratios(
+    summary: dict[str, Any],
+    sizes: list[str],
+    batches: list[int],
+    runs: Optional[list[dict[str, Any]]] = None,
+) -> list[dict[str, Any]]:
+    """The ratios of medians (what the targets use); with ``runs``, each also with its
+    :func:`paired` per-round ratios."""
+    out = []
     for size in sizes:
         for batch in batches:
-            for label, base, c in pairs:
+            for label, base, c in ratio_pairs({s["contender"] for s in summary.values()}):
                 a, b = median_step(summary, size, base, batch), median_step(summary, size, c, batch)
                 if a and b:
-                    out.append(
-                        {
-                            "size": size,
-                            "batch": batch,
-                            "ratio": label,
-                            "speedup": a / b,
-                            "baseline_ms": a,
-                            "contender_ms": b,
-                        }
-                    )
+                    row = {
+                        "size": size,
+                        "batch": batch,
+                        "ratio": label,
+                        "speedup": a / b,
+                        "baseline_ms": a,
+                        "contender_ms": b,
+                    }
+                    if runs is not None:
+                        row["paired"] = paired(runs, size, base, c, batch)
+                    out.append(row)
     return out
+
+
+def paired_cell(p: Optional[dict[str, Any]]) -> str:
+    """A :func:`paired` result as a table cell: ``median [min, max]``."""
+    return "-" if not p else f"{p['median']:.2f}x [{p['min']:.2f}, {p['max']:.2f}]"
 
 
 def floors(summary: dict[str, Any], data: dict[str, Any], sizes: list[str]) -> dict[str, Any]:
@@ -197,9 +239,15 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], rat: list, fl: dict)
             f"{100 * s['others_frac']['median']:.0f}% |"
         )
     if rat:
-        lines += ["", "| size | batch | ratio | speed-up |", "|---|---|---|---|"]
         lines += [
-            f"| {r['size']} | {r['batch']} | {r['ratio']} | {r['speedup']:.2f}x |" for r in rat
+            "",
+            "| size | batch | ratio | speed-up (of medians) | per round: median [min, max] |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['size']} | {r['batch']} | {r['ratio']} | {r['speedup']:.2f}x | "
+            f"{paired_cell(r.get('paired'))} |"
+            for r in rat
         ]
     for size, f in fl.items():
         if f["best_gb_s"]:

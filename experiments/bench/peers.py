@@ -538,7 +538,7 @@ def main(
                     )
     data["probes"].append(dict(probe(args), when=time.strftime("%Y-%m-%d %H:%M:%S")))
     summary = summarize(data)
-    rat = ratios(summary, args.sizes, args.batches)
+    rat = ratios(summary, args.sizes, args.batches, data["runs"])
     fl = floors(summary, data, args.sizes)
     data["summary"] = summary
     data["ratios"] = rat

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from experiments.bench import peer_summary
 from experiments.bench.targets import markdown as target_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -456,12 +457,28 @@ def _peers(folder: Path) -> list[str]:
             f"{', '.join(map(str, st['batches']))}, {st['threads']} threads{cpu}, fresh process "
             f"per run; floors {floors}.",
             "",
-            *_head("size", "batch", "ratio", "baseline ms", "contender ms", "speed-up"),
+            *_head(
+                "size",
+                "batch",
+                "ratio",
+                "baseline ms",
+                "contender ms",
+                "speed-up (of medians)",
+                "per round: median [min, max]",
+            ),
         ]
+        # the ratio within each round, from the runs (files written before it was stored too)
+        names = {x["contender"] for x in data["runs"]}
+        pairs = {label: (b, c) for label, b, c in peer_summary.ratio_pairs(names)}
         for r in data["ratios"]:
+            base, c = pairs.get(r["ratio"], (None, None))
+            p = r.get("paired") or (
+                peer_summary.paired(data["runs"], r["size"], base, c, r["batch"]) if base else None
+            )
             out.append(
                 f"| {r['size']} | {r['batch']} | {r['ratio']} | {r['baseline_ms']:.2f} | "
-                f"{r['contender_ms']:.2f} | **{r['speedup']:.2f}x** |"
+                f"{r['contender_ms']:.2f} | **{r['speedup']:.2f}x** | "
+                f"{peer_summary.paired_cell(p)} |"
             )
         out += ["", *target_markdown(data["targets"]), ""]
     return out[:-1]

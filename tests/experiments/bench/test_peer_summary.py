@@ -70,6 +70,28 @@ def test_medians_spreads_and_ratios_of_medians(data):
     assert not any("CTranslate2" in label for _, label in rat)
 
 
+def test_ratios_within_each_round_beside_the_ratio_of_medians(data):
+    # rounds: ours 2.0 / 4.0 / 3.0, the peer 3.0 / 3.3 / 2.7 ms at b1: per round 1.5, 0.825, 0.9
+    summary = peer_summary.summarize(data)
+    rows = peer_summary.ratios(summary, ["tiny"], [1], data["runs"])
+    row = next(r for r in rows if r["ratio"] == "project bf16 vs llama.cpp bf16")
+    assert row["speedup"] == pytest.approx(1.0)  # the targets' number is unchanged
+    p = row["paired"]
+    assert (p["median"], p["min"], p["max"], p["n"]) == pytest.approx((0.9, 0.825, 1.5, 3))
+    # a drift that slows every contender of a round alike leaves the round's ratio alone
+    for r in data["runs"]:
+        if r["round"] == 1:
+            r["batches"]["1"]["step_ms"] *= 3
+    drifted = peer_summary.paired(data["runs"], "tiny", "llamacpp_bf16", "project_bf16", 1)
+    assert drifted == pytest.approx(p)
+    # a round where one of the two was not timed is left out
+    data["runs"][0]["batches"]["1"]["timed"] = False
+    assert peer_summary.paired(data["runs"], "tiny", "llamacpp_bf16", "project_bf16", 1)["n"] == 2
+    assert peer_summary.paired(data["runs"], "tiny", "ct2_int8", "project_bf16", 1) is None
+    md = peer_summary.markdown(data, summary, rows, {})
+    assert "| tiny | 1 | project bf16 vs llama.cpp bf16 | 1.00x | 0.90x [0.82, 1.50] |" in md
+
+
 def test_untimed_batches_have_no_stats_and_say_why(data):
     data["runs"].append(_run("llamacpp_q8_0", 0, {1: 1.0}, timed=False))
     summary = peer_summary.summarize(data)
