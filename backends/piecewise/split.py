@@ -63,8 +63,9 @@ def inline_splitting_ops(split: fx.GraphModule) -> int:
     ``forward``, then the op through its overload packet.  A splitting op runs eagerly, once a
     layer a step, so that chain is paid per layer on the hot path: a tiny-model attention call
     took 22.7 µs through its submodule against 18.7 µs through ``OpOverload`` directly (hot,
-    b1, 128 tokens of context), 30.4 against 21.1 µs after a 2 MB read.  A submodule that is
-    exactly ``op(placeholders and constants)`` with nothing returned becomes one
+    b1, 128 tokens of context), 30.4 against 21.1 µs after a 2 MB read (ad hoc, one process;
+    in an engine: ``python -m experiments.bench.engine_ab --ab split_calls``).  A submodule
+    that is exactly ``op(placeholders and constants)`` with nothing returned becomes one
     ``call_function`` node of the op's overload (``.default`` for a packet of one overload),
     with the same arguments: the torch dispatcher still picks the kernel (device kernels,
     :func:`framework.core.ops.override_kernel`).  Pieces (their runtimes stand in the

@@ -6,11 +6,11 @@ graph captured for a larger batch reads valid (if meaningless) memory for padded
 
 On CPU each layer's cache is placed in transparent huge pages (:mod:`framework.core.huge_pages`;
 torch's allocator where they cannot be had).  A decode step reads a layer's KV blocks after
-the step's weights went through the caches, scattered over the cache (one 4 KB page per block
-and head row group): in 2 MB pages those reads need far fewer page walks.  Measured in one
-engine, the same caches swapped between 4 KB and 2 MB pages (tiny model, bf16, 2 threads,
-8 alternating rounds): attention 0.955x (b1), 0.941x (b8), 0.979x (b32) the time per call, the
-same tokens.
+the step's weights went through the caches, scattered over the cache: in 2 MB pages those
+reads need far fewer page walks.  The same caches swapped between 4 KB and 2 MB pages inside
+one engine (``python -m experiments.bench.engine_ab --ab kv_pages``; tiny model, bf16, 2
+threads, 8 alternating rounds): the median decode attention call 0.938x (b1), 0.904x (b8),
+0.970x (b32) the time, the same tokens.
 """
 
 from __future__ import annotations

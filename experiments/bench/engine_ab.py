@@ -1,0 +1,242 @@
+"""Two forms of one engine internal, alternated inside one engine: the same model, weights and
+caches, so the fresh-process noise of this machine (10-40% between processes) is not in the
+ratio.
+
+    python -m experiments.bench.engine_ab --ab kv_pages [--batch 1 8 32] [--rounds 8]
+    python -m experiments.bench.engine_ab --ab split_calls [--batch 1 8 32] [--rounds 12]
+
+===============  ==========================================================================
+``kv_pages``     the KV caches in 4 KB pages (torch's allocator) against 2 MB pages (where
+                 ``framework.engine.kv_cache`` puts them): the same contents, swapped in the
+                 runner's cache dict between generations; timed: each attention call
+``split_calls``  the split module calling each splitting op through its submodule against
+                 the op's overload called from its own code (``inline_splitting_ops``):
+                 two graphs over the same installed pieces; timed: each decode forward
+===============  ==========================================================================
+
+Each round runs both forms (order alternating by round) on the same prompts: a 2-token
+warm-up, then ``--steps`` + 8 new tokens; the table gives, per form, the median over every
+timed decode call of the rounds (prefill calls are not recorded), its interquartile range,
+the ratio to the first form, and whether the two forms produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+FORMS = {"kv_pages": ("4 KB pages", "2 MB pages"), "split_calls": ("submodules", "inlined")}
+
+
+class _Calls:
+    """Seconds of each call of a wrapped function that ``keep(args)`` says is a decode's."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def wrap(self, fn: Callable, keep: Callable[[tuple], bool]) -> Callable:
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if keep(args):
+                    self.seconds.append(time.perf_counter() - t0)
+
+        return timed
+
+
+@contextmanager
+def _attention_timed(calls: _Calls) -> Iterator[None]:
+    from backends.attention import cpu_paged
+
+    original = cpu_paged.paged_attention
+    # (q, k, v, out, kv_cache, metadata, ...): a decode's metadata has one query per request
+    cpu_paged.paged_attention = calls.wrap(original, lambda a: a[5].max_query_len == 1)
+    try:
+        yield
+    finally:
+        cpu_paged.paged_attention = original
+
+
+def kv_pages_forms(llm) -> dict[str, Callable[[], None]]:
+    """Installers of the two page sizes' copies of the engine's KV caches."""
+    from framework.core.huge_pages import HugePageAllocator
+
+    caches = llm.runner.kv_caches
+    plain = {n: t.clone() for n, t in caches.items()}  # torch's allocator: 4 KB pages
+    alloc = HugePageAllocator(min_bytes=0)  # each cache in 2 MB pages, whatever its size
+    huge = {n: alloc.copy(t) for n, t in caches.items()}
+    if alloc.huge_bytes == 0:
+        raise SystemExit(
+            f"engine_ab kv_pages: no huge pages here (transparent_hugepage: {alloc.mode})"
+        )
+    return {
+        "4 KB pages": lambda: caches.update(plain),
+        "2 MB pages": lambda: caches.update(huge),
+    }
+
+
+@contextmanager
+def _built_without_inlining() -> Iterator[None]:
+    """An engine built inside the block keeps each splitting op behind its submodule."""
+    from backends.piecewise import backend
+
+    original = backend.inline_splitting_ops
+    backend.inline_splitting_ops = lambda split: 0
+    try:
+        yield
+    finally:
+        backend.inline_splitting_ops = original
+
+
+def split_calls_forms(llm) -> dict[str, Callable[[], None]]:
+    """Installers of the engine's split module (built by :func:`_built_without_inlining`:
+    splitting ops behind their submodules) and of a copy with them inlined, over the same
+    installed pieces."""
+    import torch.fx as fx
+
+    from backends.piecewise.split import inline_splitting_ops
+
+    forward = llm.runner.forward
+    through = forward._compiled_fn  # noqa: SLF001
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(through.graph, {}))
+    inlined = fx.GraphModule(through, graph)  # the pieces' runtimes copied over by name
+    if inline_splitting_ops(inlined) == 0:
+        raise SystemExit("engine_ab split_calls: the model has no splitting-op submodule")
+
+    def install(gm) -> Callable[[], None]:
+        def run() -> None:
+            forward._compiled_fn = gm  # noqa: SLF001
+
+        return run
+
+    return {"submodules": install(through), "inlined": install(inlined)}
+
+
+def measure(llm, forms: dict[str, Callable[[], None]], calls: _Calls, batch: int, args) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    vocab = llm.model_config.vocab_size
+    prompts = [torch.randint(vocab, (args.prompt_len,), generator=g).tolist() for _ in range(batch)]
+    names = list(forms)
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    tokens: dict[str, Any] = {}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            forms[name]()
+            llm.generate(prompts, 2, ignore_eos=True)
+            calls.seconds.clear()
+            tokens[name] = llm.generate(prompts, args.steps + 8, ignore_eos=True)
+            seconds[name].extend(calls.seconds)
+    base = statistics.median(seconds[names[0]])
+    rows = []
+    for name in names:
+        xs = seconds[name]
+        q1, _, q3 = statistics.quantiles(xs, n=4)
+        med = statistics.median(xs)
+        rows.append(
+            {
+                "batch": batch,
+                "form": name,
+                "median_us": med * 1e6,
+                "iqr_us": (q1 * 1e6, q3 * 1e6),
+                "calls": len(xs),
+                "ratio": med / base,
+                "same_tokens": tokens[name] == tokens[names[0]],
+            }
+        )
+    return rows
+
+
+def format_table(rows: list[dict], what: str) -> str:
+    lines = [
+        f"| batch | form | {what} median µs | IQR µs | calls | ratio | same tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| b{r['batch']} | {r['form']} | {r['median_us']:.1f} | {r['iqr_us'][0]:.1f}-"
+            f"{r['iqr_us'][1]:.1f} | {r['calls']} | {r['ratio']:.3f} | "
+            f"{'yes' if r['same_tokens'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ab", required=True, choices=sorted(FORMS))
+    p.add_argument("--preset", default="default")
+    p.add_argument("--model-dir")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--level", type=int, default=2)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache-dir", help="artifact cache root (default: the user cache)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    from framework import LLM, CompilationConfig
+    from models.tiny import ensure_tiny_model
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = args.model_dir or str(ensure_tiny_model(preset=args.preset))
+    build = _built_without_inlining() if args.ab == "split_calls" else contextlib.nullcontext()
+    with build:
+        llm = LLM(
+            path,
+            dtype=args.dtype,
+            max_num_seqs=max(args.batch),
+            max_model_len=args.prompt_len + args.steps + 16,
+            compilation_config=CompilationConfig(
+                level=args.level, cache_dir=args.cache_dir, progress_bar=False
+            ),
+        )
+    calls = _Calls()
+    if args.ab == "kv_pages":
+        forms, what = kv_pages_forms(llm), "attention call"
+        timing = _attention_timed(calls)
+    else:
+        forms, what = split_calls_forms(llm), "decode forward"
+        forward = llm.runner.forward
+        llm.runner.forward = calls.wrap(forward, _decode_step)
+        timing = _restore(llm.runner, "forward", forward)
+    with timing:
+        rows = [r for b in args.batch for r in measure(llm, forms, calls, b, args)]
+    print(
+        f"# engine A/B {args.ab}: {path}, {args.dtype}, O{args.level}, prompt {args.prompt_len}, "
+        f"{args.steps} steps x {args.rounds} rounds (forms alternated), {args.threads} threads, "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}"
+    )
+    print(format_table(rows, what))
+    return rows
+
+
+def _decode_step(args: tuple) -> bool:
+    """Whether the forward in progress is a decode step (one query token per request)."""
+    from framework.core.forward_context import get_forward_context
+
+    return all(md.max_query_len == 1 for md in get_forward_context().attn_metadata.values())
+
+
+@contextmanager
+def _restore(obj: Any, attr: str, value: Any) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        setattr(obj, attr, value)
+
+
+if __name__ == "__main__":
+    main()

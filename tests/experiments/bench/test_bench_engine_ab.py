@@ -1,0 +1,59 @@
+"""In-engine A/B of an engine internal (experiments/bench/engine_ab.py), on the test
+checkpoint: both forms run, time decode calls only, produce the same tokens, and the engine
+is left as it was."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.bench import engine_ab
+from framework.core import huge_pages as hp
+
+ARGS = ["--dtype", "float32", "--batch", "1", "2", "--steps", "3", "--rounds", "2"]
+ARGS += ["--prompt-len", "8"]
+
+
+def _rows(llama_checkpoint, compile_cache_dir, ab: str) -> list[dict]:
+    return engine_ab.main(
+        ["--ab", ab, "--model-dir", str(llama_checkpoint), "--cache-dir", compile_cache_dir] + ARGS
+    )
+
+
+def test_split_calls_times_each_decode_forward_of_both_graphs(
+    llama_checkpoint, compile_cache_dir, capsys
+):
+    from backends.piecewise import backend
+
+    inline = backend.inline_splitting_ops
+    rows = _rows(llama_checkpoint, compile_cache_dir, "split_calls")
+    assert [(r["batch"], r["form"]) for r in rows] == [
+        (1, "submodules"),
+        (1, "inlined"),
+        (2, "submodules"),
+        (2, "inlined"),
+    ]
+    for r in rows:
+        # 3 + 8 new tokens after a 2-token warm-up: 10 decode steps a generation, 2 rounds;
+        # the prefill's forward is not among them
+        assert r["calls"] == 2 * 10, r
+        assert r["same_tokens"] and r["median_us"] > 0
+    assert rows[0]["ratio"] == 1.0
+    assert "| b2 | inlined |" in capsys.readouterr().out
+    assert backend.inline_splitting_ops is inline  # the build-time switch is undone
+
+
+def test_kv_pages_times_each_decode_attention_call(llama_checkpoint, compile_cache_dir):
+    if hp.thp_mode() not in ("madvise", "always"):
+        pytest.skip(f"transparent huge pages are {hp.thp_mode()}")
+    from backends.attention import cpu_paged
+
+    attention = cpu_paged.paged_attention
+    layers = json.loads((llama_checkpoint / "config.json").read_text())["num_hidden_layers"]
+    rows = _rows(llama_checkpoint, compile_cache_dir, "kv_pages")
+    assert [r["form"] for r in rows[:2]] == ["4 KB pages", "2 MB pages"]
+    for r in rows:
+        assert r["calls"] == 2 * 10 * layers, r  # one call per layer and decode step
+        assert r["same_tokens"]
+    assert cpu_paged.paged_attention is attention
