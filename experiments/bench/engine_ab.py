@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from experiments.bench.engine_bench import add_engine_args, build_llm
+
 FORMS = {"kv_pages": ("4 KB pages", "2 MB pages"), "split_calls": ("submodules", "inlined")}
 
 
@@ -172,37 +174,17 @@ def format_table(rows: list[dict], what: str) -> str:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ab", required=True, choices=sorted(FORMS))
-    p.add_argument("--preset", default="default")
-    p.add_argument("--model-dir")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--level", type=int, default=2)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=64)
+    add_engine_args(p, batch=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cache-dir", help="artifact cache root (default: the user cache)")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
-    from framework import LLM, CompilationConfig
-    from models.tiny import ensure_tiny_model
-
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    path = args.model_dir or str(ensure_tiny_model(preset=args.preset))
     build = _built_without_inlining() if args.ab == "split_calls" else contextlib.nullcontext()
     with build:
-        llm = LLM(
-            path,
-            dtype=args.dtype,
-            max_num_seqs=max(args.batch),
-            max_model_len=args.prompt_len + args.steps + 16,
-            compilation_config=CompilationConfig(
-                level=args.level, cache_dir=args.cache_dir, progress_bar=False
-            ),
-        )
+        llm, path = build_llm(args)
     calls = _Calls()
     if args.ab == "kv_pages":
         forms, what = kv_pages_forms(llm), "attention call"

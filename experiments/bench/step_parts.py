@@ -37,6 +37,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from experiments.bench.engine_bench import add_engine_args, build_llm
+
 PARTS = (
     "forward",
     "attention",
@@ -105,19 +107,7 @@ def _attention_timer(timers: Timers) -> Iterator[None]:
 def build(args: argparse.Namespace, timers: Timers):
     """The LLM with its runner's parts wrapped (call inside :func:`_kernel_timers`: pieces
     load their kernels when a token range is first run)."""
-    from framework import LLM, CompilationConfig
-    from models.tiny import ensure_tiny_model
-
-    path = args.model_dir or str(ensure_tiny_model(preset=args.preset))
-    llm = LLM(
-        path,
-        dtype=args.dtype,
-        max_num_seqs=max(args.batch),
-        max_model_len=args.prompt_len + args.steps + 16,
-        compilation_config=CompilationConfig(
-            level=args.level, cache_dir=args.cache_dir, progress_bar=False
-        ),
-    )
+    llm, path = build_llm(args)
     runner = llm.runner
     runner.forward = timers.wrap(runner.forward, "forward")
     runner.model.compute_logits = timers.wrap(runner.model.compute_logits, "LM head")
@@ -191,16 +181,8 @@ def format_table(rows: list[dict]) -> str:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="default")
-    p.add_argument("--model-dir")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--level", type=int, default=2)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=64)
+    add_engine_args(p, batch=[1, 8])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cache-dir", help="artifact cache root (default: the user cache)")
     return p.parse_args(argv)
 
 
