@@ -87,6 +87,26 @@ def test_each_row_is_what_the_row_alone_gives(n, k):
         assert torch.equal(small_m.run_packed(x[:m], packed, b, n), alone[:m]), m
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(320, 99), (453, 333), (2 * 64, 64), (32000, 512)])
+def test_one_row_over_two_panels_at_once_gives_the_rows_bits(n, k, threads):
+    """M = 1 reads two panels side by side (two weight streams a thread); each output keeps
+    its order, so the row is bit for bit what the same row gives beside another (M = 2, one
+    pass of two rows over one panel at a time).  Panel counts even and odd per thread (5 and
+    8 panels over 1 and 2 threads), K odd, bias, the LM head."""
+    x, w, b = make(2, n, k, True, seed=5)
+    packed = small_m.pack(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        one = small_m.run_packed(x[:1], packed, b, n)
+        two = small_m.run_packed(x, packed, b, n)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two[:1])
+    check(one, x[:1], w, b)
+
+
 @pytest.mark.parametrize("m", [3, 40])
 def test_threads_give_identical_results(m):
     """Each output is computed by one thread in one order: 1 and 2 threads agree bit for bit."""
