@@ -107,7 +107,7 @@ def split_calls_forms(llm) -> dict[str, Callable[[], None]]:
     from backends.piecewise.split import inline_splitting_ops
 
     forward = llm.runner.forward
-    through = forward._compiled_fn  # noqa: SLF001
+    through, binding = forward.compiled_fn, forward.binding
     graph = fx.Graph()
     graph.output(graph.graph_copy(through.graph, {}))
     inlined = fx.GraphModule(through, graph)  # the pieces' runtimes copied over by name
@@ -116,7 +116,7 @@ def split_calls_forms(llm) -> dict[str, Callable[[], None]]:
 
     def install(gm) -> Callable[[], None]:
         def run() -> None:
-            forward._compiled_fn = gm  # noqa: SLF001
+            forward.install(gm, binding)
 
         return run
 

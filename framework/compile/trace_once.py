@@ -195,6 +195,12 @@ class TraceOnce:
         return self._binding
 
     @property
+    def compiled_fn(self) -> Optional[Callable]:
+        """The compiled program calls run (the backend's split module); None before the trace.
+        :meth:`install` swaps it."""
+        return self._compiled_fn
+
+    @property
     def traced(self) -> bool:
         return self._binder is not None or self._dynamo_fn is not None
 

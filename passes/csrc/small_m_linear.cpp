@@ -157,8 +157,8 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
   for (int r = 0; r < MR; ++r) store_row_vectors(a, p, m0 + r, acc[r]);
 }
 
-// Panel p's first k-pairs of one row (row 0) and panel q's, side by side: two weight streams
-// per thread.  The packed panels of a thread are one contiguous stream; the hardware
+// Panels p and q for one row (row 0), every k-pair, side by side: two weight streams per
+// thread.  The packed panels of a thread are one contiguous stream; the hardware
 // prefetchers keep more bytes in flight over two (the read probe on 2 MB pages, one thread's
 // share read as 1 / 2 / 4 streams: 40.4 / 42.0 / 43.4 GB/s).  Each output sees the same
 // operations in the same order as in panel_pf<1>, so the bits are the same.
@@ -349,7 +349,7 @@ void run(const Args& a) {
   const int64_t panels = (a.n + kLanes - 1) / kLanes;
 #if defined(PW_AVX512BF16)
   if (a.m == 1 && panels >= 2) {  // one row: two panels at a time (panel_pair_m1)
-    const bool parallel = panels > 1 && a.n * a.k * 2 >= kParallelMinBytes;
+    const bool parallel = a.n * a.k * 2 >= kParallelMinBytes;  // as run_panels decides
 #pragma omp parallel if (parallel)
     {
 #ifdef _OPENMP

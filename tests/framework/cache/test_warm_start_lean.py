@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
     out = llm.generate(%r, 8, ignore_eos=True)
     s = llm.stats
     runtimes = llm.compiled.backend.runtimes.values()
-    split = llm.runner.forward._compiled_fn  # the split module the warm start rebuilt
+    split = llm.runner.forward.compiled_fn  # the split module the warm start rebuilt
     targets = [str(n.target) for n in split.graph.nodes if n.op == "call_function"]
     print("RESULT" + json.dumps({
         "split_modules": sum(n.op == "call_module" for n in split.graph.nodes),
