@@ -348,6 +348,11 @@ def _read_into(raw, span: tuple[int, int], src_dtype: torch.dtype, target: torch
     """Read a whole tensor's bytes with plain file reads, straight into ``target`` when the
     dtypes agree, else through chunks converted in place: what must be re-laid (a row block,
     a cast) is read, never mapped whole beside the model."""
+    if target.device.type != "cpu":  # file reads land in host memory, then one copy over
+        staging = torch.empty(target.shape, dtype=target.dtype)
+        _read_into(raw, span, src_dtype, staging)
+        target.copy_(staging)
+        return
     begin, end = span
     flat = target.view(-1) if target.is_contiguous() else None
     numel = target.numel()
@@ -384,10 +389,15 @@ def _map_whole(
 ) -> Optional[torch.Tensor]:
     """The tensor at ``span`` of the open file ``raw`` as a private map (``MAP_PRIVATE``,
     copy-on-write) of just its pages, shaped like ``target``; None where it cannot be mapped
-    as is (another dtype, a non-contiguous target, an empty tensor)."""
+    as is (a target off the CPU, another dtype, a non-contiguous target, an empty tensor)."""
     begin, end = span
     numel = target.numel()
-    if src_dtype != target.dtype or not target.is_contiguous() or numel == 0:
+    if (
+        target.device.type != "cpu"
+        or src_dtype != target.dtype
+        or not target.is_contiguous()
+        or numel == 0
+    ):
         return None
     if end - begin != numel * src_dtype.itemsize:
         raise ValueError(f"{end - begin} bytes for {numel} {src_dtype} elements")

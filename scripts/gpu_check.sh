@@ -163,7 +163,12 @@ if os.path.isfile(tp):
     rows.append(("tensor parallel TP=2 vs TP=1 (O2)", "see tp_check.json",
                  json.dumps(json.load(open(tp)))[:100].replace("|", "/")))
 else:
-    rows.append(("tensor parallel TP=2 vs TP=1 (O2)", note or "not run (see tp.log)", ""))
+    log = os.path.join(out, "tp.log")
+    said = [line.strip() for line in open(log)] if os.path.isfile(log) else []
+    skipped = [line for line in said if "skipped" in line]
+    rows.append(("tensor parallel TP=2 vs TP=1 (O2)",
+                 "skipped" if skipped else (note or "not run (see tp.log)"),
+                 skipped[-1].replace("|", "/")[:100] if skipped else ""))
 bench = os.path.join(out, "decode_bench.json")
 if os.path.isfile(bench):
     results = json.load(open(bench))["results"]

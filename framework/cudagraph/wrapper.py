@@ -69,7 +69,8 @@ class GraphOps(Protocol):
     def capture(
         self, fn: Callable[[], Any], pool: Any, *, collect_garbage: bool
     ) -> tuple[Any, Any]:
-        """Run ``fn`` under capture; return ``(graph, output)``."""
+        """Run ``fn`` under capture; return ``(graph, output)`` with ``output`` computed and
+        ``fn``'s effects done exactly once, as if it had run (a real capture replays once)."""
 
     def replay(self, graph: Any) -> None:
         """Re-execute a captured graph (outputs land in the captured output buffers)."""
@@ -114,6 +115,10 @@ class CUDAGraphOps:
                 output = fn()
             finally:
                 graph.capture_end()
+        # Capture records the kernels without running them: the output buffers hold garbage
+        # until the graph runs.  One replay makes capture mean "ran once", as the emulation
+        # (which runs ``fn`` while recording) and the caller of a first-sight capture expect.
+        graph.replay()
         return graph, output
 
     def replay(self, graph: Any) -> None:

@@ -242,3 +242,24 @@ def test_tensors_stored_as_held_are_mapped_not_read(llama_checkpoint):
     o_proj.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
     gc.collect()
     assert not address_mapped(ptr, file)
+
+
+def test_a_target_off_the_host_is_read_through_host_memory_never_mapped(llama_checkpoint):
+    """A parameter on a device (CUDA on the GPU machine; ``meta`` stands in here) is never
+    replaced by a map of the file -- that would move it to the host -- and its bytes are
+    read into a host buffer and copied over, not read through a numpy view of device memory
+    (the GPU check found both: the CPU-only paths failed on the first CUDA load)."""
+    from models.loader import _data_offsets, _map_whole, _read_into
+
+    file = llama_checkpoint / "model.safetensors"
+    offsets = _data_offsets(file)
+    span = offsets["model.embed_tokens.weight"]
+    numel = (span[1] - span[0]) // 4
+    with open(file, "rb", buffering=0) as raw:
+        on_host = torch.empty(numel, dtype=torch.float32)
+        assert _map_whole(raw, span, torch.float32, on_host) is not None
+        off_host = torch.empty(numel, dtype=torch.float32, device="meta")
+        assert _map_whole(raw, span, torch.float32, off_host) is None
+        _read_into(raw, span, torch.float32, off_host)
+        # and through the cast path (the fp32 file into a bf16 parameter):
+        _read_into(raw, span, torch.float32, torch.empty(numel, device="meta").to(torch.bfloat16))

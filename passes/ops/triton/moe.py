@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from passes.ops.triton.scaled_mm import dot_precision
+
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
 
@@ -43,6 +45,7 @@ def _moe_gemm_kernel(
     s_cn,
     A_PER_SLOT: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -71,7 +74,7 @@ def _moe_gemm_kernel(
             mask=(kk[:, None] < K) & (rn[None, :] < N),
             other=0.0,
         )
-        acc += tl.dot(a, b, out_dtype=tl.float32)
+        acc += tl.dot(a, b, out_dtype=tl.float32, input_precision=DOT_PRECISION)
     if MUL_WEIGHT:
         w = tl.load(topk_w_ptr + slots, mask=valid, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -143,6 +146,7 @@ def moe_gemm(
         out.stride(1),
         A_PER_SLOT=a_per_slot,
         MUL_WEIGHT=mul_weight,
+        DOT_PRECISION=dot_precision(a.dtype),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,

@@ -14,6 +14,14 @@ import triton.language as tl
 SCALE_NONE, SCALE_SCALAR, SCALE_VECTOR = 0, 1, 2
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for activations of ``dtype``: exact fp32 products
+    ("ieee") for fp32, as torch's matmul gives by default (TF32 would round the activations
+    to 10 mantissa bits and an fp32 model would drift from transformers); the tensor-core
+    default ("tf32", which only concerns fp32 inputs) for every other dtype."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _scaled_mm_kernel(
     a_ptr,
@@ -36,6 +44,7 @@ def _scaled_mm_kernel(
     HAS_BIAS: tl.constexpr,
     ACC_INT32: tl.constexpr,
     UPCAST_B: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -66,7 +75,7 @@ def _scaled_mm_kernel(
         if ACC_INT32:
             acc += tl.dot(a, b, out_dtype=tl.int32)
         else:
-            acc += tl.dot(a, b, out_dtype=tl.float32)
+            acc += tl.dot(a, b, out_dtype=tl.float32, input_precision=DOT_PRECISION)
     y = acc.to(tl.float32)
     if A_SCALE == 1:
         y = y * tl.load(a_scale_ptr).to(tl.float32)
@@ -129,6 +138,7 @@ def _launch(
         HAS_BIAS=bias is not None,
         ACC_INT32=acc_int32,
         UPCAST_B=upcast_b,
+        DOT_PRECISION=dot_precision(a.dtype),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -297,9 +297,11 @@ def test_cuda_capture_and_replay():
     fn(x)  # warm-up, as the runner does
     with ctx(FULL, D8):
         captured = w(x)
+        first = captured.clone()  # a capture alone runs nothing: the wrapper replays once
         x.fill_(2.0)
         out = w(x)
     torch.cuda.synchronize()
+    assert torch.equal(first, torch.ones(8, device="cuda"))
     assert fn.calls == 2  # warm-up + capture; replay runs no Python
     assert out.data_ptr() == captured.data_ptr()
     assert torch.equal(out, torch.full((8,), 5.0, device="cuda"))

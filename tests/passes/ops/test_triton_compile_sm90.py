@@ -107,6 +107,8 @@ def test_qk_norm_rope_kernel_compiles(dt):
             )
 
 
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 SCALED_MM = {
     # name: (a, b, accumulate in int32, upcast b); scales fp32
     "int8": ("i8", "i8", True, False),
@@ -150,6 +152,7 @@ def test_scaled_mm_kernel_compiles(dt):
                     HAS_BIAS=bias,
                     ACC_INT32=acc_int32,
                     UPCAST_B=upcast,
+                    DOT_PRECISION="tf32",  # int8 / fp8 operands: precision does not apply
                     BLOCK_M=16,
                     BLOCK_N=64,
                     BLOCK_K=64,
@@ -172,6 +175,7 @@ def test_scaled_mm_kernel_compiles(dt):
             HAS_BIAS=True,
             ACC_INT32=False,
             UPCAST_B=True,
+            DOT_PRECISION=mm.dot_precision(TORCH_DTYPES[dt]),
             BLOCK_M=64,
             BLOCK_N=64,
             BLOCK_K=64,
@@ -227,6 +231,7 @@ def test_moe_gemm_kernel_compiles(dt):
             dict(
                 A_PER_SLOT=a_per_slot,
                 MUL_WEIGHT=mul_weight,
+                DOT_PRECISION=moe.dot_precision(TORCH_DTYPES[dt]),
                 BLOCK_M=moe.BLOCK_M,
                 BLOCK_N=moe.BLOCK_N,
                 BLOCK_K=moe.BLOCK_K,
