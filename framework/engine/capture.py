@@ -14,12 +14,30 @@ from framework.engine.kv_cache import NULL_BLOCK
 from framework.engine.request import Request, ScheduledChunk
 
 
-def dummy_sizes(desc: BatchDescriptor) -> list[int]:
-    """Tokens per dummy request for a dispatcher key: one token each for a uniform (decode)
-    key, else one request holding every token."""
+def split_tokens(num_tokens: int, max_per_request: int, max_requests: int) -> list[int]:
+    """``num_tokens`` prefill tokens as the fewest requests of at most ``max_per_request``
+    tokens each (a request's block-table row holds no more than ``max_model_len``): what a
+    real batch of that many tokens looks like when it exceeds one request's length."""
+    if max_per_request <= 0 or max_requests <= 0:
+        raise ValueError(f"split_tokens: {max_per_request=}, {max_requests=} must be positive")
+    full, rest = divmod(num_tokens, max_per_request)
+    sizes = [max_per_request] * full + ([rest] if rest else [])
+    if len(sizes) > max_requests:
+        raise ValueError(
+            f"a batch of {num_tokens} tokens needs {len(sizes)} requests of at most "
+            f"{max_per_request} tokens (max_model_len) but max_num_seqs is {max_requests}: "
+            f"lower max_num_batched_tokens to at most {max_requests * max_per_request}, or "
+            f"raise max_num_seqs or max_model_len"
+        )
+    return sizes
+
+
+def dummy_sizes(desc: BatchDescriptor, max_per_request: int, max_requests: int) -> list[int]:
+    """Tokens per dummy request for a dispatcher key: one token each (1 + k for speculative
+    verify keys) for a uniform key, else the fewest prefill requests that hold every token."""
     if desc.uniform and desc.num_reqs:
         return [desc.num_tokens // desc.num_reqs] * desc.num_reqs
-    return [desc.num_tokens]
+    return split_tokens(desc.num_tokens, max_per_request, max_requests)
 
 
 @contextlib.contextmanager
@@ -76,7 +94,8 @@ def capture_graphs(runner, setup: GraphSetup, *, progress: bool = True) -> dict[
 
         bar = tqdm(total=len(plan), desc="capturing CUDA graphs", leave=False)
     for mode, desc in plan:
-        with dummy_batch(dummy_sizes(desc), runner.block_size) as chunks:
+        sizes = dummy_sizes(desc, runner.max_model_len, runner.max_num_seqs)
+        with dummy_batch(sizes, runner.block_size) as chunks:
             runner.execute(chunks, force=(CUDAGraphMode.NONE, desc), record=False)
             runner.execute(chunks, force=(mode, desc), record=False)
         if bar is not None:

@@ -69,6 +69,8 @@ class ModelRunner:
         """Query tokens per request of a batch the dispatcher calls uniform: 1, or 1 + k with
         speculative decoding (then verify batches are the uniform ones)."""
         self.device = torch.device(device)
+        self.max_model_len = max_model_len
+        """Tokens one request may hold: what its block-table row has room for."""
         max_blocks = -(-max_model_len // block_size)
         # Host staging arrays.  On CPU the persistent "device" buffers *are* these arrays
         # (torch.from_numpy shares the memory): staging writes the step's inputs in place and
@@ -213,15 +215,21 @@ class ModelRunner:
         chunks: list[ScheduledChunk],
         force: Optional[tuple[CUDAGraphMode, BatchDescriptor]] = None,
         record: bool = True,
+        graphs: bool = True,
     ) -> tuple[ForwardContext, int, int]:
         """Stage a step's inputs; returns the forward context, real and padded token counts.
         ``force`` replaces the dispatcher's choice (graph capture uses it); ``record`` False
-        keeps the step out of the trace (dummy batches)."""
+        keeps the step out of the trace (dummy batches); ``graphs`` False runs the
+        dispatcher's (padded) size without CUDA graphs: a warm-up must never be the first
+        run of a piece inside a capture (a real capture runs nothing, and a kernel loaded or
+        a compile finished there invalidates it)."""
         n, qsl, seq_lens = self._stage(chunks)
         num_reqs = real_reqs = len(chunks)
         q = self.uniform_query_len
         uniform = single_token_batch(chunks) if q == 1 else uniform_batch(chunks, q)
         mode, desc = force or self.dispatch(n, num_reqs, uniform)
+        if not graphs:
+            mode = CUDAGraphMode.NONE
         n_pad = desc.num_tokens
         if mode == CUDAGraphMode.FULL and desc.num_reqs and desc.num_reqs > num_reqs:
             # A full graph is captured for desc.num_reqs requests: the extra ones have no
@@ -346,13 +354,15 @@ class ModelRunner:
         chunks: list[ScheduledChunk],
         force: Optional[tuple[CUDAGraphMode, BatchDescriptor]] = None,
         record: bool = True,
+        graphs: bool = True,
     ) -> tuple[list[Any], torch.Tensor]:
         """Run one step; returns the sampled token per chunk (None when the chunk ends
         mid-prompt; for a verify chunk the list of kept tokens: accepted drafts + one) and
         the logits of the sampling chunks (a verify chunk has ``1 + len(spec)`` rows).
-        ``record`` False: a dummy step, kept out of ``step_times`` and the trace."""
+        ``record`` False: a dummy step, kept out of ``step_times`` and the trace; ``graphs``
+        False: no CUDA graph captured or replayed (warm-up)."""
         t0 = time.perf_counter()
-        ctx, n, n_pad = self.build_context(chunks, force, record)
+        ctx, n, n_pad = self.build_context(chunks, force, record, graphs)
         ids, positions = self._views_for(n_pad, ctx.attn_metadata[self.layer_names[0]].num_reqs)[:2]
         with set_forward_context(ctx):
             hidden = self.forward(ids, positions)

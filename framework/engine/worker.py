@@ -32,7 +32,7 @@ from framework.core.parallel_state import TPState, kv_head_layout, tp_state
 from framework.cudagraph.emulation import EmulatedGraphOps
 from framework.cudagraph.graph_setup import setup_graphs
 from framework.engine.block_manager import BlockManager
-from framework.engine.capture import capture_graphs, dummy_batch
+from framework.engine.capture import capture_graphs, dummy_batch, split_tokens
 from framework.engine.cpu_env import warn_cpu_settings
 from framework.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from framework.engine.llm_stats import StartupStats
@@ -314,26 +314,28 @@ class Worker:
     # ------------------------------------------------------------------ steps
     def dummy_run(self, num_tokens: int, token_ids: Optional[list[int]] = None) -> None:
         """One forward over ``num_tokens`` throw-away tokens in KV blocks of their own, freed
-        afterwards (traces/compiles on first use); recorded in no step time or trace."""
+        afterwards (traces/compiles on first use), without CUDA graphs; recorded in no step
+        time or trace."""
         with dummy_batch(
-            [num_tokens],
+            split_tokens(num_tokens, self.runner.max_model_len, self.runner.max_num_seqs),
             self.block_size,
             token_ids=token_ids,
             allocate=self.block_manager.allocate,
             free=self.block_manager.free,
         ) as chunks:
-            self.execute(chunks, record=False)
+            self.execute(chunks, record=False, graphs=False)
 
     def execute(
         self,
         chunks: list[ScheduledChunk],
         force: Optional[tuple[CUDAGraphMode, BatchDescriptor]] = None,
         record: bool = True,
+        graphs: bool = True,
     ) -> tuple[list[Optional[int]], torch.Tensor]:
         """One step of this rank's runner, under this worker's tensor-parallel state (a
         range compiled on first use sees this engine's group, never another's)."""
         with tp_state(self.tp):
-            return self.runner.execute(chunks, force, record)
+            return self.runner.execute(chunks, force, record, graphs)
 
     @property
     def last_logprobs(self) -> Optional[list]:

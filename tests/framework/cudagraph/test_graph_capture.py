@@ -63,6 +63,26 @@ def test_piecewise_graphs_capture_once_and_replay(llama_checkpoint, reference):
     assert all(w.stats.captures == 4 for w in wrappers)
 
 
+def test_a_warm_up_runs_no_graph(llama_checkpoint):
+    """``dummy_run`` (the start-up warm-up, calibration) runs the dispatcher's padded size
+    without graphs.  On a GPU a capture runs nothing: a warm-up dispatched to a graph was a
+    piece's first run inside a capture, and the kernel loads of that first run invalidated it
+    (cudaErrorStreamCaptureInvalidated, the GPU check's second run on the H200)."""
+    clear_all_graphs()
+    llm = _llm(
+        llama_checkpoint,
+        emulate_cuda_graphs=True,
+        cc={"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]},
+    )
+    before = llm.graphs.stats()
+    llm.dummy_run(16)
+    llm.dummy_run(3)  # padded to 4, a captured size
+    after = llm.graphs.stats()
+    assert (after.captures, after.replays) == (before.captures, before.replays)
+    assert llm.generate(PROMPTS[:1], 2, ignore_eos=True)  # the engine's own steps still replay
+    assert llm.graphs.stats().replays > before.replays
+
+
 def test_capture_counts_are_per_engine(llama_checkpoint):
     """A second engine in the same process (the first one alive, its graphs kept) reports
     its own captures, not the process's."""

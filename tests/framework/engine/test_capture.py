@@ -7,14 +7,25 @@ import pytest
 
 from framework.core.forward_context import BatchDescriptor
 from framework.engine.block_manager import BlockManager
-from framework.engine.capture import dummy_batch, dummy_sizes
+from framework.engine.capture import dummy_batch, dummy_sizes, split_tokens
 from framework.engine.kv_cache import NULL_BLOCK
 
 
 def test_dummy_sizes_per_key():
-    assert dummy_sizes(BatchDescriptor(8, 8, True)) == [1] * 8
-    assert dummy_sizes(BatchDescriptor(8, None, False)) == [8]
-    assert dummy_sizes(BatchDescriptor(8, 2, False)) == [8]
+    assert dummy_sizes(BatchDescriptor(8, 8, True), 64, 8) == [1] * 8
+    assert dummy_sizes(BatchDescriptor(10, 2, True), 64, 8) == [5, 5]  # verify keys: 1 + k
+    assert dummy_sizes(BatchDescriptor(8, None, False), 64, 8) == [8]
+    assert dummy_sizes(BatchDescriptor(8, 2, False), 64, 8) == [8]
+
+
+def test_a_key_longer_than_one_request_is_split_into_requests_that_fit():
+    """max_num_batched_tokens 512 with max_model_len 104 (the GPU decode benchmark's
+    settings): a 512-token key is five 104-token requests and one of 96, not one request
+    whose blocks overflow its block-table row (what the first GPU run of the check hit)."""
+    assert dummy_sizes(BatchDescriptor(512, None, False), 104, 32) == [104] * 4 + [96]
+    assert split_tokens(208, 104, 2) == [104, 104]
+    with pytest.raises(ValueError, match="max_num_seqs is 2.*at most 208"):
+        split_tokens(209, 104, 2)
 
 
 def test_null_block_dummies():

@@ -88,7 +88,7 @@ def test_each_engine_has_its_own_graph_pool(llama_checkpoint):
 def test_cuda_capture_swaps_nothing_process_wide(monkeypatch):
     """The capture skips ``torch.cuda.empty_cache`` without replacing it (another thread, or
     engine, calling it meanwhile gets the real one); it empties the cache before the first
-    capture only."""
+    capture only, and replays each graph once after its capture."""
     from framework.cudagraph import wrapper
 
     calls, seen = [], []
@@ -100,6 +100,9 @@ def test_cuda_capture_swaps_nothing_process_wide(monkeypatch):
 
         def capture_end(self):
             calls.append("end")
+
+        def replay(self):
+            calls.append("replay")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
@@ -114,7 +117,8 @@ def test_cuda_capture_swaps_nothing_process_wide(monkeypatch):
         ops.capture(lambda: seen.append(torch.cuda.empty_cache), ops.shared_pool(),
                     collect_garbage=first)  # fmt: skip
     assert seen == [patched, patched]  # never swapped during a capture
-    assert calls == ["empty", "begin", "end", "begin", "end"]
+    # each capture is replayed once (a capture alone runs nothing), outside the capture
+    assert calls == ["empty", "begin", "end", "replay", "begin", "end", "replay"]
     assert wrapper.CUDAGraphOps().shared_pool() is not ops.shared_pool()
     assert original is not patched
 
