@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from typing import Callable, Optional
 
 import torch
@@ -241,6 +242,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             results[mode] = bench(mode, args.model_dir, args)
         except Exception as e:  # one failing mode must not hide the others' numbers
             results[mode] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()  # the log is all a lent machine leaves behind
         print(
             f"{mode}: done in {time.perf_counter() - t0:.1f} s "
             f"{results[mode].get('ms', results[mode].get('error'))}",
