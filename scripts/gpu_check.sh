@@ -143,57 +143,10 @@ sys.exit(pytest.main(sys.argv[1:]))
 EOF_PY
 }
 
-# The one table, from whatever results exist (a missing file reads "not run").
+# The one table, from whatever results exist (a missing file reads "not run"):
+# experiments/bench/gpu_check_summary.py, which also renders the committed copy into the READMEs.
 summary() {
-    "$PY" - "$RES" "$TEST_MARKS" "$1" <<'EOF_PY' | tee "$RES/table.md"
-import json, os, sys, xml.etree.ElementTree as ET
-out, marks, note = sys.argv[1:4]
-rows = []
-xml = os.path.join(out, "tests.xml")
-if os.path.isfile(xml):
-    s = ET.parse(xml).getroot()
-    s = s if s.tag == "testsuite" else s.find("testsuite")
-    n, f, e, sk = (int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
-    rows.append((f"pytest -m \"{marks}\"", f"{n - f - e - sk} passed, {f + e} failed, "
-                 f"{sk} skipped", f"{float(s.get('time', 0)):.0f} s"))
-else:
-    rows.append((f"pytest -m \"{marks}\"", note or "not run", ""))
-tp = os.path.join(out, "tp_check.json")
-if os.path.isfile(tp):
-    rows.append(("tensor parallel TP=2 vs TP=1 (O2)", "see tp_check.json",
-                 json.dumps(json.load(open(tp)))[:100].replace("|", "/")))
-else:
-    log = os.path.join(out, "tp.log")
-    said = [line.strip() for line in open(log)] if os.path.isfile(log) else []
-    skipped = [line for line in said if "skipped" in line]
-    rows.append(("tensor parallel TP=2 vs TP=1 (O2)",
-                 "skipped" if skipped else (note or "not run (see tp.log)"),
-                 skipped[-1].replace("|", "/")[:100] if skipped else ""))
-bench = os.path.join(out, "decode_bench.json")
-if os.path.isfile(bench):
-    results = json.load(open(bench))["results"]
-    eager = results.get("eager", {}).get("ms", {})
-    for mode, r in results.items():
-        if "error" in r:
-            rows.append((f"decode {mode}", "failed", r["error"][:100].replace("|", "/")))
-            continue
-        ms = ", ".join(f"bs={b}: {v:.3f}" for b, v in r["ms"].items())
-        speed = ", ".join(f"{eager[b] / v:.2f}x" for b, v in r["ms"].items() if b in eager)
-        rows.append((f"decode {mode} ({r.get('cudagraph_mode') or '-'})", f"ms/step {ms}",
-                     f"vs eager {speed}; startup {r['startup_s']:.1f} s"))
-else:
-    rows.append(("decode benchmark (bf16, bs 1/8/32)", note or "not run", ""))
-env = open(os.path.join(out, "env.txt")).readline().strip() if os.path.isfile(
-    os.path.join(out, "env.txt")) else "gpu-check env: unknown"
-print("----- README table (scripts/gpu_check.sh) -----")
-print(env.replace("gpu-check env: ", "GPU check: "))
-print()
-print("| check | result | detail |")
-print("|---|---|---|")
-for row in rows:
-    print("| " + " | ".join(row) + " |")
-print("----- end README table -----")
-EOF_PY
+    "$PY" -m experiments.bench.gpu_check_summary "$RES" "$TEST_MARKS" "$1" | tee "$RES/table.md"
 }
 
 step "environment"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from experiments.bench import peer_summary
+from experiments.bench import gpu_check_summary, peer_summary
 from experiments.bench.targets import markdown as target_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -391,6 +391,28 @@ def _serve_bench(path: Path) -> list[str]:
             f"{s['offline_cpu_ms_per_token']:.1f} |"
         )
     return out
+
+
+GPU_CHECK = "experiments/bench/results/gpu_check_h200_2026-12-04"
+GPU_CHECK_COMMAND = (
+    'run(command="bash scripts/gpu_check.sh", carry=[".gpu_bundle"]) (the device tool; '
+    "scripts/README.md)"
+)
+
+
+@table("gpu_check", GPU_CHECK, GPU_CHECK_COMMAND)
+def _gpu_check(folder: Path) -> list[str]:
+    return gpu_check_summary.check_table(folder)
+
+
+@table("gpu_decode", GPU_CHECK, GPU_CHECK_COMMAND)
+def _gpu_decode(folder: Path) -> list[str]:
+    return [
+        f"{gpu_check_summary.environment(folder)}. Decode step of the default tiny model, "
+        "bf16, median of 3 repeats, one run:",
+        "",
+        *gpu_check_summary.decode_rows(folder),
+    ]
 
 
 @table(
