@@ -2,7 +2,9 @@
 
 Host side (torch, on the device): the ``T*K`` (token, slot) pairs are sorted by expert and
 each expert's run is padded to a multiple of ``BLOCK_M`` (:func:`align_by_expert`), so every
-``BLOCK_M`` block of the sorted list belongs to one expert. One kernel,
+``BLOCK_M`` block of the sorted list belongs to one expert.  Every size is static (a bound
+from ``T``, ``K`` and ``E``; the blocks past the last expert's are skipped), so the op runs
+inside CUDA-graph captures: the MoE op sits inside the piecewise graphs. One kernel,
 :func:`_moe_gemm_kernel`, then computes ``C[slot] = A[row(slot)] @ W[e]^T`` for every block
 (program (m, n): block m of the sorted slots, columns n of the output), reading only the
 weights of the experts that are hit:
@@ -52,9 +54,11 @@ def _moe_gemm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # a padding block past the last expert's (static grid): nothing to do
+        return
     slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = slots < num_slots
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if A_PER_SLOT:
         rows = slots
     else:
@@ -85,27 +89,40 @@ def _moe_gemm_kernel(
     )
 
 
+def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the ``block_m`` blocks :func:`align_by_expert` fills: at most
+    ``min(E, T*K)`` experts are hit and each pads by fewer than ``block_m`` slots."""
+    hit = min(num_experts, num_slots)
+    return (num_slots + hit * (block_m - 1)) // block_m
+
+
 def align_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted slot ids padded per expert to ``block_m`` with the sentinel ``T*K``, the
-    expert of each ``block_m`` block)."""
+    expert of each ``block_m`` block, -1 for the blocks past the last expert's).
+
+    Sizes depend on ``T``, ``K`` and ``E`` alone (:func:`max_blocks`), and nothing is read
+    back to the host (no ``.item()``, ``bincount`` or ``repeat_interleave`` with tensor
+    repeats): the op runs inside a CUDA-graph capture, where a host sync is an error."""
     flat = topk_ids.reshape(-1)
     num_slots = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded  # first padded position of each expert
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat.long(), torch.ones(num_slots, dtype=torch.int64, device=dev))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)  # one past each expert's last block
+    starts = (block_end - blocks) * block_m  # first padded position of each expert
     firsts = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
-    total = int(padded.sum())
-    sorted_ids = torch.full((total,), num_slots, dtype=torch.int32, device=flat.device)
-    experts_sorted = flat[order]
-    rank = torch.arange(num_slots, device=flat.device) - firsts[experts_sorted]
+    order = torch.argsort(flat, stable=True)
+    experts_sorted = flat[order].long()
+    rank = torch.arange(num_slots, device=dev) - firsts[experts_sorted]
+    n_blocks = max_blocks(num_slots, num_experts, block_m)
+    sorted_ids = torch.full((n_blocks * block_m,), num_slots, dtype=torch.int32, device=dev)
     sorted_ids[starts[experts_sorted] + rank] = order.to(torch.int32)
-    blocks = padded // block_m
-    expert_ids = torch.repeat_interleave(
-        torch.arange(num_experts, device=flat.device, dtype=torch.int32), blocks
-    )
+    # block b belongs to the expert whose block range holds it: the count of ends <= b
+    owner = torch.searchsorted(block_end, torch.arange(n_blocks, device=dev), right=True)
+    expert_ids = torch.where(owner < num_experts, owner, -1).to(torch.int32)
     return sorted_ids, expert_ids
 
 

@@ -330,11 +330,62 @@ def test_fused_moe_kernel(t, dtype):
     torch.testing.assert_close(got.cpu(), want, **tol)
 
 
+@kernel
+def test_fused_moe_kernel_runs_inside_a_cuda_graph():
+    """The MoE op sits inside the piecewise graphs, so its kernel must capture: static sizes,
+    no host read of a device value (the first version read the padded total with ``int()``
+    and used ``bincount`` / ``repeat_interleave``).  Captured once, then replayed on new
+    routing written into the same buffers, it gives the new result.  Real CUDA graphs on the
+    GPU; on CPU the emulated ones, which fail a host read during capture as a real capture
+    does."""
+    from framework.cudagraph.emulation import EmulatedGraphOps
+    from framework.cudagraph.wrapper import CUDAGraphOps
+
+    g = torch.Generator().manual_seed(5)
+    T, E, H, I, K = 3, 6, 40, 72, 2  # noqa: E741
+    w13 = (0.1 * torch.randn(E, 2 * I, H, generator=g)).to(torch.float32)
+    w2 = (0.1 * torch.randn(E, H, I, generator=g)).to(torch.float32)
+
+    def routing(seed):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(T, H, generator=gen)
+        w, ids = moe_ops.topk_softmax_torch(torch.randn(T, E, generator=gen), K, True)
+        return x, w, ids
+
+    x, w, ids = dev(*routing(0))
+    w13, w2 = dev(w13, w2)
+    tri_moe.fused_moe(x, w, ids, w13, w2)  # warm-up: kernels compiled and loaded
+    ops = CUDAGraphOps() if ON_GPU else EmulatedGraphOps()
+    graph, out = ops.capture(
+        lambda: tri_moe.fused_moe(x, w, ids, w13, w2), ops.shared_pool(), collect_garbage=False
+    )
+    for seed in (1, 2):  # e.g. seed 1 routes differently from seed 0
+        nx, nw, nids = routing(seed)
+        x.copy_(nx), w.copy_(nw), ids.copy_(nids)
+        ops.replay(graph)
+        ops.synchronize()
+        want = moe_ops.fused_moe_reference(nx, nw, nids, w13.cpu(), w2.cpu())
+        torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
 def test_align_by_expert_pads_each_expert_to_the_block():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
     sorted_ids, experts = tri_moe.align_by_expert(ids, 4, 4)
     sentinel = ids.numel()
-    assert experts.tolist() == [0, 1, 2]  # expert 3 is not hit: no block
+    # static sizes: (6 slots + 4 experts hit at most * 3 padding) // 4 = 4 blocks; expert 3
+    # is not hit (no block), and the last block, past expert 2's, is skipped (-1)
+    assert tri_moe.max_blocks(6, 4, 4) == 4
+    assert experts.tolist() == [0, 1, 2, -1]
     # flat slots: [2, 0, 2, 1, 0, 2] -> expert 0: slots 1, 4; expert 1: 3; expert 2: 0, 2, 5
     assert sorted_ids.tolist() == [1, 4, sentinel, sentinel, 3, sentinel, sentinel, sentinel,
-                                   0, 2, 5, sentinel]  # fmt: skip
+                                   0, 2, 5, sentinel] + [sentinel] * 4  # fmt: skip
+
+
+def test_align_by_expert_sizes_depend_on_shapes_alone():
+    """Whatever the routing, the sizes are the same (a CUDA graph replays them): every slot
+    on one expert, or spread one per expert."""
+    one = tri_moe.align_by_expert(torch.zeros(3, 2, dtype=torch.int64), 6, 4)
+    spread = tri_moe.align_by_expert(torch.arange(6).view(3, 2), 6, 4)
+    assert [t.shape for t in one] == [t.shape for t in spread]
+    assert one[1].tolist()[:2] == [0, 0] and set(one[1].tolist()[2:]) == {-1}
+    assert spread[1].tolist() == [0, 1, 2, 3, 4, 5]
