@@ -9,7 +9,10 @@ descriptor from the forward context and *trusts* them (the dispatcher chose them
   nest: only the wrapper whose mode matches the step captures or replays, the others are
   transparent (inside a FULL capture the pieces run plainly and land in the one big graph).
 * first sight of a descriptor -> capture into its graph ops' memory pool and return the
-  strong output; the entry keeps only a *weak* (non-owning) alias of the output, so once the
+  strong output, computed (a real capture runs nothing, so the ops replay the new graph once;
+  the caller's warm-up must have run the callable before, outside any capture: kernels load
+  on first use, and loading during a capture invalidates it); the entry keeps only a *weak*
+  (non-owning) alias of the output, so once the
   caller drops it the pool can reuse that memory for the next capture, exactly as the eager
   allocator would have.
 * later -> replay and return the stored alias.  Outputs are overwritten by the next replay of
