@@ -143,27 +143,14 @@ def test_llm_on_gpu_with_graphs_matches_transformers(family, tiny_checkpoint):
     """fp32 on CUDA at O2 with FULL_AND_PIECEWISE graphs: the Triton attention backend and
     the Triton grouped-GEMM MoE kernel captured inside the graphs (the MoE op is not a split
     point), greedy tokens equal to transformers'."""
-    import backends.attention.triton_paged  # noqa: F401  (registers "triton")
-    from framework import CompilationConfig
+    from cuda_llm import cuda_llm
+
     from framework.cudagraph.wrapper import clear_all_graphs
 
     path = tiny_checkpoint(family)
     prompts = _prompts(251, seed=4)
     expected = _hf_generate(path, prompts, NEW_TOKENS)
-    cc = CompilationConfig(
-        level=2,
-        cudagraph_mode="FULL_AND_PIECEWISE",
-        progress_bar=False,
-        cudagraph_capture_sizes=[1, 2, 4, 8],
-    )
-    llm = LLM(
-        str(path),
-        device="cuda",
-        attention_backend="triton",
-        compilation_config=cc,
-        max_num_seqs=4,
-        max_model_len=64,
-    )
+    llm = cuda_llm(path, "FULL_AND_PIECEWISE")
     assert llm.stats["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     assert llm.generate(prompts, NEW_TOKENS, ignore_eos=True) == expected
     assert llm.graphs.stats().replays > 0

@@ -170,19 +170,11 @@ def test_torch_backend_downgrades_full_to_piecewise(llama_checkpoint):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_modes_give_identical_tokens_on_gpu(llama_checkpoint):
+    from cuda_llm import cuda_llm
+
     outs = {}
     for mode in ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
-        cc = CompilationConfig(
-            level=2, cudagraph_mode=mode, progress_bar=False, cudagraph_capture_sizes=[1, 2, 4, 8]
-        )
-        llm = LLM(
-            str(llama_checkpoint),
-            device="cuda",
-            attention_backend="triton",
-            compilation_config=cc,
-            max_num_seqs=4,
-            max_model_len=64,
-        )
+        llm = cuda_llm(llama_checkpoint, mode)
         assert llm.stats["cudagraph_mode"] == mode
         outs[mode] = llm.generate(PROMPTS, 10, ignore_eos=True)
         clear_all_graphs()
