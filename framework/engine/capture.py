@@ -15,21 +15,16 @@ from framework.engine.request import Request, ScheduledChunk
 
 
 def split_tokens(num_tokens: int, max_per_request: int, max_requests: int) -> list[int]:
-    """``num_tokens`` prefill tokens as the fewest requests of at most ``max_per_request``
-    tokens each (a request's block-table row holds no more than ``max_model_len``): what a
-    real batch of that many tokens looks like when it exceeds one request's length."""
+    """Prefill requests of at most ``max_per_request`` tokens each (what a block-table row
+    holds), the fewest that carry ``num_tokens``, and never more than ``max_requests``: a
+    batch no step could schedule (more tokens than ``max_num_seqs`` full requests) is cut to
+    the most one could hold.  Under a forced descriptor the rest of the key's tokens are
+    padding rows, exactly as in a real step padded up to that key."""
     if max_per_request <= 0 or max_requests <= 0:
         raise ValueError(f"split_tokens: {max_per_request=}, {max_requests=} must be positive")
+    num_tokens = min(num_tokens, max_per_request * max_requests)
     full, rest = divmod(num_tokens, max_per_request)
-    sizes = [max_per_request] * full + ([rest] if rest else [])
-    if len(sizes) > max_requests:
-        raise ValueError(
-            f"a batch of {num_tokens} tokens needs {len(sizes)} requests of at most "
-            f"{max_per_request} tokens (max_model_len) but max_num_seqs is {max_requests}: "
-            f"lower max_num_batched_tokens to at most {max_requests * max_per_request}, or "
-            f"raise max_num_seqs or max_model_len"
-        )
-    return sizes
+    return [max_per_request] * full + ([rest] if rest else [])
 
 
 def dummy_sizes(desc: BatchDescriptor, max_per_request: int, max_requests: int) -> list[int]:
@@ -94,7 +89,7 @@ def capture_graphs(runner, setup: GraphSetup, *, progress: bool = True) -> dict[
 
         bar = tqdm(total=len(plan), desc="capturing CUDA graphs", leave=False)
     for mode, desc in plan:
-        sizes = dummy_sizes(desc, runner.max_model_len, runner.max_num_seqs)
+        sizes = dummy_sizes(desc, runner.max_request_tokens, runner.max_num_seqs)
         with dummy_batch(sizes, runner.block_size) as chunks:
             runner.execute(chunks, force=(CUDAGraphMode.NONE, desc), record=False)
             runner.execute(chunks, force=(mode, desc), record=False)

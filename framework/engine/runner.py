@@ -69,9 +69,10 @@ class ModelRunner:
         """Query tokens per request of a batch the dispatcher calls uniform: 1, or 1 + k with
         speculative decoding (then verify batches are the uniform ones)."""
         self.device = torch.device(device)
-        self.max_model_len = max_model_len
-        """Tokens one request may hold: what its block-table row has room for."""
         max_blocks = -(-max_model_len // block_size)
+        self.max_request_tokens = max_blocks * block_size
+        """Tokens one request's block-table row has room for (``max_model_len`` rounded up to
+        a block): the most a dummy request may hold."""
         # Host staging arrays.  On CPU the persistent "device" buffers *are* these arrays
         # (torch.from_numpy shares the memory): staging writes the step's inputs in place and
         # nothing is copied.  Elsewhere each buffer is copied in with one ``copy_``.

@@ -315,11 +315,13 @@ class Worker:
     def dummy_run(self, num_tokens: int, token_ids: Optional[list[int]] = None) -> None:
         """One forward over ``num_tokens`` throw-away tokens in KV blocks of their own, freed
         afterwards (traces/compiles on first use), without CUDA graphs; recorded in no step
-        time or trace."""
+        time or trace.  The tokens go in as many requests as the block table needs, cut to
+        what ``max_num_seqs`` requests can hold."""
+        sizes = split_tokens(num_tokens, self.runner.max_request_tokens, self.runner.max_num_seqs)
         with dummy_batch(
-            split_tokens(num_tokens, self.runner.max_model_len, self.runner.max_num_seqs),
+            sizes,
             self.block_size,
-            token_ids=token_ids,
+            token_ids=token_ids[: sum(sizes)] if token_ids is not None else None,
             allocate=self.block_manager.allocate,
             free=self.block_manager.free,
         ) as chunks:

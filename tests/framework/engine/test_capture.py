@@ -19,13 +19,41 @@ def test_dummy_sizes_per_key():
 
 
 def test_a_key_longer_than_one_request_is_split_into_requests_that_fit():
-    """max_num_batched_tokens 512 with max_model_len 104 (the GPU decode benchmark's
-    settings): a 512-token key is five 104-token requests and one of 96, not one request
-    whose blocks overflow its block-table row (what the first GPU run of the check hit)."""
-    assert dummy_sizes(BatchDescriptor(512, None, False), 104, 32) == [104] * 4 + [96]
-    assert split_tokens(208, 104, 2) == [104, 104]
-    with pytest.raises(ValueError, match="max_num_seqs is 2.*at most 208"):
-        split_tokens(209, 104, 2)
+    """max_num_batched_tokens 512 with max_model_len 104, i.e. rows of 7 blocks of 16 = 112
+    tokens (the GPU decode benchmark's settings): a 512-token key is four 112-token requests
+    and one of 64, not one request whose blocks overflow its block-table row (what the second
+    GPU run of the check hit).  More tokens than ``max_num_seqs`` rows hold are cut to what
+    they hold: under the key's descriptor the rest are padding rows, as in a real step."""
+    assert dummy_sizes(BatchDescriptor(512, None, False), 112, 32) == [112] * 4 + [64]
+    assert split_tokens(224, 112, 2) == [112, 112]
+    assert split_tokens(300, 112, 2) == [112, 112]
+    with pytest.raises(ValueError, match="must be positive"):
+        split_tokens(8, 0, 2)
+
+
+def test_a_capture_key_beyond_what_the_rows_hold_still_captures(llama_checkpoint):
+    """One sequence of at most 16 tokens (one block per row) and capture sizes up to 64: the
+    64-token key captures with 16 real tokens and 48 padding rows, and the engine runs."""
+    from framework import LLM, CompilationConfig
+
+    llm = LLM(
+        str(llama_checkpoint),
+        compilation_config=CompilationConfig(
+            level=1,
+            compiler="eager",
+            pass_config={"passes": []},
+            progress_bar=False,
+            cudagraph_mode="PIECEWISE",
+            cudagraph_capture_sizes=[1, 16, 64],
+        ),
+        max_num_seqs=1,
+        max_model_len=16,
+        max_num_batched_tokens=64,
+        emulate_cuda_graphs=True,
+    )
+    assert llm.runner.max_request_tokens == 16
+    assert llm.stats["captures"] == 3 * (llm.model_config.num_layers + 1)  # every key, every piece
+    assert llm.generate([[3, 1, 4, 1, 5]], 4, ignore_eos=True)
 
 
 def test_null_block_dummies():
