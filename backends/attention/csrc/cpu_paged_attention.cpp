@@ -6,7 +6,11 @@
 // tile of query tokens) and handles all Hq/Hkv query heads that share the KV head, so K/V are
 // read once per item and never repeated.  Sliding window: keys in [pos - window + 1, pos].
 //
-// Per KV block: the block's K and V rows of the head are staged once in fp32; the scores of
+// bf16 caches on AVX512-BF16 builds (head_dim 32/64/128/256) take the direct path
+// (namespace `direct` below): K and V are read from the cache as bf16, never staged, the
+// scores come from `vdpbf16ps` and the rows of a query group share each widened V row.
+// Everything else (fp32, other head sizes, AVX2 and portable builds) takes the staged path:
+// per KV block, the block's K and V rows of the head are staged once in fp32; the scores of
 // 16 keys come from D/16 FMAs per key and one transposing reduction when the build targets
 // AVX-512 (8 keys from D/8 FMAs and two horizontal-add levels on AVX2 + FMA; a plain
 // `omp simd` dot product elsewhere); the value accumulator of a row stays in registers across
@@ -24,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -38,7 +43,8 @@ constexpr int kQueryTile = 16;      // query tokens per work item (prefill rows 
 constexpr int kMaxHeadDim = 256;
 // KV blocks prefetched ahead of the one being read (see run_item).  2-4 blocks ahead were
 // tried (tiny model, b8 decode in the engine, and cold calls of the attention bench) and
-// were no better than 1 within this machine's noise.
+// were no better than 1 within this machine's noise; 2 again with the direct bf16 path
+// (attention_ab, 9 rounds: cold 0.91-1.05x, hot 0.95-1.15x of 1 block), so still 1.
 constexpr int64_t kPrefetchBlocks = 1;
 
 inline float bf16_to_f32(uint16_t x) {
@@ -425,6 +431,213 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   return true;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PW_ATTN_BF16_DIRECT 1
+// bf16 K/V read straight from the cache, never staged (AVX512-BF16 builds, head_dim a
+// multiple of 32).  The staged path above converts a block's K and V rows to fp32 in scratch
+// and reads them back per row: on a decode step (2 query rows a KV head) that staging was
+// the largest part of a call, with the softmax sum's serial adds the next.  Here:
+//
+// * scores: one `vdpbf16ps` per 32 elements of a key row against the query row as bf16 (the
+//   model's own q; products of two bf16 are exact in fp32, summed in fp32), 16 keys' partial
+//   vectors turned into their 16 scores by the same transposing reduction, then x scale;
+// * values: the rows of a KV head's query group (up to kValueRows at a time) keep their
+//   output accumulators in registers while each key's V row is widened to fp32 once and
+//   meets every row's probability (fp32, as before: no bf16 rounding of P);
+// * the softmax sum of a block is one vector reduction (its association depends on the block
+//   size only, as before).
+//
+// Every row's result depends only on its own query, keys and the block size, never on the
+// other rows of its tile or the tile's size: a verify row of a speculative step has the bits
+// of the decode step it stands for.
+namespace direct {
+
+// Rows whose value accumulators share one pass over a block's V rows (D / 16 registers each).
+template <int kD>
+constexpr int value_rows() {
+  return kD / 16 >= 24 ? 1 : 24 / (kD / 16);
+}
+
+// exp(sr[j] - m) in place for j < nk, 0 for nk <= j < bs; returns their sum.
+inline float exp_sum(float* sr, int nk, int bs, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j0 = 0; j0 < bs; j0 += 16) {
+    const __mmask16 slots = first_lanes(bs - j0), live = first_lanes(std::max(0, nk - j0));
+    const __m512 e = _mm512_maskz_mov_ps(
+        live, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j0), mv)));
+    _mm512_mask_storeu_ps(sr + j0, slots, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// s[j] = scale * dot(q, K row j) for j < nk (q: the query row, bf16, as kD / 32 vectors).
+template <int kD>
+inline void row_scores(const __m512bh* qv, const uint16_t* k0, int64_t k_st, int nk,
+                       float scale, float* s) {
+  constexpr int V = kD / 32;
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int j0 = 0; j0 < nk; j0 += 16) {
+    const int n = std::min(16, nk - j0);
+    __m512 accs[16];
+    for (int j = 0; j < 16; ++j) {
+      __m512 t = _mm512_setzero_ps();
+      if (j < n) {
+        const uint16_t* kr = k0 + (j0 + j) * k_st;
+        for (int x = 0; x < V; ++x)
+          t = _mm512_dpbf16_ps(t, qv[x], (__m512bh)_mm512_loadu_si512(kr + 32 * x));
+      }
+      accs[j] = t;
+    }
+    __m512 t8[8], u4[4];
+    for (int i = 0; i < 8; ++i)
+      t8[i] = _mm512_add_ps(_mm512_unpacklo_ps(accs[2 * i], accs[2 * i + 1]),
+                            _mm512_unpackhi_ps(accs[2 * i], accs[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+      const __m512d x0 = _mm512_castps_pd(t8[2 * i]), x1 = _mm512_castps_pd(t8[2 * i + 1]);
+      u4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x0, x1)),
+                            _mm512_castpd_ps(_mm512_unpackhi_pd(x0, x1)));
+    }
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u4[0], u4[1], 0x88),
+                                    _mm512_shuffle_f32x4(u4[0], u4[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u4[2], u4[3], 0x88),
+                                    _mm512_shuffle_f32x4(u4[2], u4[3], 0xDD));
+    const __m512 sc = _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88),
+                                    _mm512_shuffle_f32x4(w0, w1, 0xDD));
+    _mm512_mask_storeu_ps(s + j0, first_lanes(n), _mm512_mul_ps(sc, sv));
+  }
+}
+
+// acc[r] += sum_j p[r][j] * V row j for the R rows listed in `rows` (acc and p: fp32, row r
+// at acc + rows[r] * kD and p + rows[r] * p_st); V rows bf16, widened once per key.
+template <int kD, int R>
+inline void rows_values(float* acc, const float* p, int p_st, const int* rows,
+                        const uint16_t* v0, int64_t v_st, int nk) {
+  constexpr int V = kD / 16;
+  __m512 a[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < V; ++x) a[r][x] = _mm512_loadu_ps(acc + rows[r] * kD + 16 * x);
+  for (int j = 0; j < nk; ++j) {
+    const uint16_t* vr = v0 + j * v_st;
+    __m512 vf[V];
+    for (int x = 0; x < V; ++x)
+      vf[x] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * x))),
+          16));
+    for (int r = 0; r < R; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[rows[r] * p_st + j]);
+      for (int x = 0; x < V; ++x) a[r][x] = _mm512_fmadd_ps(pj, vf[x], a[r][x]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < V; ++x) _mm512_storeu_ps(acc + rows[r] * kD + 16 * x, a[r][x]);
+}
+
+template <int kD, int R = value_rows<kD>()>
+inline void values(float* acc, const float* p, int p_st, const int* rows, int n,
+                   const uint16_t* v0, int64_t v_st, int nk) {
+  if constexpr (R > 1) {
+    if (n < R) return values<kD, R - 1>(acc, p, p_st, rows, n, v0, v_st, nk);
+  }
+  int i = 0;
+  for (; i + R <= n; i += R) rows_values<kD, R>(acc, p, p_st, rows + i, v0, v_st, nk);
+  if (i < n) values<kD>(acc, p, p_st, rows + i, n - i, v0, v_st, nk);
+}
+
+template <int kD>
+bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
+  constexpr int V = kD / 32;
+  const int d = kD, g = static_cast<int>(a.hq / a.hkv);
+  const int bs = static_cast<int>(a.block_size);
+  const int qs = a.qsl[it.req], ql = a.qsl[it.req + 1] - qs;
+  const int64_t L = a.seq_lens[it.req];
+  const int nq = it.q1 - it.q0, rows = nq * g;
+  scratch.resize(static_cast<size_t>(rows) * (d + bs + 3));
+  float* acc = scratch.data();  // [rows, d]
+  float* s = acc + rows * d;    // [rows, bs]
+  float* m = s + rows * bs;     // [rows]
+  float* l = m + rows;          // [rows]
+  int* live = reinterpret_cast<int*>(l + rows);  // [rows]: rows with a key in this block
+  std::fill(acc, acc + rows * d, 0.0f);
+  std::fill(m, m + rows, -INFINITY);
+  std::fill(l, l + rows, 0.0f);
+  const uint16_t* q = static_cast<const uint16_t*>(a.q);
+  auto q_row = [&](int r) { return q + (qs + it.q0 + r / g) * a.q_st + (it.head * g + r % g) * d; };
+  const int64_t pos0 = L - ql + it.q0, pos1 = L - ql + it.q1 - 1;
+  const int64_t win = a.window;
+  const int64_t kstart = win > 0 ? std::max<int64_t>(0, pos0 - win + 1) : 0;
+  const int64_t kend = pos1;
+  const int64_t row_st = a.hkv * d;  // elements between two keys' rows of one head
+  const uint16_t* kc = static_cast<const uint16_t*>(a.kv_cache);
+  const uint16_t* vc = kc + a.num_blocks * a.block_size * row_st;
+  const int32_t* table = a.block_table + it.req * a.bt_st;
+  const int64_t b_first = kstart / bs, b_last = kend / bs;
+  auto prefetch_block = [&](int64_t b) {  // as in the staged path
+    if (b > b_last) return;
+    const int32_t id = table[b];
+    if (id < 0 || id >= a.num_blocks) return;
+    const int64_t nbase = static_cast<int64_t>(id) * bs;
+    for (int j = 0; j < bs; ++j)
+      for (int x = 0; x < d * 2; x += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kc + (nbase + j) * row_st + it.head * d) + x);
+        __builtin_prefetch(reinterpret_cast<const char*>(vc + (nbase + j) * row_st + it.head * d) + x);
+      }
+  };
+  for (int64_t b = b_first; b < b_first + kPrefetchBlocks; ++b) prefetch_block(b);
+  for (int64_t b = b_first; b <= b_last; ++b) {
+    if (table[b] < 0 || table[b] >= a.num_blocks) return false;
+    const int64_t base = static_cast<int64_t>(table[b]) * bs;
+    prefetch_block(b + kPrefetchBlocks);
+    const int nk = static_cast<int>(std::min<int64_t>(kend - b * bs + 1, bs));
+    const uint16_t* k0 = kc + base * row_st + it.head * d;
+    const uint16_t* v0 = vc + base * row_st + it.head * d;
+    for (int r = 0; r < rows; ++r) {
+      const uint16_t* qr = q_row(r);
+      __m512bh qv[V];
+      for (int x = 0; x < V; ++x) qv[x] = (__m512bh)_mm512_loadu_si512(qr + 32 * x);
+      row_scores<kD>(qv, k0, row_st, nk, a.scale, s + r * bs);
+    }
+    const int64_t kb0 = b * bs, kb1 = b * bs + nk - 1;
+    if (!(kb1 <= pos0 && (win <= 0 || kb0 > pos1 - win))) {
+      for (int r = 0; r < rows; ++r) {
+        const int64_t pos = pos0 + r / g;
+        for (int j = 0; j < nk; ++j) {
+          const int64_t kpos = kb0 + j;
+          if (kpos > pos || (win > 0 && kpos <= pos - win)) s[r * bs + j] = -INFINITY;
+        }
+      }
+    }
+    int n_live = 0;
+    for (int r = 0; r < rows; ++r) {
+      float* sr = s + r * bs;
+      const float mb = row_max(sr, nk);
+      if (mb == -INFINITY) continue;  // every key of this block is masked for this row
+      float* ar = acc + r * d;
+      const float m_new = std::max(m[r], mb);
+      if (m_new > m[r]) {
+        const float alpha = exp_neg(m[r] - m_new);
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int x = 0; x < d; x += 16) _mm512_storeu_ps(ar + x, _mm512_mul_ps(av, _mm512_loadu_ps(ar + x)));
+        l[r] *= alpha;
+        m[r] = m_new;
+      }
+      l[r] += exp_sum(sr, nk, bs, m_new);
+      live[n_live++] = r;
+    }
+    values<kD>(acc, s, bs, live, n_live, v0, row_st, nk);
+  }
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+  for (int r = 0; r < rows; ++r) {
+    uint16_t* dst = out + (qs + it.q0 + r / g) * a.out_st + (it.head * g + r % g) * d;
+    store_row(acc + r * d, dst, d, l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+  }
+  return true;
+}
+
+}  // namespace direct
+#endif
+
 template <typename T>
 void write_kv(const Args& a) {
   const int64_t row = a.hkv * a.d;
@@ -459,6 +672,14 @@ int run(const Args& a) {
   bool (*item_fn)(const Args&, const Item&, std::vector<float>&) =
       a.d == 32 ? run_item<T, 32> : a.d == 64 ? run_item<T, 64> : a.d == 128 ? run_item<T, 128>
       : a.d == 256 ? run_item<T, 256> : run_item<T, 0>;
+#ifdef PW_ATTN_BF16_DIRECT
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (a.d == 32) item_fn = direct::run_item<32>;
+    else if (a.d == 64) item_fn = direct::run_item<64>;
+    else if (a.d == 128) item_fn = direct::run_item<128>;
+    else if (a.d == 256) item_fn = direct::run_item<256>;
+  }
+#endif
   // Threads from ~16k query-key-dim products on (a b1 decode of 32+ tokens): in a decode step
   // the team is already awake (the linears just ran on it), and the KV rows come from DRAM,
   // where a second thread doubles the misses in flight (b1, ctx ~160, in the engine: 0.33 ms a

@@ -71,11 +71,13 @@ class RejectionSampler:
             raise ValueError(
                 f"verify: {logits.shape[0]} logits rows for {sum(n_rows)} query positions"
             )
-        x = logits.float()
         starts = [0]
         for n in n_rows:
             starts.append(starts[-1] + n)
-        argmax, maxes = greedy_argmax(x)  # as the sampler's greedy path picks its argmax
+        # As the sampler's greedy path picks its argmax: on the logits as they lie (an fp32
+        # copy of a b8, k = 4 verify step's 40 x 32000 bf16 logits cost ~0.4 ms), fp32 only
+        # for the sampling rows below.
+        argmax, maxes = greedy_argmax(logits)
         ok = []
         for i, r in enumerate(reqs):
             good = all(math.isfinite(v) for v in maxes[starts[i] : starts[i + 1]])
@@ -86,7 +88,7 @@ class RejectionSampler:
         drawn: dict[int, list[int]] = {}
         accepted: dict[int, list[bool]] = {}
         if sampled:
-            drawn, accepted = self._sample_rows(x, reqs, drafts, draft_probs, starts, sampled)
+            drawn, accepted = self._sample_rows(logits, reqs, drafts, draft_probs, starts, sampled)
         out: list[Optional[list[int]]] = []
         for i, (r, d) in enumerate(zip(reqs, drafts)):
             if not ok[i]:
@@ -110,10 +112,11 @@ class RejectionSampler:
         return out
 
     @staticmethod
-    def _sample_rows(x, reqs, drafts, draft_probs, starts, which):
+    def _sample_rows(logits, reqs, drafts, draft_probs, starts, which):
         """For the sampling requests ``which``: per row, the acceptance decision of its draft
-        and the token drawn from the residual (the plain distribution on the bonus row)."""
-        dev, vocab = x.device, x.shape[-1]
+        and the token drawn from the residual (the plain distribution on the bonus row); their
+        rows of ``logits`` read as fp32."""
+        dev, vocab = logits.device, logits.shape[-1]
         rows, params, seeds, steps, draft_tok = [], [], [], [], []
         for i in which:
             r, d = reqs[i], drafts[i]
@@ -123,7 +126,7 @@ class RejectionSampler:
                 seeds.append(r.seed)
                 steps.append(len(r.output) + j)
                 draft_tok.append(int(d[j]) if j < len(d) else -1)
-        xp, _ = process_logits(x[rows], params)
+        xp, _ = process_logits(logits[rows].float(), params)
         p = xp.softmax(dim=-1)
         m = len(rows)
         tok = torch.tensor(draft_tok, dtype=torch.int64, device=dev)

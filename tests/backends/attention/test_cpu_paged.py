@@ -89,8 +89,10 @@ def test_library_builds_for_this_cpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
 def test_decode_batch(dtype, d):
+    """bf16 at head_dim 32/64/128/256 takes the direct path on AVX512-BF16 builds, 96 the
+    staged one (as fp32 does)."""
     check([1, 17, 80, 128], [1, 1, 1, 1], d=d, dtype=dtype)
 
 
@@ -100,16 +102,20 @@ def test_mixed_prefill_and_decode_with_padding(dtype):
     check([37, 70, 5, 1, 200], [37, 20, 1, 1, 1], dtype=dtype, pad=5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 3, 16, 128])
-def test_block_boundaries(block_size):
+def test_block_boundaries(block_size, dtype):
     lens = [block_size - 1 or 1, block_size, block_size + 1, 2 * block_size, 3 * block_size + 2]
     q_lens = [min(ql, L) for ql, L in zip([1, 2, 1, 5, 3], lens)]
-    check(lens, q_lens, block_size=block_size)
+    check(lens, q_lens, block_size=block_size, dtype=dtype)
 
 
-@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (8, 1), (12, 3)])
-def test_gqa_and_mqa(hq, hkv):
-    check([40, 9, 23], [1, 9, 4], hq=hq, hkv=hkv)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (8, 1), (12, 3), (32, 2)])
+def test_gqa_and_mqa(hq, hkv, dtype):
+    # (32, 2): 16 query heads a KV head, so a prefill tile's rows outnumber one pass of the
+    # direct path's value accumulators
+    check([40, 9, 23], [1, 9, 4], hq=hq, hkv=hkv, dtype=dtype)
 
 
 @pytest.mark.parametrize("window", [1, 4, 16, 33])

@@ -51,10 +51,10 @@ def test_two_builds_alternate_and_report_ratios_and_bits(tmp_path):
 
     text = LIBRARY.source.read_text()
     same = build("same", text)
-    # a softmax 1% sharper: other outputs
-    marker = "dst[x] *= a.scale;"
-    assert marker in text
-    other = build("other", text.replace(marker, "dst[x] *= a.scale * 1.01f;"))
+    # a softmax 1% sharper (the entry point's scale, which every path reads): other outputs
+    marker = "hq, hkv, d, scale, window};"
+    assert text.count(marker) == 1
+    other = build("other", text.replace(marker, "hq, hkv, d, scale * 1.01f, window};"))
     cases = (
         Case("decode b2 ctx 40", (40, 17), (1, 1)),
         dataclasses.replace(attention_ab.AB_CASES[-1], ctx_lens=(24,), q_lens=(24,)),
