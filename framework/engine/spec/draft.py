@@ -35,18 +35,18 @@ request's seed that differs from the target's, so drafts are reproducible whatev
 the batch and independent of the target's own draws.
 
 Every draft forward checks its inputs against what the draft was compiled for (dtype, rank,
-token count): a mismatch is a :class:`DraftInputError`, never wrong drafts.
+token count): a mismatch is a
+:class:`~framework.engine.spec.draft_inputs.DraftInputError`, never wrong drafts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -55,8 +55,9 @@ from framework.core.forward_context import set_forward_context
 from framework.core.parallel_state import tp_state
 from framework.engine.block_manager import OutOfBlocks
 from framework.engine.request import Request, ScheduledChunk
-from framework.engine.sampler import apply_min_p, apply_top_k, apply_top_p, uniform_noise
 from framework.engine.spec.config import SpeculativeConfig
+from framework.engine.spec.draft_inputs import CheckedForward, input_spec_of
+from framework.engine.spec.draft_sampler import DraftSampler
 from framework.engine.spec.proposer import ProposerContext, register_proposer
 from framework.engine.worker import Worker
 from models.config import ModelConfig, parse_dtype
@@ -64,10 +65,6 @@ from models.config import ModelConfig, parse_dtype
 _DRAFT_SEED_MIX = 0x5851F42D4C957F2D
 """Mixed into a request's seed for its draft noise (the target's draws use the seed itself)."""
 _SEED_MASK = (1 << 63) - 1
-
-
-class DraftInputError(TypeError):
-    """The draft's forward got inputs it was not compiled for (dtype, rank or size)."""
 
 
 # ---------------------------------------------------------------------- draft identity
@@ -132,148 +129,6 @@ def draft_compilation_config(
         data.update(overrides)
         cc = CompilationConfig.from_dict(data, _prefix="SpeculativeConfig.draft_compile")
     return cc
-
-
-# ---------------------------------------------------------------------- input checks
-@dataclass(frozen=True)
-class DraftInputSpec:
-    """What the draft's forward was compiled for: checked before every draft forward."""
-
-    input_ids_dtype: torch.dtype
-    positions_dtype: torch.dtype
-    max_num_tokens: int
-    model: str = "draft"
-
-    def check(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        for name, t, want in (
-            ("input_ids", input_ids, self.input_ids_dtype),
-            ("positions", positions, self.positions_dtype),
-        ):
-            if not isinstance(t, torch.Tensor):
-                raise DraftInputError(
-                    f"draft model {self.model}: {name} must be a tensor, got {type(t).__name__}"
-                )
-            if t.dtype != want:
-                raise DraftInputError(
-                    f"draft model {self.model}: {name} is {t.dtype} but the draft was compiled "
-                    f"for {want}; feeding it would give wrong drafts (build the draft's "
-                    f"inputs with the dtype it was compiled for)"
-                )
-            if t.dim() != 1:
-                raise DraftInputError(
-                    f"draft model {self.model}: {name} must be 1-d (one entry per token), "
-                    f"got shape {tuple(t.shape)}"
-                )
-        if input_ids.shape != positions.shape:
-            raise DraftInputError(
-                f"draft model {self.model}: input_ids {tuple(input_ids.shape)} and positions "
-                f"{tuple(positions.shape)} differ in length"
-            )
-        if input_ids.shape[0] > self.max_num_tokens:
-            raise DraftInputError(
-                f"draft model {self.model}: {input_ids.shape[0]} tokens exceed the "
-                f"{self.max_num_tokens} the draft was compiled for (max_num_tokens)"
-            )
-
-
-class CheckedForward:
-    """The draft runner's forward, behind :meth:`DraftInputSpec.check`."""
-
-    def __init__(self, forward: Callable[..., torch.Tensor], spec: DraftInputSpec):
-        self.forward = forward
-        self.spec = spec
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.spec.check(input_ids, positions)
-        return self.forward(input_ids, positions)
-
-
-def input_spec_of(worker: Worker, model: str) -> DraftInputSpec:
-    """The dtypes the draft's forward was traced with (the compiled program's argument
-    record), falling back to the runner's input buffers for an eager draft; the two must
-    agree."""
-    runner = worker.runner
-    spec = DraftInputSpec(
-        runner.input_ids.dtype, runner.positions.dtype, runner.max_num_tokens, model
-    )
-    trace = worker.compiled.trace_once
-    binding = trace.binding if trace is not None else None
-    if binding is not None:
-        names = trace.arg_names
-        traced = {names[idx]: dtype for idx, dtype, _ in binding.arg_meta}
-        for name, have in (
-            ("input_ids", spec.input_ids_dtype),
-            ("positions", spec.positions_dtype),
-        ):
-            if name in traced and traced[name] != str(have):
-                raise DraftInputError(
-                    f"draft model {model}: compiled for {name} of {traced[name]} but its "
-                    f"runner stages {have}; clear the draft's cache entry"
-                )
-    return spec
-
-
-# ---------------------------------------------------------------------- sampling
-class DraftSampler:
-    """The draft runner's sampler: ``(logits, reqs) -> (tokens, None)``; keeps, for the
-    sampling (non-greedy) rows, the distribution q each token was drawn from in
-    :attr:`last_probs` (``[rows, vocab]`` float32, None when every row is greedy).  A row whose
-    logits are not finite gets ``None`` (the request drafts no further) and fails nothing.
-
-    :meth:`pick` is the same rule on tensors (no host sync), for the draft's step loop."""
-
-    def __init__(self) -> None:
-        self.last_probs: Optional[torch.Tensor] = None
-
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]):
-        params = [r.params for r in reqs]
-        greedy = all(p.greedy for p in params)
-        seeds = steps = None
-        if not greedy:
-            seeds = torch.tensor([r.seed for r in reqs], device=logits.device)
-            steps = torch.tensor([len(r.output) for r in reqs], device=logits.device)
-        tok, values, self.last_probs = self.pick(logits, params, greedy, seeds, steps)
-        tokens: list[Optional[int]] = tok.tolist()
-        for i, v in enumerate(values.tolist()):
-            if not math.isfinite(v):
-                tokens[i] = None
-        return tokens, None
-
-    def pick(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[Any],
-        greedy: bool,
-        seeds: Optional[torch.Tensor],
-        steps: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """``(tokens, row maxima, q)`` for ``logits`` ``[rows, vocab]``: the argmax for greedy
-        rows, a draw from q (noise keyed by ``seeds`` and the output index ``steps``) for
-        the others; q is None when ``greedy`` (every row greedy).  A row whose maximum is not
-        finite must be dropped by the caller."""
-        x = logits.float()  # an fp32 max is exact for bf16 values and faster than bf16's
-        values, argmax = x.max(dim=-1)
-        if greedy:
-            return argmax, values, None
-        probs = self._distribution(x, params)
-        noise = uniform_noise(seeds, steps, x.shape[-1])
-        drawn = (probs / -noise.log()).argmax(dim=-1)
-        mask = torch.tensor([p.greedy for p in params], device=x.device)
-        return torch.where(mask, argmax, drawn), values, probs
-
-    @staticmethod
-    def _distribution(x: torch.Tensor, params) -> torch.Tensor:
-        dev = x.device
-        f32 = dict(dtype=torch.float32, device=dev)
-        temp = torch.tensor([p.temperature or 1.0 for p in params], **f32)
-        x = x / temp[:, None]
-        if any(p.top_k > 0 for p in params):
-            x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=dev))
-        if any(p.top_p < 1 for p in params):
-            x = apply_top_p(x, torch.tensor([p.top_p for p in params], **f32))
-        if any(p.min_p > 0 for p in params):
-            x = apply_min_p(x, torch.tensor([p.min_p for p in params], **f32))
-        return x.softmax(dim=-1)
 
 
 # ---------------------------------------------------------------------- per-request state
@@ -424,7 +279,8 @@ class DraftModelProposer:
         return out
 
     def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Raise :class:`DraftInputError` unless the draft was compiled for these inputs."""
+        """Raise :class:`~framework.engine.spec.draft_inputs.DraftInputError` unless the draft
+        was compiled for these inputs."""
         self.input_spec.check(input_ids, positions)
 
     # ------------------------------------------------------------------ state
@@ -598,11 +454,7 @@ class DraftModelProposer:
 
 
 __all__ = [
-    "CheckedForward",
-    "DraftInputError",
-    "DraftInputSpec",
     "DraftModelProposer",
-    "DraftSampler",
     "check_draft_vocab",
     "draft_compilation_config",
     "draft_identity",

@@ -14,11 +14,11 @@ from framework.engine.request import Request
 from framework.engine.sampling_params import SamplingParams
 from framework.engine.spec.config import SpeculativeConfig
 from framework.engine.spec.draft import (
-    DraftInputError,
     DraftModelProposer,
     draft_compilation_config,
     draft_identity,
 )
+from framework.engine.spec.draft_inputs import DraftInputError
 from framework.engine.spec.proposer import PROPOSERS, ProposerContext, build_proposer
 
 K = 4
