@@ -4,6 +4,7 @@ ratio.
 
     python -m experiments.bench.engine_ab --ab kv_pages [--batch 1 8 32] [--rounds 8]
     python -m experiments.bench.engine_ab --ab split_calls [--batch 1 8 32] [--rounds 12]
+    python -m experiments.bench.engine_ab --ab attention_rev --baseline REV [--batch 8]
 
 ===============  ==========================================================================
 ``kv_pages``     the KV caches in 4 KB pages (torch's allocator) against 2 MB pages (where
@@ -12,6 +13,10 @@ ratio.
 ``split_calls``  the split module calling each splitting op through its submodule against
                  the op's overload called from its own code (``inline_splitting_ops``):
                  two graphs over the same installed pieces; timed: each decode forward
+``attention_rev`` the fused CPU attention kernel built from ``--baseline`` (a git revision
+                 or a .cpp file, as ``attention_ab`` takes it) against the current source,
+                 the library the op calls swapped between generations: the kernel change
+                 inside a decode step, where its calls are cold; timed: each attention call
 ===============  ==========================================================================
 
 Each round runs both forms (order alternating by round) on the same prompts: a 2-token
@@ -24,16 +29,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import statistics
+import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from experiments.bench.engine_bench import add_engine_args, build_llm
 
-FORMS = {"kv_pages": ("4 KB pages", "2 MB pages"), "split_calls": ("submodules", "inlined")}
+FORMS = {
+    "kv_pages": ("4 KB pages", "2 MB pages"),
+    "split_calls": ("submodules", "inlined"),
+    "attention_rev": ("baseline", "current"),
+}
 
 
 class _Calls:
@@ -123,6 +135,33 @@ def split_calls_forms(llm) -> dict[str, Callable[[], None]]:
     return {"submodules": install(through), "inlined": install(inlined)}
 
 
+def attention_rev_forms(baseline: str, work: Path) -> dict[str, Callable[[], None]]:
+    """Installers of two builds of the fused attention kernel: ``baseline`` (a git revision
+    or a .cpp file) and the current source; installing one makes the op's calls use it."""
+    from backends.attention import cpu_paged
+    from backends.attention.cpu_paged_build import LIBRARY, declare_attention
+    from experiments.bench.attention_ab import baseline_source
+    from framework.core.native_build import NativeLibrary
+
+    repo = Path(__file__).resolve().parents[2]
+    source = baseline_source(baseline, work, repo)
+    old = NativeLibrary(
+        f"cpu_paged_engine_ab_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}",
+        source,
+        portable_env="PIECEWISE_CPU_PAGED_PORTABLE",
+        declare=declare_attention,
+    ).load(None)
+    libraries = {"baseline": old, "current": LIBRARY.load(None)}
+
+    def install(name: str) -> Callable[[], None]:
+        def run() -> None:
+            cpu_paged.load_library = lambda portable=None: libraries[name]
+
+        return run
+
+    return {f"baseline {baseline}": install("baseline"), "current": install("current")}
+
+
 def measure(llm, forms: dict[str, Callable[[], None]], calls: _Calls, batch: int, args) -> dict:
     g = torch.Generator().manual_seed(batch)
     vocab = llm.model_config.vocab_size
@@ -176,7 +215,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ab", required=True, choices=sorted(FORMS))
     add_engine_args(p, batch=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=8)
-    return p.parse_args(argv)
+    p.add_argument("--baseline", help="attention_rev: a git revision or a .cpp file")
+    args = p.parse_args(argv)
+    if args.ab == "attention_rev" and not args.baseline:
+        p.error("--ab attention_rev needs --baseline (a git revision or a .cpp file)")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -186,15 +229,21 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     with build:
         llm, path = build_llm(args)
     calls = _Calls()
-    if args.ab == "kv_pages":
-        forms, what = kv_pages_forms(llm), "attention call"
+    if args.ab in ("kv_pages", "attention_rev"):
+        if args.ab == "kv_pages":
+            forms = kv_pages_forms(llm)
+        else:
+            forms = attention_rev_forms(args.baseline, Path(tempfile.mkdtemp(prefix="engine-ab-")))
+        what = "attention call"
         timing = _attention_timed(calls)
     else:
         forms, what = split_calls_forms(llm), "decode forward"
         forward = llm.runner.forward
         llm.runner.forward = calls.wrap(forward, _decode_step)
         timing = _restore(llm.runner, "forward", forward)
-    with timing:
+    from backends.attention import cpu_paged
+
+    with timing, _restore(cpu_paged, "load_library", cpu_paged.load_library):
         rows = [r for b in args.batch for r in measure(llm, forms, calls, b, args)]
     print(
         f"# engine A/B {args.ab}: {path}, {args.dtype}, O{args.level}, prompt {args.prompt_len}, "

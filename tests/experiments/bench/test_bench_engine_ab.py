@@ -57,3 +57,42 @@ def test_kv_pages_times_each_decode_attention_call(llama_checkpoint, compile_cac
         assert r["calls"] == 2 * 10 * layers, r  # one call per layer and decode step
         assert r["same_tokens"]
     assert cpu_paged.paged_attention is attention
+
+
+def test_attention_rev_swaps_the_kernel_build_the_op_calls(
+    llama_checkpoint, compile_cache_dir, tmp_path
+):
+    """A baseline source whose scale is 1% off: the two forms call different builds (other
+    tokens are possible, other timings certain), every decode attention call is timed, and
+    the op's library is the current build again afterwards."""
+    from backends.attention import cpu_paged
+    from backends.attention.cpu_paged_build import LIBRARY
+
+    marker = "hq, hkv, d, scale, window};"
+    other = tmp_path / "cpu_paged_attention.cpp"
+    other.write_text(
+        LIBRARY.source.read_text().replace(marker, "hq, hkv, d, scale * 1.01f, window};")
+    )
+    load = cpu_paged.load_library
+    seen = []
+    original = cpu_paged.paged_attention
+
+    def spy(*args, **kwargs):
+        seen.append(cpu_paged.load_library())
+        return original(*args, **kwargs)
+
+    cpu_paged.paged_attention = spy
+    try:
+        rows = engine_ab.main(
+            ["--ab", "attention_rev", "--baseline", str(other), "--model-dir",
+             str(llama_checkpoint), "--cache-dir", compile_cache_dir] + ARGS
+        )  # fmt: skip
+    finally:
+        cpu_paged.paged_attention = original
+    layers = json.loads((llama_checkpoint / "config.json").read_text())["num_hidden_layers"]
+    assert [r["form"] for r in rows[:2]] == [f"baseline {other}", "current"]
+    for r in rows:
+        assert r["calls"] == 2 * 10 * layers, r
+    assert len({id(lib) for lib in seen}) == 2  # both builds ran
+    assert LIBRARY.load(None) in seen
+    assert cpu_paged.load_library is load
