@@ -126,6 +126,25 @@ inline __m512 exp_neg16(__m512 x) {
 inline __mmask16 first_lanes(int n) {  // the first n (0..16) of 16 lanes
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
 }
+
+// Lane j of the result = the sum of the 16 lanes of v[j]: 16 keys' partial-product vectors
+// turned into their 16 scores by one transposing reduction (no per-key horizontal sum).
+inline __m512 sum_each16(const __m512* v) {
+  __m512 t8[8], u4[4];
+  for (int i = 0; i < 8; ++i)
+    t8[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x0 = _mm512_castps_pd(t8[2 * i]), x1 = _mm512_castps_pd(t8[2 * i + 1]);
+    u4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x0, x1)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(x0, x1)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u4[0], u4[1], 0x88),
+                                  _mm512_shuffle_f32x4(u4[0], u4[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u4[2], u4[3], 0x88),
+                                  _mm512_shuffle_f32x4(u4[2], u4[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
 #endif
 
 // The largest of sr[0, nk) (-inf when nk is 0).
@@ -210,22 +229,7 @@ inline void block_scores(const float* __restrict q, int rows, const float* __res
           }
           accs[j] = t;
         }
-        __m512 t8[8], u4[4];
-        for (int i = 0; i < 8; ++i)
-          t8[i] = _mm512_add_ps(_mm512_unpacklo_ps(accs[2 * i], accs[2 * i + 1]),
-                                _mm512_unpackhi_ps(accs[2 * i], accs[2 * i + 1]));
-        for (int i = 0; i < 4; ++i) {
-          const __m512d x0 = _mm512_castps_pd(t8[2 * i]), x1 = _mm512_castps_pd(t8[2 * i + 1]);
-          u4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x0, x1)),
-                                _mm512_castpd_ps(_mm512_unpackhi_pd(x0, x1)));
-        }
-        const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u4[0], u4[1], 0x88),
-                                        _mm512_shuffle_f32x4(u4[0], u4[1], 0xDD));
-        const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u4[2], u4[3], 0x88),
-                                        _mm512_shuffle_f32x4(u4[2], u4[3], 0xDD));
-        const __m512 sc = _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88),
-                                        _mm512_shuffle_f32x4(w0, w1, 0xDD));
-        _mm512_mask_storeu_ps(s + r * s_stride + j0, static_cast<__mmask16>((1u << n) - 1), sc);
+        _mm512_mask_storeu_ps(s + r * s_stride + j0, first_lanes(n), sum_each16(accs));
       }
     }
     return;
@@ -320,14 +324,89 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict p,
 
 struct Item { int32_t req, q0, q1, head; };
 
+// The item's K/V rows are block_size rows of D elements at a stride of Hkv * D, in blocks
+// anywhere in the cache: no hardware prefetcher follows them, and a decode step's KV comes
+// from DRAM (the step's weights evicted it).  So the rows of the next kPrefetchBlocks blocks
+// are prefetched ahead of their use (block b of the item's table; none past b_last or for an
+// id outside the cache, which the loop reports when it reaches it).
+template <typename T>
+inline void prefetch_block(const Args& a, const Item& it, const T* kc, const T* vc,
+                           int64_t b, int64_t b_last) {
+  if (b > b_last) return;
+  const int32_t id = a.block_table[it.req * a.bt_st + b];
+  if (id < 0 || id >= a.num_blocks) return;
+  const int64_t nbase = static_cast<int64_t>(id) * a.block_size;
+  const int64_t d = a.d;
+  for (int64_t j = 0; j < a.block_size; ++j)
+    for (int64_t x = 0; x < d * static_cast<int64_t>(sizeof(T)); x += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kc + ((nbase + j) * a.hkv + it.head) * d) + x);
+      __builtin_prefetch(reinterpret_cast<const char*>(vc + ((nbase + j) * a.hkv + it.head) * d) + x);
+    }
+}
+
+// The keys an item's tile reads: its first query's window start .. its last query's position
+// (inclusive), and the blocks of the item's table that hold them.  Rows of the tile see
+// [pos - window + 1, pos] with pos from pos0 (first query) to pos1 (last).
+struct ItemKeys {
+  int64_t pos0, pos1, win, kend, b_first, b_last;
+  ItemKeys(const Args& a, const Item& it) {
+    const int32_t qs = a.qsl[it.req], ql = a.qsl[it.req + 1] - qs;
+    const int64_t L = a.seq_lens[it.req];
+    pos0 = L - ql + it.q0;
+    pos1 = L - ql + it.q1 - 1;
+    win = a.window;
+    const int64_t kstart = win > 0 ? std::max<int64_t>(0, pos0 - win + 1) : 0;
+    kend = pos1;
+    b_first = kstart / a.block_size;
+    b_last = kend / a.block_size;
+  }
+};
+
+// block(b, base, nk) for each KV block b of the item, in order: its first cache row `base`
+// and its nk keys (from the block's start, so a key's score sits at its offset in the block
+// whatever the tile's window start; those before the window are masked by the caller),
+// kPrefetchBlocks blocks prefetched ahead.  False (and no further call) when the table names
+// a block outside the cache.
+template <typename T, class Block>
+inline bool for_each_block(const Args& a, const Item& it, const ItemKeys& keys, const T* kc,
+                           const T* vc, Block&& block) {
+  const int32_t* table = a.block_table + it.req * a.bt_st;
+  const int64_t bs = a.block_size;
+  for (int64_t b = keys.b_first; b < keys.b_first + kPrefetchBlocks; ++b)
+    prefetch_block(a, it, kc, vc, b, keys.b_last);
+  for (int64_t b = keys.b_first; b <= keys.b_last; ++b) {
+    if (table[b] < 0 || table[b] >= a.num_blocks) return false;
+    prefetch_block(a, it, kc, vc, b + kPrefetchBlocks, keys.b_last);
+    block(b, static_cast<int64_t>(table[b]) * bs,
+          static_cast<int>(std::min<int64_t>(keys.kend - b * bs + 1, bs)));
+  }
+  return true;
+}
+
+// Rows are (query token, head) pairs; row r sees keys [pos - window + 1, pos] with
+// pos = pos0 + r / g.  The scores s[r * bs + j] of keys kb0 + j (j < nk) outside a row's range
+// become -inf; a block inside every row's range (all of a decode's blocks but the window's
+// edge) is left as it is.
+inline void mask_block(float* s, int rows, int g, int bs, int nk, int64_t kb0, int64_t pos0,
+                       int64_t pos1, int64_t win) {
+  const int64_t kb1 = kb0 + nk - 1;
+  if (kb1 <= pos0 && (win <= 0 || kb0 > pos1 - win)) return;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t pos = pos0 + r / g;
+    for (int j = 0; j < nk; ++j) {
+      const int64_t kpos = kb0 + j;
+      if (kpos > pos || (win > 0 && kpos <= pos - win)) s[r * bs + j] = -INFINITY;
+    }
+  }
+}
+
 // Returns false when the block table names a block outside the cache.
 // kD > 0: head_dim known at compile time (fully unrolled, no loop remainders); 0: generic.
 template <typename T, int kD>
 bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   const int d = kD > 0 ? kD : static_cast<int>(a.d), g = static_cast<int>(a.hq / a.hkv);
   const int bs = static_cast<int>(a.block_size);
-  const int qs = a.qsl[it.req], ql = a.qsl[it.req + 1] - qs;
-  const int64_t L = a.seq_lens[it.req];
+  const int qs = a.qsl[it.req];
   const int nq = it.q1 - it.q0, rows = nq * g;
   scratch.resize(static_cast<size_t>(rows) * (2 * d + bs + 2) + 2 * static_cast<size_t>(bs) * d);
   float* qf = scratch.data();                   // [rows, d], pre-scaled
@@ -349,58 +428,16 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   std::fill(acc, acc + rows * d, 0.0f);
   std::fill(m, m + rows, -INFINITY);
   std::fill(l, l + rows, 0.0f);
-  // Key range of the tile: first query's window start .. last query's position.
-  const int64_t pos0 = L - ql + it.q0, pos1 = L - ql + it.q1 - 1;
-  const int64_t win = a.window;
-  const int64_t kstart = win > 0 ? std::max<int64_t>(0, pos0 - win + 1) : 0;
-  const int64_t kend = pos1;  // inclusive
+  const ItemKeys keys(a, it);
   const T* kc = static_cast<const T*>(a.kv_cache);
   const T* vc = kc + a.num_blocks * a.block_size * a.hkv * d;
-  const int32_t* table = a.block_table + it.req * a.bt_st;
-  // The item's K/V rows are 16 (block size) rows of D elements at a stride of Hkv * D, in
-  // blocks anywhere in the cache: no hardware prefetcher follows them, and a decode step's
-  // KV comes from DRAM (the step's weights evicted it).  So the rows of the next
-  // kPrefetchBlocks blocks are prefetched ahead of their use, the first ones before the loop.
-  const int64_t b_first = kstart / bs, b_last = kend / bs;
-  auto prefetch_block = [&](int64_t b) {
-    if (b > b_last) return;
-    const int32_t id = table[b];
-    if (id < 0 || id >= a.num_blocks) return;  // reported when the loop reaches it
-    const int64_t nbase = static_cast<int64_t>(id) * bs;
-    for (int j = 0; j < bs; ++j)
-      for (int x = 0; x < d * static_cast<int>(sizeof(T)); x += 64) {
-        __builtin_prefetch(
-            reinterpret_cast<const char*>(kc + ((nbase + j) * a.hkv + it.head) * d) + x);
-        __builtin_prefetch(
-            reinterpret_cast<const char*>(vc + ((nbase + j) * a.hkv + it.head) * d) + x);
-      }
-  };
-  for (int64_t b = b_first; b < b_first + kPrefetchBlocks; ++b) prefetch_block(b);
-  for (int64_t b = b_first; b <= b_last; ++b) {
-    if (table[b] < 0 || table[b] >= a.num_blocks) return false;
-    const int64_t base = static_cast<int64_t>(table[b]) * bs;
-    prefetch_block(b + kPrefetchBlocks);
-    // Keys from the block's start (those before the window are masked below), so that a
-    // key's score sits at its offset in the block whatever the tile's window start.
-    const int nk = static_cast<int>(std::min<int64_t>(kend - b * bs + 1, bs));
+  const bool ok = for_each_block(a, it, keys, kc, vc, [&](int64_t b, int64_t base, int nk) {
     for (int j = 0; j < nk; ++j) {
       load_row(kc + ((base + j) * a.hkv + it.head) * d, kblk + j * d, d);
       load_row(vc + ((base + j) * a.hkv + it.head) * d, vblk + j * d, d);
     }
     block_scores<kD>(qf, rows, kblk, nk, d, s, bs);
-    // Rows are (query token, head) pairs; row r sees keys [pos - window + 1, pos] with
-    // pos = pos0 + r / g.  A block inside every row's range (all of a decode's blocks but the
-    // window's edge) skips the mask.
-    const int64_t kb0 = b * bs, kb1 = b * bs + nk - 1;
-    if (!(kb1 <= pos0 && (win <= 0 || kb0 > pos1 - win))) {
-      for (int r = 0; r < rows; ++r) {
-        const int64_t pos = pos0 + r / g;
-        for (int j = 0; j < nk; ++j) {
-          const int64_t kpos = kb0 + j;
-          if (kpos > pos || (win > 0 && kpos <= pos - win)) s[r * bs + j] = -INFINITY;
-        }
-      }
-    }
+    mask_block(s, rows, g, bs, nk, b * bs, keys.pos0, keys.pos1, keys.win);
     for (int r = 0; r < rows; ++r) {
       float* sr = s + r * bs;
       const float mb = row_max(sr, nk);
@@ -420,7 +457,8 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
       l[r] += block_exp_sum(sr, nk, bs, m_new);
       accumulate_values<kD>(ar, sr, vblk, nk, d);
     }
-  }
+  });
+  if (!ok) return false;
   T* out = static_cast<T*>(a.out);
   for (int i = 0; i < nq; ++i)
     for (int j = 0; j < g; ++j) {
@@ -490,22 +528,7 @@ inline void row_scores(const __m512bh* qv, const uint16_t* k0, int64_t k_st, int
       }
       accs[j] = t;
     }
-    __m512 t8[8], u4[4];
-    for (int i = 0; i < 8; ++i)
-      t8[i] = _mm512_add_ps(_mm512_unpacklo_ps(accs[2 * i], accs[2 * i + 1]),
-                            _mm512_unpackhi_ps(accs[2 * i], accs[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
-      const __m512d x0 = _mm512_castps_pd(t8[2 * i]), x1 = _mm512_castps_pd(t8[2 * i + 1]);
-      u4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x0, x1)),
-                            _mm512_castpd_ps(_mm512_unpackhi_pd(x0, x1)));
-    }
-    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u4[0], u4[1], 0x88),
-                                    _mm512_shuffle_f32x4(u4[0], u4[1], 0xDD));
-    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u4[2], u4[3], 0x88),
-                                    _mm512_shuffle_f32x4(u4[2], u4[3], 0xDD));
-    const __m512 sc = _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88),
-                                    _mm512_shuffle_f32x4(w0, w1, 0xDD));
-    _mm512_mask_storeu_ps(s + j0, first_lanes(n), _mm512_mul_ps(sc, sv));
+    _mm512_mask_storeu_ps(s + j0, first_lanes(n), _mm512_mul_ps(sum_each16(accs), sv));
   }
 }
 
@@ -550,8 +573,7 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   constexpr int V = kD / 32;
   const int d = kD, g = static_cast<int>(a.hq / a.hkv);
   const int bs = static_cast<int>(a.block_size);
-  const int qs = a.qsl[it.req], ql = a.qsl[it.req + 1] - qs;
-  const int64_t L = a.seq_lens[it.req];
+  const int qs = a.qsl[it.req];
   const int nq = it.q1 - it.q0, rows = nq * g;
   scratch.resize(static_cast<size_t>(rows) * (d + bs + 3));
   float* acc = scratch.data();  // [rows, d]
@@ -564,32 +586,11 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   std::fill(l, l + rows, 0.0f);
   const uint16_t* q = static_cast<const uint16_t*>(a.q);
   auto q_row = [&](int r) { return q + (qs + it.q0 + r / g) * a.q_st + (it.head * g + r % g) * d; };
-  const int64_t pos0 = L - ql + it.q0, pos1 = L - ql + it.q1 - 1;
-  const int64_t win = a.window;
-  const int64_t kstart = win > 0 ? std::max<int64_t>(0, pos0 - win + 1) : 0;
-  const int64_t kend = pos1;
+  const ItemKeys keys(a, it);
   const int64_t row_st = a.hkv * d;  // elements between two keys' rows of one head
   const uint16_t* kc = static_cast<const uint16_t*>(a.kv_cache);
   const uint16_t* vc = kc + a.num_blocks * a.block_size * row_st;
-  const int32_t* table = a.block_table + it.req * a.bt_st;
-  const int64_t b_first = kstart / bs, b_last = kend / bs;
-  auto prefetch_block = [&](int64_t b) {  // as in the staged path
-    if (b > b_last) return;
-    const int32_t id = table[b];
-    if (id < 0 || id >= a.num_blocks) return;
-    const int64_t nbase = static_cast<int64_t>(id) * bs;
-    for (int j = 0; j < bs; ++j)
-      for (int x = 0; x < d * 2; x += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kc + (nbase + j) * row_st + it.head * d) + x);
-        __builtin_prefetch(reinterpret_cast<const char*>(vc + (nbase + j) * row_st + it.head * d) + x);
-      }
-  };
-  for (int64_t b = b_first; b < b_first + kPrefetchBlocks; ++b) prefetch_block(b);
-  for (int64_t b = b_first; b <= b_last; ++b) {
-    if (table[b] < 0 || table[b] >= a.num_blocks) return false;
-    const int64_t base = static_cast<int64_t>(table[b]) * bs;
-    prefetch_block(b + kPrefetchBlocks);
-    const int nk = static_cast<int>(std::min<int64_t>(kend - b * bs + 1, bs));
+  const bool ok = for_each_block(a, it, keys, kc, vc, [&](int64_t b, int64_t base, int nk) {
     const uint16_t* k0 = kc + base * row_st + it.head * d;
     const uint16_t* v0 = vc + base * row_st + it.head * d;
     for (int r = 0; r < rows; ++r) {
@@ -598,16 +599,7 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
       for (int x = 0; x < V; ++x) qv[x] = (__m512bh)_mm512_loadu_si512(qr + 32 * x);
       row_scores<kD>(qv, k0, row_st, nk, a.scale, s + r * bs);
     }
-    const int64_t kb0 = b * bs, kb1 = b * bs + nk - 1;
-    if (!(kb1 <= pos0 && (win <= 0 || kb0 > pos1 - win))) {
-      for (int r = 0; r < rows; ++r) {
-        const int64_t pos = pos0 + r / g;
-        for (int j = 0; j < nk; ++j) {
-          const int64_t kpos = kb0 + j;
-          if (kpos > pos || (win > 0 && kpos <= pos - win)) s[r * bs + j] = -INFINITY;
-        }
-      }
-    }
+    mask_block(s, rows, g, bs, nk, b * bs, keys.pos0, keys.pos1, keys.win);
     int n_live = 0;
     for (int r = 0; r < rows; ++r) {
       float* sr = s + r * bs;
@@ -626,7 +618,8 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
       live[n_live++] = r;
     }
     values<kD>(acc, s, bs, live, n_live, v0, row_st, nk);
-  }
+  });
+  if (!ok) return false;
   uint16_t* out = static_cast<uint16_t*>(a.out);
   for (int r = 0; r < rows; ++r) {
     uint16_t* dst = out + (qs + it.q0 + r / g) * a.out_st + (it.head * g + r % g) * d;
