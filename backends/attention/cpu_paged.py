@@ -5,7 +5,10 @@ Contract and KV layout are the plain-torch backend's (``[2, num_blocks, block_si
 decode and mixed prefill+decode batches, GQA/MQA, sliding windows, padding rows zeroed;
 float32 and bfloat16 (fp32 accumulation, online softmax).  The kernel is C++
 (``csrc/cpu_paged_attention.cpp``) built per machine on first use and cached on disk
-(:mod:`backends.attention.cpu_paged_build`).  Other dtypes and non-CPU tensors raise.
+(:mod:`backends.attention.cpu_paged_build`).  Other dtypes and non-CPU tensors raise.  On
+AVX512-BF16 machines a bf16 cache (head_dim 32/64/128/256) is read as bf16, scores by
+``vdpbf16ps`` (the "direct" path); elsewhere K/V rows are staged in fp32 per block.  Both give
+a verify row of a speculative step the bits of the decode step it stands for.
 
 Per step the metadata-derived arguments (pointers of the block table, query_start_loc,
 seq_lens and slot_mapping, and the counts) are computed once and kept on the metadata object,
