@@ -63,6 +63,18 @@ def baseline_source(spec: str, work: Path, repo: Path) -> Path:
     return out
 
 
+def baseline_library(spec: str, work: Path) -> Any:
+    """This machine's build of the kernel at ``spec`` (a git revision or a .cpp file; the
+    source is written under ``work``), loaded beside the current build."""
+    source = baseline_source(spec, work, Path(__file__).resolve().parents[2])
+    return NativeLibrary(
+        "cpu_paged_baseline",
+        source,
+        portable_env="PIECEWISE_CPU_PAGED_PORTABLE",
+        declare=declare_attention,
+    ).load(None)
+
+
 def _timed(fn, calls: int, before=None) -> float:
     times = []
     for _ in range(calls):
@@ -143,15 +155,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    repo = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="attention_ab_") as tmp:
-        src = baseline_source(args.baseline, Path(tmp), repo)
-        baseline = NativeLibrary(
-            "cpu_paged_baseline",
-            src,
-            portable_env="PIECEWISE_CPU_PAGED_PORTABLE",
-            declare=declare_attention,
-        ).load(None)
+        baseline = baseline_library(args.baseline, Path(tmp))
         libraries = {"baseline": baseline, "current": LIBRARY.load(None)}
         rows = run(libraries, AB_CASES, args.rounds, args.calls, args.evict_mb)
     print(

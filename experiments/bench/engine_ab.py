@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import statistics
 import tempfile
 import time
@@ -139,19 +138,10 @@ def attention_rev_forms(baseline: str, work: Path) -> dict[str, Callable[[], Non
     """Installers of two builds of the fused attention kernel: ``baseline`` (a git revision
     or a .cpp file) and the current source; installing one makes the op's calls use it."""
     from backends.attention import cpu_paged
-    from backends.attention.cpu_paged_build import LIBRARY, declare_attention
-    from experiments.bench.attention_ab import baseline_source
-    from framework.core.native_build import NativeLibrary
+    from backends.attention.cpu_paged_build import LIBRARY
+    from experiments.bench.attention_ab import baseline_library
 
-    repo = Path(__file__).resolve().parents[2]
-    source = baseline_source(baseline, work, repo)
-    old = NativeLibrary(
-        f"cpu_paged_engine_ab_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}",
-        source,
-        portable_env="PIECEWISE_CPU_PAGED_PORTABLE",
-        declare=declare_attention,
-    ).load(None)
-    libraries = {"baseline": old, "current": LIBRARY.load(None)}
+    libraries = {"baseline": baseline_library(baseline, work), "current": LIBRARY.load(None)}
 
     def install(name: str) -> Callable[[], None]:
         def run() -> None:
@@ -229,12 +219,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     with build:
         llm, path = build_llm(args)
     calls = _Calls()
-    if args.ab in ("kv_pages", "attention_rev"):
-        if args.ab == "kv_pages":
-            forms = kv_pages_forms(llm)
-        else:
-            forms = attention_rev_forms(args.baseline, Path(tempfile.mkdtemp(prefix="engine-ab-")))
-        what = "attention call"
+    if args.ab == "kv_pages":
+        forms, what = kv_pages_forms(llm), "attention call"
+        timing = _attention_timed(calls)
+    elif args.ab == "attention_rev":
+        work = Path(tempfile.mkdtemp(prefix="engine-ab-"))
+        forms, what = attention_rev_forms(args.baseline, work), "attention call"
         timing = _attention_timed(calls)
     else:
         forms, what = split_calls_forms(llm), "decode forward"

@@ -145,6 +145,21 @@ inline __m512 sum_each16(const __m512* v) {
                                   _mm512_shuffle_f32x4(u4[2], u4[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
+
+// sr[j] = exp(sr[j] - m) for j < nk and 0 for nk <= j < bs, 16 keys per instruction; returns
+// the lane-wise sums of the 16-key groups (what the direct path reduces into the block's sum).
+inline __m512 block_exp16(float* sr, int nk, int bs, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j0 = 0; j0 < bs; j0 += 16) {
+    const __mmask16 slots = first_lanes(bs - j0), live = first_lanes(std::max(0, nk - j0));
+    const __m512 e = _mm512_maskz_mov_ps(
+        live, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j0), mv)));
+    _mm512_mask_storeu_ps(sr + j0, slots, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return sum;
+}
 #endif
 
 // The largest of sr[0, nk) (-inf when nk is 0).
@@ -171,13 +186,7 @@ inline float row_max(const float* sr, int nk) {
 // flip on an ulp.)
 inline float block_exp_sum(float* sr, int nk, int bs, float m) {
 #if defined(__AVX512F__)
-  const __m512 mv = _mm512_set1_ps(m);
-  for (int j0 = 0; j0 < bs; j0 += 16) {
-    const __mmask16 slots = first_lanes(bs - j0), live = first_lanes(std::max(0, nk - j0));
-    const __m512 e = _mm512_maskz_mov_ps(
-        live, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j0), mv)));
-    _mm512_mask_storeu_ps(sr + j0, slots, e);
-  }
+  block_exp16(sr, nk, bs, m);
 #else
 #pragma omp simd
   for (int j = 0; j < nk; ++j) sr[j] = exp_neg(sr[j] - m);
@@ -479,7 +488,7 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
 // * scores: one `vdpbf16ps` per 32 elements of a key row against the query row as bf16 (the
 //   model's own q; products of two bf16 are exact in fp32, summed in fp32), 16 keys' partial
 //   vectors turned into their 16 scores by the same transposing reduction, then x scale;
-// * values: the rows of a KV head's query group (up to kValueRows at a time) keep their
+// * values: the rows of a KV head's query group (up to value_rows() at a time) keep their
 //   output accumulators in registers while each key's V row is widened to fp32 once and
 //   meets every row's probability (fp32, as before: no bf16 rounding of P);
 // * the softmax sum of a block is one vector reduction (its association depends on the block
@@ -490,24 +499,16 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
 // of the decode step it stands for.
 namespace direct {
 
-// Rows whose value accumulators share one pass over a block's V rows (D / 16 registers each).
+// Rows whose value accumulators share one pass over a block's V rows: D / 16 registers each,
+// beside the key's widened V row (D / 16) and the broadcast probability, in 32 registers.
 template <int kD>
 constexpr int value_rows() {
-  return kD / 16 >= 24 ? 1 : 24 / (kD / 16);
+  return std::max(1, (31 - kD / 16) / (kD / 16));
 }
 
 // exp(sr[j] - m) in place for j < nk, 0 for nk <= j < bs; returns their sum.
 inline float exp_sum(float* sr, int nk, int bs, float m) {
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 sum = _mm512_setzero_ps();
-  for (int j0 = 0; j0 < bs; j0 += 16) {
-    const __mmask16 slots = first_lanes(bs - j0), live = first_lanes(std::max(0, nk - j0));
-    const __m512 e = _mm512_maskz_mov_ps(
-        live, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j0), mv)));
-    _mm512_mask_storeu_ps(sr + j0, slots, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
+  return _mm512_reduce_add_ps(block_exp16(sr, nk, bs, m));
 }
 
 // s[j] = scale * dot(q, K row j) for j < nk (q: the query row, bf16, as kD / 32 vectors).
