@@ -203,5 +203,12 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V]
 
+    def compute_logits_greedy(
+        self, hidden: torch.Tensor
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``compute_logits`` and each row's greedy choice in one LM-head call (see
+        :class:`models.family.GreedyLogits`), or None where the head has no such kernel."""
+        return self.lm_head.forward_greedy(hidden)
+
     def attention_layer_names(self) -> list[str]:
         return [m.layer_name for m in self.modules() if isinstance(m, PagedAttention)]

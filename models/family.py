@@ -70,6 +70,19 @@ class ModelFamily(Protocol):
         model was built on the meta device and materialized with ``to_empty``."""
 
 
+@runtime_checkable
+class GreedyLogits(Protocol):
+    """Optional: a model whose LM head can pick greedy tokens as it computes the logits."""
+
+    def compute_logits_greedy(
+        self, hidden: torch.Tensor
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``hidden [N, H]`` -> (logits [N, V], index [N] int64, maximum [N] float32): per
+        row the first maximum of the logits (a row holding a NaN: its first NaN) -- what the
+        sampler's greedy pass would find in these logits -- or None for this call (the runner
+        then calls ``compute_logits`` and samples)."""
+
+
 MODELS: Registry[type[nn.Module]] = Registry(
     "model architecture",
     builtin_modules=("models.decoder", "models.moe"),

@@ -8,7 +8,7 @@ imports a quantization scheme.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -17,6 +17,20 @@ import torch.nn.functional as F
 
 class LinearMethod(Protocol):
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class GreedyLinearMethod(Protocol):
+    """A linear method that can also pick each row's greedy token in the same call (an LM
+    head's kernel scanning the logits it writes): ``(logits [rows, N], index [rows] int64,
+    maximum [rows] float32)`` -- each row's first maximum, a NaN first -- or None where it
+    cannot for this call."""
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor: ...
+
+    def apply_greedy(
+        self, layer: "Linear", x: torch.Tensor
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]: ...
 
 
 class Linear(nn.Module):

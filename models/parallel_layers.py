@@ -32,7 +32,7 @@ from framework.core.parallel_state import (
     divide,
     get_tp_state,
 )
-from models.layers import Linear, MergedLinear
+from models.layers import GreedyLinearMethod, Linear, MergedLinear
 
 
 @dataclass(frozen=True)
@@ -177,3 +177,13 @@ class ParallelLMHead(Linear):
         if self.tp_size == 1:
             return logits
         return all_gather_last_dim(logits, self.tp)[:, : self.vocab_size]  # [N, V]
+
+    def forward_greedy(
+        self, x: torch.Tensor
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(logits [N, V], first-maximum index [N], maximum [N]) from one kernel call, or None
+        (sharded vocabulary, or a linear method without a greedy kernel)."""
+        method = self.linear_method
+        if self.tp_size != 1 or not isinstance(method, GreedyLinearMethod):
+            return None
+        return method.apply_greedy(self, x)

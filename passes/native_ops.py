@@ -38,10 +38,17 @@ LIBRARY = TorchOpLibrary(
         CSRC / "int8_linear.cpp",
         CSRC / "panel_loop.h",
         CSRC / "fused_moe_packed.cpp",
+        CSRC.parents[1] / "framework" / "core" / "csrc" / "row_argmax.h",
     ),
 )
 
-OPS = ("packed_linear", "int8_packed_linear", "int8_wo_packed_linear", "fused_moe_packed")
+OPS = (
+    "packed_linear",
+    "packed_linear_greedy",
+    "int8_packed_linear",
+    "int8_wo_packed_linear",
+    "fused_moe_packed",
+)
 """The ``piecewise::`` ops that get a C++ CPU kernel."""
 
 

@@ -64,7 +64,10 @@ LIBRARY = NativeLibrary(
     Path(__file__).resolve().parent / "csrc" / "small_m_linear.cpp",
     portable_env="PIECEWISE_SMALL_M_LINEAR_PORTABLE",
     declare=_declare,
-    depends=(Path(__file__).resolve().parent / "csrc" / "panel_loop.h",),
+    depends=(
+        Path(__file__).resolve().parent / "csrc" / "panel_loop.h",
+        Path(__file__).resolve().parents[1] / "framework" / "core" / "csrc" / "row_argmax.h",
+    ),
 )
 
 

@@ -5,6 +5,7 @@ ratio.
     python -m experiments.bench.engine_ab --ab kv_pages [--batch 1 8 32] [--rounds 8]
     python -m experiments.bench.engine_ab --ab split_calls [--batch 1 8 32] [--rounds 12]
     python -m experiments.bench.engine_ab --ab attention_rev --baseline REV [--batch 8]
+    python -m experiments.bench.engine_ab --ab greedy_head [--batch 1 8] [--rounds 12]
 
 ===============  ==========================================================================
 ``kv_pages``     the KV caches in 4 KB pages (torch's allocator) against 2 MB pages (where
@@ -17,12 +18,18 @@ ratio.
                  or a .cpp file, as ``attention_ab`` takes it) against the current source,
                  the library the op calls swapped between generations: the kernel change
                  inside a decode step, where its calls are cold; timed: each attention call
+``greedy_head``  a greedy step's LM head then the sampler's pass over the logits against
+                 the head's kernel choosing each row's token as it stores the logits
+                 (``ModelRunner.fuse_greedy_head``, switched between generations); timed:
+                 each LM head + token choice (``ModelRunner._sample``; a prefill's is the
+                 same call: one row per request)
 ===============  ==========================================================================
 
 Each round runs both forms (order alternating by round) on the same prompts: a 2-token
 warm-up, then ``--steps`` + 8 new tokens; the table gives, per form, the median over every
 timed decode call of the rounds (prefill calls are not recorded), its interquartile range,
-the ratio to the first form, and whether the two forms produced the same tokens.
+the ratio to the first form, the median decode step (``ModelRunner.step_times``: the whole
+step but the scheduler) and its ratio, and whether the two forms produced the same tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ FORMS = {
     "kv_pages": ("4 KB pages", "2 MB pages"),
     "split_calls": ("submodules", "inlined"),
     "attention_rev": ("baseline", "current"),
+    "greedy_head": ("head, then sampler", "greedy head"),
 }
 
 
@@ -152,21 +160,42 @@ def attention_rev_forms(baseline: str, work: Path) -> dict[str, Callable[[], Non
     return {f"baseline {baseline}": install("baseline"), "current": install("current")}
 
 
+def greedy_head_forms(llm) -> dict[str, Callable[[], None]]:
+    """Switches of the runner between the LM head followed by the sampler's argmax pass and
+    the head's fused greedy kernel."""
+    runner = llm.runner
+    if runner.greedy_logits is None:
+        raise SystemExit("engine_ab greedy_head: the model has no fused greedy LM head")
+
+    def use(fused: bool) -> Callable[[], None]:
+        def run() -> None:
+            runner.fuse_greedy_head = fused
+
+        return run
+
+    return dict(zip(FORMS["greedy_head"], (use(False), use(True))))
+
+
 def measure(llm, forms: dict[str, Callable[[], None]], calls: _Calls, batch: int, args) -> dict:
     g = torch.Generator().manual_seed(batch)
     vocab = llm.model_config.vocab_size
     prompts = [torch.randint(vocab, (args.prompt_len,), generator=g).tolist() for _ in range(batch)]
     names = list(forms)
     seconds: dict[str, list[float]] = {n: [] for n in names}
+    steps: dict[str, list[float]] = {n: [] for n in names}
     tokens: dict[str, Any] = {}
+    decode_times = llm.runner.step_times["decode"]
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             forms[name]()
             llm.generate(prompts, 2, ignore_eos=True)
             calls.seconds.clear()
+            decode_times.clear()
             tokens[name] = llm.generate(prompts, args.steps + 8, ignore_eos=True)
             seconds[name].extend(calls.seconds)
+            steps[name].extend(decode_times)
     base = statistics.median(seconds[names[0]])
+    base_step = statistics.median(steps[names[0]])
     rows = []
     for name in names:
         xs = seconds[name]
@@ -180,6 +209,8 @@ def measure(llm, forms: dict[str, Callable[[], None]], calls: _Calls, batch: int
                 "iqr_us": (q1 * 1e6, q3 * 1e6),
                 "calls": len(xs),
                 "ratio": med / base,
+                "step_ms": statistics.median(steps[name]) * 1e3,
+                "step_ratio": statistics.median(steps[name]) / base_step,
                 "same_tokens": tokens[name] == tokens[names[0]],
             }
         )
@@ -188,14 +219,15 @@ def measure(llm, forms: dict[str, Callable[[], None]], calls: _Calls, batch: int
 
 def format_table(rows: list[dict], what: str) -> str:
     lines = [
-        f"| batch | form | {what} median µs | IQR µs | calls | ratio | same tokens |",
-        "|---|---|---|---|---|---|---|",
+        f"| batch | form | {what} median µs | IQR µs | calls | ratio | decode step ms | "
+        "ratio | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| b{r['batch']} | {r['form']} | {r['median_us']:.1f} | {r['iqr_us'][0]:.1f}-"
-            f"{r['iqr_us'][1]:.1f} | {r['calls']} | {r['ratio']:.3f} | "
-            f"{'yes' if r['same_tokens'] else 'NO'} |"
+            f"{r['iqr_us'][1]:.1f} | {r['calls']} | {r['ratio']:.3f} | {r['step_ms']:.3f} | "
+            f"{r['step_ratio']:.3f} | {'yes' if r['same_tokens'] else 'NO'} |"
         )
     return "\n".join(lines)
 
@@ -226,6 +258,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         work = Path(tempfile.mkdtemp(prefix="engine-ab-"))
         forms, what = attention_rev_forms(args.baseline, work), "attention call"
         timing = _attention_timed(calls)
+    elif args.ab == "greedy_head":
+        forms, what = greedy_head_forms(llm), "LM head + token choice"
+        sample = llm.runner._sample
+        llm.runner._sample = calls.wrap(sample, lambda a: True)
+        timing = _restore(llm.runner, "_sample", sample)
     else:
         forms, what = split_calls_forms(llm), "decode forward"
         forward = llm.runner.forward

@@ -12,8 +12,9 @@ pieces.  Here the engine runs as it always does; only these calls are timed, wit
 forward              ``ModelRunner.forward``: the compiled model, every piece and op
   attention          the fused CPU attention calls inside it (``cpu_paged.paged_attention``)
   compiled kernels   the Inductor kernels the lean pieces call (norms, RoPE, activations)
-LM head              ``compute_logits``
-sampler              the sampler
+LM head              ``compute_logits``, or the head's fused greedy kernel
+                     (``ModelRunner.greedy_logits``: logits and each row's argmax)
+sampler              the sampler (after a fused head: its reading of the head's choice)
 build_context        staging a step's inputs and attention metadata
 rest of the step     the step minus the four above: scheduling, the scheduler update,
                      outputs, and the engine loop
@@ -111,7 +112,13 @@ def build(args: argparse.Namespace, timers: Timers):
     runner = llm.runner
     runner.forward = timers.wrap(runner.forward, "forward")
     runner.model.compute_logits = timers.wrap(runner.model.compute_logits, "LM head")
-    runner.sampler = timers.wrap(runner.sampler, "sampler")
+    if runner.greedy_logits is not None:  # the head's fused greedy kernel: the LM head row
+        runner.greedy_logits = timers.wrap(runner.greedy_logits, "LM head")
+    # The sampler stays a Sampler (the runner takes the fused head's tokens only from one):
+    # its pass over the logits, or its reading of the fused head's choice, is the sampler row.
+    sampler = runner.sampler
+    sampler.sample = timers.wrap(sampler.sample, "sampler")
+    sampler.from_argmax = timers.wrap(sampler.from_argmax, "sampler")
     runner.build_context = timers.wrap(runner.build_context, "build_context")
     return llm, path
 

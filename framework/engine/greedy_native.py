@@ -40,6 +40,7 @@ LIBRARY = NativeLibrary(
     Path(__file__).resolve().parent / "csrc" / "greedy_argmax.cpp",
     portable_env="PIECEWISE_GREEDY_ARGMAX_PORTABLE",
     declare=_declare,
+    depends=(Path(__file__).resolve().parents[1] / "core" / "csrc" / "row_argmax.h",),
 )
 
 

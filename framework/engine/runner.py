@@ -27,6 +27,7 @@ from framework.engine.kv_cache import NULL_BLOCK
 from framework.engine.request import ScheduledChunk, single_token_batch, step_kind, uniform_batch
 from framework.engine.sampler import Sampler
 from framework.engine.spec.rejection import RejectionSampler
+from models.family import GreedyLogits
 
 DispatchFn = Callable[[int, int, bool], tuple[CUDAGraphMode, BatchDescriptor]]
 
@@ -97,6 +98,17 @@ class ModelRunner:
         self.sampler = sampler if sampler is not None else Sampler()
         """``(logits, reqs) -> (tokens, logprobs)``; a tensor-parallel rank other than 0 gets
         one that samples nothing (rank 0 samples)."""
+        self.greedy_logits: Optional[Callable[[torch.Tensor], Any]] = (
+            model.compute_logits_greedy if isinstance(model, GreedyLogits) else None
+        )
+        """The model's fused LM head + greedy choice (None: the model has none).  A step whose
+        requests are all greedy (no penalties or logprobs) takes its tokens from it when the
+        head's kernel can (a bf16 head on the small-M kernel): no separate pass of the sampler
+        over the logits, which after the head's weights streamed through the caches costs
+        several times its microbenchmark."""
+        self.fuse_greedy_head = True
+        """False: always ``compute_logits`` then the sampler (the A/B baseline of
+        ``experiments.bench.engine_ab --ab greedy_head``); the tokens are the same."""
         self.verify = verify if verify is not None else RejectionSampler()
         """Speculative steps: ``(logits, reqs, drafts, draft_probs) -> kept tokens`` per
         verify chunk (accepted drafts + one); a tensor-parallel rank other than 0 gets one that
@@ -368,22 +380,25 @@ class ModelRunner:
         with set_forward_context(ctx):
             hidden = self.forward(ids, positions)
         sampling = [c.samples for c in chunks]
-        reqs: Optional[list] = None
         sampled: list[Any]
         if any(c.spec for c in chunks):
             sampled, logits = self._verify(chunks, sampling, hidden, ctx)
             self.last_logprobs = None
-        elif all(sampling) and n == len(chunks):
-            # One token per request, every one samples: the rows are hidden[:n], a view.
-            reqs = [c.req for c in chunks]
-            logits = self.model.compute_logits(hidden[:n])
         else:
-            qsl = ctx.attn_metadata[self.layer_names[0]].query_start_loc_cpu
-            rows = [qsl[i + 1] - 1 for i, s in enumerate(sampling) if s]
-            reqs = [c.req for c, s in zip(chunks, sampling) if s]
-            logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
-        if reqs is not None:
-            tokens, self.last_logprobs = self.sampler(logits, reqs) if reqs else ([], None)
+            h: Optional[torch.Tensor]
+            if all(sampling) and n == len(chunks):
+                # One token per request, every one samples: the rows are hidden[:n], a view.
+                reqs = [c.req for c in chunks]
+                h = hidden[:n]
+            else:
+                qsl = ctx.attn_metadata[self.layer_names[0]].query_start_loc_cpu
+                rows = [qsl[i + 1] - 1 for i, s in enumerate(sampling) if s]
+                reqs = [c.req for c, s in zip(chunks, sampling) if s]
+                h = hidden[rows] if rows else None
+            if h is None:
+                logits, tokens, self.last_logprobs = hidden.new_empty(0, 0), [], None
+            else:
+                logits, tokens, self.last_logprobs = self._sample(h, reqs)
             if len(tokens) == len(chunks):
                 sampled = tokens
             else:
@@ -392,6 +407,25 @@ class ModelRunner:
         if record:
             self.step_times[step_kind(chunks)].append(time.perf_counter() - t0)
         return sampled, logits
+
+    def _sample(self, h: torch.Tensor, reqs: list) -> tuple[torch.Tensor, list, Optional[list]]:
+        """(logits, token per row, logprobs) of the sampling rows ``h``: from the LM head's
+        greedy kernel where the batch only needs each row's argmax and the head has one, else
+        ``compute_logits`` and the sampler."""
+        sampler = self.sampler
+        if (
+            self.fuse_greedy_head
+            and self.greedy_logits is not None
+            and isinstance(sampler, Sampler)
+            and sampler.takes_argmax(reqs)
+        ):
+            got = self.greedy_logits(h)
+            if got is not None:
+                logits, idx, top = got
+                return logits, sampler.from_argmax(idx.tolist(), top.tolist(), reqs), None
+        logits = self.model.compute_logits(h)
+        tokens, logprobs = sampler(logits, reqs)
+        return logits, tokens, logprobs
 
     def _verify(
         self, chunks: list[ScheduledChunk], sampling: list[bool], hidden: torch.Tensor, ctx

@@ -189,6 +189,18 @@ def greedy_argmax(logits: torch.Tensor) -> tuple[list[Optional[int]], list[float
 NON_FINITE = "the model's logits are not finite (NaN or inf: check the weights and inputs)"
 
 
+def tokens_of_argmax(
+    tokens: list[Optional[int]], maxima: list[float], reqs: Sequence[Request]
+) -> list[Optional[int]]:
+    """Greedy tokens from each row's first maximum and its value: a row whose maximum is not
+    finite (it holds a NaN or +inf, or is all -inf) fails its request and gets None."""
+    for i, v in enumerate(maxima):
+        if not math.isfinite(v):
+            reqs[i].fail(NON_FINITE)
+            tokens[i] = None
+    return tokens
+
+
 class Sampler:
     """``sampler(logits, requests)`` -> (token per row, logprobs per row or None).
 
@@ -200,15 +212,31 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, reqs: Sequence[Request]
     ) -> tuple[list[Optional[int]], Optional[list[Optional[dict[int, float]]]]]:
+        return self.sample(logits, reqs)
+
+    @staticmethod
+    def takes_argmax(reqs: Sequence[Request]) -> bool:
+        """Every request's token is the first maximum of its logits (greedy, no penalties,
+        no logprobs): the rows' argmax is all the sampler needs, wherever it was computed."""
+        return all(
+            r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
+            for r in reqs
+        )
+
+    @staticmethod
+    def from_argmax(
+        tokens: list[Optional[int]], maxima: list[float], reqs: Sequence[Request]
+    ) -> list[Optional[int]]:
+        """The tokens of a :meth:`takes_argmax` batch from each row's first maximum and its
+        value (computed elsewhere: the LM head's greedy kernel): see :func:`tokens_of_argmax`."""
+        return tokens_of_argmax(tokens, maxima, reqs)
+
+    def sample(
+        self, logits: torch.Tensor, reqs: Sequence[Request]
+    ) -> tuple[list[Optional[int]], Optional[list[Optional[dict[int, float]]]]]:
         params = [r.params for r in reqs]
-        if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
-            tokens, maxima = greedy_argmax(logits)
-            # A row whose maximum is not finite holds a NaN or +inf, or is all -inf.
-            for i, v in enumerate(maxima):
-                if not math.isfinite(v):
-                    reqs[i].fail(NON_FINITE)
-                    tokens[i] = None
-            return tokens, None
+        if self.takes_argmax(reqs):
+            return tokens_of_argmax(*greedy_argmax(logits), reqs), None
         x = logits.float()
         finite = torch.isfinite(x.amax(dim=-1)).tolist()
         for r, ok in zip(reqs, finite):

@@ -14,6 +14,9 @@
 // kernels).  One row (a batch-1 decode step) takes its own loop: each thread reads its panels
 // two at a time, from the two halves of its share (panel_pair_m1), so that two weight streams
 // per thread are in flight; every output keeps its operations and their order, hence its bits.
+// The greedy entry (an LM head in a greedy decode step) adds an epilogue: each thread scans the
+// outputs it has just stored for each row's first maximum (framework/core/csrc/row_argmax.h),
+// and the ranges are folded in column order, so the sampler needs no pass over the logits.
 //
 // No torch headers: a C ABI on data pointers, called through ctypes (framework/core/
 // native_build.py builds it with -O3 -march=native, or portable -O3 where that fails) or from
@@ -25,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "../../framework/core/csrc/row_argmax.h"
 #include "panel_loop.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512BF16__)
@@ -344,29 +348,91 @@ void run_panel(const Args& a, int64_t p, std::vector<float>& buf) {
   pw_panel::run_panel<float>(a.m, (a.k + 1) / 2, kBlockPairs, kLanes, p, buf, PanelPass{a});
 }
 
-// Every panel, over OpenMP threads.
-void run(const Args& a) {
-  const int64_t panels = (a.n + kLanes - 1) / kLanes;
+// This thread's share of the panels, [b, e), every row.  One row (a batch-1 decode step) reads
+// them two at a time, from the two halves of the share (panel_pair_m1).
+void run_share(const Args& a, int64_t b, int64_t e) {
 #if defined(PW_AVX512BF16)
-  if (a.m == 1 && panels >= 2) {  // one row: two panels at a time (panel_pair_m1)
-    const bool parallel = a.n * a.k * 2 >= kParallelMinBytes;  // as run_panels decides
-#pragma omp parallel if (parallel)
-    {
-#ifdef _OPENMP
-      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-      const int64_t t = 0, nt = 1;
-#endif
-      // this thread's panels (a static split, as run_panels'), as two halves side by side
-      const int64_t b = panels * t / nt, e = panels * (t + 1) / nt, half = (e - b) / 2;
-      for (int64_t j = 0; j < half; ++j) panel_pair_m1(a, b + j, b + half + j);
-      if ((e - b) & 1) panel_pf<1>(a, e - 1, 0, 0, (a.k + 1) / 2, nullptr, true, true, {});
-    }
+  if (a.m == 1) {
+    const int64_t half = (e - b) / 2;
+    for (int64_t j = 0; j < half; ++j) panel_pair_m1(a, b + j, b + half + j);
+    if ((e - b) & 1) panel_pf<1>(a, e - 1, 0, 0, (a.k + 1) / 2, nullptr, true, true, {});
     return;
   }
 #endif
-  pw_panel::run_panels<float>(a.m, panels, (a.k + 1) / 2, kBlockPairs, kLanes, a.n * a.k * 2,
-                              pw_panel::NoPrologue{}, PanelPass{a});
+  std::vector<float> buf;
+  for (int64_t p = b; p < e; ++p) run_panel(a, p, buf);
+}
+
+// The greedy epilogue's output: per row, the column of the first maximum of the stored (bf16)
+// outputs and that maximum, by the rules of framework/core/csrc/row_argmax.h.
+struct Greedy {
+  int64_t* idx;
+  float* val;
+};
+
+// Fold a later column range's (index, value) into a row's running one: an earlier NaN stays,
+// else a NaN wins, else only a strictly greater value (ties keep the earlier column).
+inline void fold(int64_t& idx, float& val, int64_t i, float v) {
+  if (val != val) return;
+  if (v != v || v > val) {
+    idx = i;
+    val = v;
+  }
+}
+
+// Every panel, over OpenMP threads (a static split: thread t of nt takes panels
+// [P t / nt, P (t + 1) / nt)).  With `g`, each thread then scans the columns it has just
+// stored, while they are in its cache, and the calling thread folds the threads' ranges in
+// column order: what the sampler's pass over the whole rows gives, without reading them again.
+void run(const Args& a, const Greedy* g = nullptr) {
+  const int64_t panels = (a.n + kLanes - 1) / kLanes;
+  const bool parallel =
+      panels > 1 && a.n * a.k * 2 * pw_panel::RowPasses(a.m).passes >= kParallelMinBytes;
+#ifdef _OPENMP
+  const int64_t slots = parallel ? omp_get_max_threads() : 1;
+#else
+  const int64_t slots = 1;
+#endif
+  std::vector<int64_t> seg_idx(g ? slots * a.m : 0);
+  std::vector<float> seg_val(g ? slots * a.m : 0);
+  std::vector<int64_t> seg_cols(g ? slots : 0, 0);
+#pragma omp parallel if (parallel)
+  {
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t t = 0, nt = 1;
+#endif
+    const int64_t b = panels * t / nt, e = panels * (t + 1) / nt;
+    run_share(a, b, e);
+    if (g != nullptr && t < slots) {
+      const int64_t c0 = b * kLanes, c1 = std::min(e * kLanes, a.n);
+      seg_cols[t] = std::max<int64_t>(0, c1 - c0);
+      for (int64_t r = 0; r < a.m && c1 > c0; ++r) {
+        int64_t i;
+        float v;
+        pw_argmax::row_argmax(a.out + r * a.out_st + c0, c1 - c0, &i, &v);
+        seg_idx[t * a.m + r] = c0 + i;
+        seg_val[t * a.m + r] = v;
+      }
+    }
+  }
+  if (g == nullptr) return;
+  for (int64_t r = 0; r < a.m; ++r) {
+    bool have = false;
+    for (int64_t t = 0; t < slots; ++t) {
+      if (seg_cols[t] == 0) continue;
+      const int64_t i = seg_idx[t * a.m + r];
+      const float v = seg_val[t * a.m + r];
+      if (!have) {
+        g->idx[r] = i;
+        g->val[r] = v;
+        have = true;
+      } else {
+        fold(g->idx[r], g->val[r], i, v);
+      }
+    }
+  }
 }
 
 }  // namespace pw_small_m
@@ -386,6 +452,22 @@ int piecewise_small_m_linear(const void* x, int64_t x_st, int64_t m, const void*
   Args a{static_cast<const uint16_t*>(x), x_st, m, static_cast<const uint16_t*>(w_packed),
          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_st, n, k};
   run(a);
+  return 0;
+}
+
+// The same, plus the greedy epilogue (`run`'s Greedy): idx[r] / val[r] get the column of row
+// r's first maximum among its n stored outputs and that maximum (NaN first, as the sampler).
+int piecewise_small_m_linear_greedy(const void* x, int64_t x_st, int64_t m, const void* w_packed,
+                                    const void* bias, void* out, int64_t out_st, int64_t n,
+                                    int64_t k, int64_t dtype, int64_t* idx, float* val) {
+  using namespace pw_small_m;
+  if (dtype != 1) return 1;
+  if (m < 0 || n <= 0 || k <= 0 || x_st < k || out_st < n) return 2;
+  if (m == 0) return 0;
+  Args a{static_cast<const uint16_t*>(x), x_st, m, static_cast<const uint16_t*>(w_packed),
+         static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_st, n, k};
+  const Greedy g{idx, val};
+  run(a, &g);
   return 0;
 }
 

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -120,6 +121,50 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTens
   return fallback.call(x, w, md, bias, n, k, max_rows);
 }
 
+// --- bf16 LM head with the greedy epilogue: packed_linear_greedy ----------------------------------
+
+// (logits [rows, n], index [rows] int64, maximum [rows] float32): the small-M kernel's greedy
+// entry where it applies (each thread scans the outputs it stored), else packed_linear and one
+// pass over each stored row (pw_argmax::row_argmax: the same rules).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_linear_greedy(
+    const at::Tensor& x, const at::Tensor& w, const OptTensor& md, const OptTensor& bias,
+    int64_t n, int64_t k, int64_t max_rows) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "piecewise::packed_linear_greedy: x must be ",
+                    "[rows, ", k, "], got ", x.sizes());
+  const int64_t rows = x.size(0);
+  at::Tensor idx = at::empty({rows}, x.options().dtype(c10::ScalarType::Long));
+  at::Tensor val = at::empty({rows}, x.options().dtype(c10::ScalarType::Float));
+  if (rows > 0 && rows <= max_rows && x.scalar_type() == c10::ScalarType::BFloat16 &&
+      w.scalar_type() == c10::ScalarType::BFloat16 &&
+      panel_shape(w, n, k, pw_small_m::kLanes, 2) && bias_ok(bias, n, w.scalar_type())) {
+    const at::Tensor x2 = as_rows(x, rows, k);
+    at::Tensor b;
+    const void* bp = bias_ptr(bias, b);
+    at::Tensor out = at::empty({rows, n}, x.options());
+    const int rc = piecewise_small_m_linear_greedy(
+        x2.data_ptr(), row_stride(x2, k), rows, w.data_ptr(), bp, out.data_ptr(), n, n, k, 1,
+        idx.data_ptr<int64_t>(), val.data_ptr<float>());
+    TORCH_CHECK(rc == 0, "piecewise::packed_linear_greedy: kernel error ", rc, " for x ",
+                x.sizes(), ", w (", n, ", ", k, ")");
+    return {out, idx, val};
+  }
+  const at::Tensor out = packed_linear(x, w, md, bias, n, k, max_rows).contiguous();
+  const bool bf16 = out.scalar_type() == c10::ScalarType::BFloat16;
+  TORCH_CHECK_TYPE(bf16 || out.scalar_type() == c10::ScalarType::Float,
+                   "piecewise::packed_linear_greedy: logits of ",
+                   dtype_name(out.scalar_type()), " (bfloat16 or float32 only)");
+  int64_t* ip = idx.data_ptr<int64_t>();
+  float* vp = val.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * n >= (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    if (bf16)
+      pw_argmax::row_argmax(static_cast<const uint16_t*>(out.data_ptr()) + r * n, n, ip + r, vp + r);
+    else
+      pw_argmax::row_argmax(out.data_ptr<float>() + r * n, n, ip + r, vp + r);
+  }
+  return {out, idx, val};
+}
+
 // --- int8: W8A8 and weight-only -----------------------------------------------------------------
 
 bool float_rows(const at::Tensor& x) {
@@ -187,6 +232,7 @@ at::Tensor int8_wo_packed_linear(const at::Tensor& x, const at::Tensor& w,
 
 TORCH_LIBRARY_IMPL(piecewise, CPU, m) {
   m.impl("packed_linear", TORCH_FN(packed_linear));
+  m.impl("packed_linear_greedy", TORCH_FN(packed_linear_greedy));
   m.impl("int8_packed_linear", TORCH_FN(int8_packed_linear));
   m.impl("int8_wo_packed_linear", TORCH_FN(int8_wo_packed_linear));
 }

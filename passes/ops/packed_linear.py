@@ -108,6 +108,52 @@ packed_linear_python = define_op("piecewise::packed_linear_python", fake=_fake, 
 "before" of the per-call overhead benchmark, ``experiments/bench/op_overhead.py``)."""
 
 
+def first_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [rows] int64, value [rows] float32) of each row's first maximum, a NaN first (a
+    row holding one gets its first NaN's index and NaN), a row of -inf index 0: the greedy
+    sampler's rules, in plain torch."""
+    f = logits.float()
+    nan = f.isnan()
+    idx = torch.where(nan.any(-1), nan.byte().argmax(-1), f.argmax(-1))
+    return idx, f.gather(-1, idx[:, None])[:, 0]
+
+
+def packed_linear_greedy_cpu(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    md: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    out_features: int,
+    in_features: int,
+    max_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = torch.ops.piecewise.packed_linear.default(
+        x, w, md, bias, out_features, in_features, max_rows
+    )
+    idx, val = first_argmax(out)
+    return out, idx, val
+
+
+def _greedy_fake(x, w, md, bias, out_features: int, in_features: int, max_rows: int):
+    if x.dim() != 2:
+        raise ValueError(f"piecewise::packed_linear_greedy: x must be [rows, {in_features}]")
+    rows = x.shape[0]
+    return (
+        _fake(x, w, md, bias, out_features, in_features, max_rows),
+        x.new_empty((rows,), dtype=torch.int64),
+        x.new_empty((rows,), dtype=torch.float32),
+    )
+
+
+packed_linear_greedy = define_op("piecewise::packed_linear_greedy", fake=_greedy_fake)(
+    packed_linear_greedy_cpu
+)
+"""An LM head and the greedy choice in one call: (logits, index, maximum) per row.  Its C++
+kernel (``csrc/torch_ops.cpp``) runs the small-M kernel's greedy epilogue, each thread
+scanning the logits it has just stored; the Python body is :func:`packed_linear` and
+:func:`first_argmax`."""
+
+
 def _release_weight(layer: nn.Module) -> None:
     del layer.weight  # a tied weight is never processed, so this drops the last reference
 
@@ -212,6 +258,24 @@ class PackedLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(
+            x,
+            layer.weight,
+            layer.weight_md,
+            layer.bias,
+            self.out_features,
+            self.in_features,
+            self.max_rows,
+        )
+
+    def apply_greedy(
+        self, layer: nn.Module, x: torch.Tensor
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(logits, first-maximum index, maximum) per row of ``x [rows, K]`` in one call
+        (``piecewise::packed_linear_greedy``), or None where no C++ kernel would fuse it (then
+        the caller computes the logits and the argmax apart, as fast as this would)."""
+        if self.layout != "panel" or x.dim() != 2 or not native_ops.loaded():
+            return None
+        return packed_linear_greedy(
             x,
             layer.weight,
             layer.weight_md,

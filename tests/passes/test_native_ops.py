@@ -71,3 +71,77 @@ def test_cpp_errors_name_the_problem():
         torch.ops.piecewise.packed_linear(
             x, layer.weight, layer.weight_md, layer.bias.float(), 96, 64, 16
         )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)  # bf16 compared bit for bit (NaN included)
+
+
+def _head(w: torch.Tensor, max_rows: int):
+    from models.layers import Linear
+
+    n, k = w.shape
+    lin = Linear(k, n, dtype=BF16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    method = PackedLinearMethod(max_rows)
+    assert method.process(lin)
+    lin.linear_method = method
+    return lin
+
+
+@pytest.mark.parametrize(
+    "n,k,rows,max_rows",
+    [(32000, 64, 1, 16), (1000, 96, 3, 16), (130, 70, 7, 16), (64, 64, 1, 16), (4000, 64, 24, 16)],
+)
+def test_packed_linear_greedy_equals_the_head_then_the_samplers_pass(n, k, rows, max_rows):
+    """The fused head (C++: each thread scans the logits it stored, the ranges folded in column
+    order) gives the logits of packed_linear bit for bit, and per row the index and value the
+    sampler's native pass over those logits finds, and the Python body's plain-torch rule:
+    ties at the first index across the threads' ranges, a NaN's first index.  A call past
+    max_rows (24 rows: oneDNN, then one pass per row in C++) included."""
+    from framework.engine.greedy_native import greedy_argmax
+    from passes.ops.packed_linear import packed_linear_greedy_cpu
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)).to(BF16)
+    w[n - 1] = w[3]  # the last column ties column 3 in every row (the same bits)
+    w[n // 2 + 1] = w[n // 2]  # a tie inside the second half
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)).to(BF16)
+    x[0] = (w[3].float() * 8).to(BF16)  # row 0's maximum: the tie of columns 3 and n - 1
+    nan = w.clone()
+    nan[n // 2 + 5 if n > 70 else 1] = float("nan")  # a NaN column in the second half...
+    if n > 70:
+        nan[n - 3] = float("nan")  # ...and a later one: the first must win
+    for weights in (w, nan):
+        lin = _head(weights, max_rows)
+        args = (x, lin.weight, lin.weight_md, None, n, k, max_rows)
+        out, idx, val = torch.ops.piecewise.packed_linear_greedy(*args)
+        assert torch.equal(_bits(out), _bits(torch.ops.piecewise.packed_linear(*args)))
+        want_idx, want_val = greedy_argmax(out)
+        assert idx.tolist() == want_idx
+        assert torch.allclose(val, torch.tensor(want_val), equal_nan=True)
+        py_out, py_idx, py_val = packed_linear_greedy_cpu(*args)
+        assert torch.equal(_bits(py_out), _bits(out)) and torch.equal(py_idx, idx)
+        assert torch.allclose(py_val, val, equal_nan=True)
+        fused = lin.linear_method.apply_greedy(lin, x)
+        assert fused is not None and torch.equal(fused[1], idx)
+        if weights is w and rows <= max_rows:  # ties: the first column wins
+            assert out[0, 3] == out[0].max() and idx[0] == 3
+
+
+def test_packed_linear_greedy_rows_of_minus_inf_and_opcheck():
+    """A -inf bias makes every logit -inf: index 0, value -inf (the sampler fails such a
+    row); the op passes torch.library.opcheck (schema, fake, no aliasing)."""
+    n, k = 200, 64
+    layer = _layer(n, k, bias=True, max_rows=16)
+    with torch.no_grad():
+        layer.bias.fill_(float("-inf"))
+    x = torch.randn(2, k).to(BF16)
+    args = (x, layer.weight, layer.weight_md, layer.bias, n, k, 16)
+    out, idx, val = torch.ops.piecewise.packed_linear_greedy(*args)
+    assert idx.tolist() == [0, 0] and val.tolist() == [float("-inf")] * 2
+    fine = _layer(n, k, bias=True, max_rows=16)
+    torch.library.opcheck(
+        torch.ops.piecewise.packed_linear_greedy.default,
+        (x, fine.weight, fine.weight_md, fine.bias, n, k, 16),
+    )

@@ -96,3 +96,23 @@ def test_attention_rev_swaps_the_kernel_build_the_op_calls(
     assert len({id(lib) for lib in seen}) == 2  # both builds ran
     assert LIBRARY.load(None) in seen
     assert cpu_paged.load_library is load
+
+
+def test_greedy_head_times_each_head_and_choice_with_the_same_tokens(
+    llama_checkpoint, compile_cache_dir
+):
+    """bf16: both forms run (the head then the sampler, the fused greedy head), each timing
+    every LM head + token choice, with the same tokens; the runner is left fused."""
+    from passes import native_ops
+
+    if not native_ops.load():
+        pytest.skip("the C++ op library does not build here")
+    args = ["--ab", "greedy_head", "--model-dir", str(llama_checkpoint)]
+    args += ["--cache-dir", compile_cache_dir] + ARGS
+    args[args.index("float32")] = "bfloat16"
+    rows = engine_ab.main(args)
+    assert [r["form"] for r in rows[:2]] == ["head, then sampler", "greedy head"]
+    for r in rows:
+        # 11 generated tokens a generation (the prefill's choice included), 2 rounds
+        assert r["calls"] == 2 * 11, r
+        assert r["same_tokens"] and r["step_ms"] > 0

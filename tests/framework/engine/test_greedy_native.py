@@ -66,3 +66,41 @@ def test_what_it_does_not_take_falls_back():
     # and the sampler's own path still answers for them
     assert greedy_argmax(x.half())[0] == reference(x.half())[0]
     assert greedy_argmax(x.t().contiguous().t())[0] == reference(x)[0]
+
+
+def test_a_bf16_engine_takes_greedy_tokens_from_its_head_with_the_same_tokens(
+    llama_checkpoint, compile_cache_dir
+):
+    """O2 in bf16 packs the LM head for the small-M kernel: greedy steps take their tokens
+    from its fused greedy epilogue (every step here), and the tokens equal the head-then-
+    sampler path's, batched prompts of different lengths; a logprobs request still samples."""
+    from framework import LLM
+    from framework.engine.request import SamplingParams
+    from passes import native_ops
+
+    if not native_ops.load():
+        pytest.skip("the C++ op library does not build here")
+    llm = LLM(
+        str(llama_checkpoint), dtype="bfloat16", optimization_level=2, max_num_seqs=4,
+        max_model_len=64, cache_dir=compile_cache_dir,
+    )  # fmt: skip
+    runner = llm.runner
+    head = runner.greedy_logits
+    fused: list[bool] = []
+
+    def counted(h):
+        got = head(h)
+        fused.append(got is not None)
+        return got
+
+    runner.greedy_logits = counted
+    prompts = [[5, 6, 7, 8, 9], [3], [11, 12, 13]]
+    on = llm.generate(prompts, 12, ignore_eos=True)
+    assert fused and all(fused) and len(fused) == 12  # prefill + 11 decode steps, one batch
+    runner.fuse_greedy_head = False
+    assert llm.generate(prompts, 12, ignore_eos=True) == on
+    runner.fuse_greedy_head = True
+    n = len(fused)
+    sp = SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True)
+    out = llm.generate([prompts[0]], sampling_params=sp)
+    assert len(fused) == n and out[0] == on[0][:4]  # logprobs: the sampler's path

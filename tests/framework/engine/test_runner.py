@@ -160,3 +160,64 @@ def test_advance_refuses_multi_token_steps_and_missing_blocks():
     ctx = r.advance(ctx, torch.tensor([1]))  # position 3: still block 5
     with pytest.raises(ValueError, match="no KV block"):
         r.advance(ctx, torch.tensor([1]))  # position 4: no block reserved
+
+
+class _GreedyModel(_Model):
+    """compute_logits_greedy as a fused head would give it: the logits and, per row, an
+    index and value -- here deliberately NOT the logits' argmax (column 7, or a NaN for
+    request 1), so a test can tell which path chose the tokens; None when ``fuse`` is off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fuse, self.fused_calls = True, 0
+
+    def compute_logits_greedy(self, h):
+        if not self.fuse:
+            return None
+        self.fused_calls += 1
+        idx = torch.full((h.shape[0],), 7, dtype=torch.int64)
+        val = torch.ones(h.shape[0])
+        if h.shape[0] > 1:
+            val[1] = float("nan")
+        return h, idx, val
+
+
+def _greedy_runner(model) -> ModelRunner:
+    def forward(ids, pos):
+        out = torch.zeros(ids.shape[0], 8)
+        out[torch.arange(ids.shape[0]), ids % 8] = 1
+        return out
+
+    def dispatch(n, num_reqs, uniform):
+        return CUDAGraphMode.NONE, BatchDescriptor(n, None, False)
+
+    return ModelRunner(
+        model, forward, kv_caches={"l0": torch.zeros(2, 32, BS, 1, 8)}, block_size=BS,
+        max_num_seqs=4, max_num_tokens=16, max_model_len=16, dispatch=dispatch,
+    )  # fmt: skip
+
+
+def test_greedy_steps_take_their_tokens_from_a_fused_head_when_it_has_one():
+    """A step whose requests are all greedy (no penalties, no logprobs) takes each token from
+    the model's compute_logits_greedy (a non-finite maximum fails its request alone); a
+    request asking for logprobs, the switch off, or a head that returns None send the step
+    to compute_logits and the sampler; a model without the method never takes that path."""
+    from framework.engine.request import SamplingParams
+
+    model = _GreedyModel()
+    r = _greedy_runner(model)
+    assert r.greedy_logits is not None and r.fuse_greedy_head
+    a, b = _req(0, [1, 2, 3], [5]), _req(1, [4, 5], [7])
+    toks, logits = r.execute([ScheduledChunk(a, 0, 3), ScheduledChunk(b, 0, 2)])
+    assert toks == [7, None] and model.fused_calls == 1 and logits.shape == (2, 8)
+    assert b.finished and not a.finished  # the NaN row fails its request alone
+    c = _req(2, [1, 2, 3], [6])
+    c.params = SamplingParams(logprobs=1)
+    toks, _ = r.execute([ScheduledChunk(c, 0, 3)])
+    assert toks == [3] and model.fused_calls == 1  # logprobs: the sampler's path
+    d = _req(3, [1, 2, 3], [8])
+    r.fuse_greedy_head = False
+    assert r.execute([ScheduledChunk(d, 0, 3)])[0] == [3] and model.fused_calls == 1
+    r.fuse_greedy_head, model.fuse = True, False
+    assert r.execute([ScheduledChunk(d, 0, 3)])[0] == [3]  # None from the head: sampler
+    assert _runner([]).greedy_logits is None  # _Model has no fused head
