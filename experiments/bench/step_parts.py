@@ -71,6 +71,21 @@ class Timers:
 
         return timed
 
+    def wrap_fused(self, fn, part: str):
+        """As :meth:`wrap`, for a call that may decline (return None): only the calls that
+        did the work are counted."""
+        clock = time.perf_counter
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            got = fn(*args, **kwargs)
+            if got is not None:
+                self.seconds[part] += clock() - t0
+                self.calls[part] += 1
+            return got
+
+        return timed
+
     def snapshot(self) -> tuple[dict, dict]:
         return dict(self.seconds), dict(self.calls)
 
@@ -113,7 +128,7 @@ def build(args: argparse.Namespace, timers: Timers):
     runner.forward = timers.wrap(runner.forward, "forward")
     runner.model.compute_logits = timers.wrap(runner.model.compute_logits, "LM head")
     if runner.greedy_logits is not None:  # the head's fused greedy kernel: the LM head row
-        runner.greedy_logits = timers.wrap(runner.greedy_logits, "LM head")
+        runner.greedy_logits = timers.wrap_fused(runner.greedy_logits, "LM head")
     # The sampler stays a Sampler (the runner takes the fused head's tokens only from one):
     # its pass over the logits, or its reading of the fused head's choice, is the sampler row.
     sampler = runner.sampler

@@ -56,3 +56,16 @@ def test_parts_of_a_real_engine_step(llama_checkpoint, compile_cache_dir, capsys
     # the instrumentation is gone afterwards
     assert cpu_paged.paged_attention is attention
     assert inductor_lean.AsyncCompile.cpp_pybinding_named is named
+
+
+def test_a_bf16_step_counts_the_fused_greedy_head_once(llama_checkpoint, compile_cache_dir):
+    """bf16: the LM head is the fused greedy kernel (one call a step, its choice read by the
+    sampler row); fp32 above: compute_logits, the fused head declining, not counted."""
+    rows = step_parts.main(
+        ["--model-dir", str(llama_checkpoint), "--dtype", "bfloat16", "--batch", "1"]
+        + ["--steps", "3", "--reps", "1", "--prompt-len", "8"]
+        + ["--cache-dir", compile_cache_dir]
+    )
+    (r,) = rows
+    assert r["LM head"]["calls_per_step"] == 1 and r["sampler"]["calls_per_step"] == 1
+    assert r["total_s"]["LM head"] > 0 and r["total_s"]["sampler"] > 0
