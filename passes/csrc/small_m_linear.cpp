@@ -440,23 +440,10 @@ void run(const Args& a, const Greedy* g = nullptr) {
 extern "C" {
 
 // dtype: 1 = bfloat16 (the only one).  x [m, k] with row stride x_st, packed weight (layout
-// above), bias [n] or null, out [m, n] with row stride out_st.  Returns 0, or 1 for a bad
-// dtype, 2 for bad sizes.
-int piecewise_small_m_linear(const void* x, int64_t x_st, int64_t m, const void* w_packed,
-                             const void* bias, void* out, int64_t out_st, int64_t n, int64_t k,
-                             int64_t dtype) {
-  using namespace pw_small_m;
-  if (dtype != 1) return 1;
-  if (m < 0 || n <= 0 || k <= 0 || x_st < k || out_st < n) return 2;
-  if (m == 0) return 0;
-  Args a{static_cast<const uint16_t*>(x), x_st, m, static_cast<const uint16_t*>(w_packed),
-         static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_st, n, k};
-  run(a);
-  return 0;
-}
-
-// The same, plus the greedy epilogue (`run`'s Greedy): idx[r] / val[r] get the column of row
-// r's first maximum among its n stored outputs and that maximum (NaN first, as the sampler).
+// above), bias [n] or null, out [m, n] with row stride out_st.  With idx and val (else null):
+// the greedy epilogue (`run`'s Greedy), idx[r] / val[r] the column of row r's first maximum
+// among its n stored outputs and that maximum (NaN first, as the sampler).  Returns 0, or 1
+// for a bad dtype, 2 for bad sizes.
 int piecewise_small_m_linear_greedy(const void* x, int64_t x_st, int64_t m, const void* w_packed,
                                     const void* bias, void* out, int64_t out_st, int64_t n,
                                     int64_t k, int64_t dtype, int64_t* idx, float* val) {
@@ -467,8 +454,16 @@ int piecewise_small_m_linear_greedy(const void* x, int64_t x_st, int64_t m, cons
   Args a{static_cast<const uint16_t*>(x), x_st, m, static_cast<const uint16_t*>(w_packed),
          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_st, n, k};
   const Greedy g{idx, val};
-  run(a, &g);
+  run(a, idx != nullptr && val != nullptr ? &g : nullptr);
   return 0;
+}
+
+// The linear alone.
+int piecewise_small_m_linear(const void* x, int64_t x_st, int64_t m, const void* w_packed,
+                             const void* bias, void* out, int64_t out_st, int64_t n, int64_t k,
+                             int64_t dtype) {
+  return piecewise_small_m_linear_greedy(x, x_st, m, w_packed, bias, out, out_st, n, k, dtype,
+                                         nullptr, nullptr);
 }
 
 // Outputs per panel of the packed layout.
