@@ -10,9 +10,15 @@ AVX512-BF16 machines a bf16 cache (head_dim 32/64/128/256) is read as bf16, scor
 ``vdpbf16ps`` (the "direct" path); elsewhere K/V rows are staged in fp32 per block.  Both give
 a verify row of a speculative step the bits of the decode step it stands for.
 
-Per step the metadata-derived arguments (pointers of the block table, query_start_loc,
-seq_lens and slot_mapping, and the counts) are computed once and kept on the metadata object,
-which every layer shares, so a layer call only adds its own q/k/v/out/cache pointers.
+A layer's call is the torch op ``piecewise::cpu_paged_attention`` (q, k, v, out, cache, the
+step's metadata tensors and counts).  Its CPU kernel is C++ (``csrc/cpu_paged_op.cpp``,
+registered by :func:`~backends.attention.cpu_paged_build.load_op` on first use): the checks of
+the tensors and metadata and the kernel call, with no Python body and no ctypes marshalling.
+In a tiny-model b1 decode step that took a call from 21.5-26.6 µs (Python checks, metadata
+arguments kept per step, ctypes) to 12.6-13.1 µs (fresh processes alternated,
+``experiments/bench/results/step_parts_attention_glue_2026-12-05.txt``).  Where the op library
+cannot be built, the op's Python body makes the same checks and calls the kernel through
+ctypes (``python -m experiments.bench.engine_ab --ab attention_call`` times the two).
 
 CUDA-graph support: NEVER (a CPU kernel; FULL graphs come from the Triton backend).
 """
@@ -25,8 +31,9 @@ from typing import Optional
 import torch
 
 from backends.attention.common import AttentionBackend, AttentionCGSupport, register_backend
-from backends.attention.cpu_paged_build import load_library
+from backends.attention.cpu_paged_build import load_library, load_op
 from framework.core.attention_metadata import AttentionMetadata
+from framework.core.ops import define_op
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {
@@ -35,7 +42,6 @@ _ERRORS = {
     3: "a request has more query tokens than context (seq_lens < query length)",
     4: "the block table names a block outside the KV cache",
 }
-_MD_KEY = "_cpu_paged_args"
 
 
 def _rows(name: str, t: torch.Tensor, heads: int, d: int) -> tuple[int, int]:
@@ -49,103 +55,85 @@ def _rows(name: str, t: torch.Tensor, heads: int, d: int) -> tuple[int, int]:
     return shape[0], stride[0]
 
 
-def _metadata_args(md: AttentionMetadata, block_size: int) -> tuple:
-    """(kept tensors, block size, slot_mapping, block_table, block-table row stride,
-    query_start_loc, seq_lens, num_reqs, num_actual_tokens): pointers and counts, checked
-    once per step (every layer shares the metadata object)."""
-    args = md.__dict__.get(_MD_KEY)
-    if args is None or args[1] != block_size:
-        tensors = {
-            "slot_mapping": (md.slot_mapping, torch.int64),
-            "block_table": (md.block_table, torch.int32),
-            "query_start_loc": (md.query_start_loc, torch.int32),
-            "seq_lens": (md.seq_lens, torch.int32),
-        }
-        for name, (t, dtype) in tensors.items():
-            if t.device.type != "cpu" or t.dtype != dtype or t.stride(-1) != 1:
-                raise ValueError(
-                    f"cpu_paged attention: metadata {name} must be a CPU {dtype} "
-                    f"tensor with unit inner stride, got {t.dtype} on {t.device} "
-                    f"with strides {t.stride()}"
-                )
-        if md.query_start_loc.shape[0] < md.num_reqs + 1 or md.seq_lens.shape[0] < md.num_reqs:
-            raise ValueError(
-                f"cpu_paged attention: query_start_loc/seq_lens shorter than num_reqs={md.num_reqs}"
-            )
-        if md.query_start_loc_cpu[md.num_reqs] > md.num_actual_tokens:
-            raise ValueError(
-                f"cpu_paged attention: query_start_loc ends at "
-                f"{md.query_start_loc_cpu[md.num_reqs]} > num_actual_tokens="
-                f"{md.num_actual_tokens}"
-            )
-        if md.max_seq_len > md.block_table.shape[1] * block_size:
-            raise ValueError(
-                f"cpu_paged attention: max_seq_len={md.max_seq_len} exceeds the "
-                f"block table ({md.block_table.shape[1]} blocks of {block_size})"
-            )
-        if md.slot_mapping.shape[0] < md.num_actual_tokens:
-            raise ValueError(
-                f"cpu_paged attention: slot_mapping has "
-                f"{md.slot_mapping.shape[0]} entries for num_actual_tokens="
-                f"{md.num_actual_tokens}"
-            )
-        keep = (md.slot_mapping, md.block_table, md.query_start_loc, md.seq_lens)
-        args = (
-            keep,
-            block_size,
-            md.slot_mapping.data_ptr(),
-            md.block_table.data_ptr(),
-            md.block_table.stride(0),
-            md.query_start_loc.data_ptr(),
-            md.seq_lens.data_ptr(),
-            md.num_reqs,
-            md.num_actual_tokens,
+def _check_metadata(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype or t.dim() != dim or t.stride(-1) != 1:
+        raise ValueError(
+            f"cpu_paged attention: metadata {name} must be a {dim}-D CPU {dtype} tensor with "
+            f"unit inner stride, got {t.dim()}-D {t.dtype} on {t.device} with strides "
+            f"{t.stride()}"
         )
-        md.__dict__[_MD_KEY] = args
-    return args
 
 
-def paged_attention(
+def call_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
     kv_cache: torch.Tensor,
-    md: AttentionMetadata,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    num_actual_tokens: int,
     scale: float,
     sliding_window: int,
     library: Optional[ctypes.CDLL] = None,
 ) -> None:
-    """The fused kernel on explicit tensors (see :class:`AttentionBackend.forward`).
-    ``library``: another build of the kernel to call (default: this machine's build of the
-    current source; ``experiments.bench.attention_ab`` times two versions side by side)."""
+    """The kernel through ctypes, after the checks the op's C++ kernel makes
+    (``csrc/cpu_paged_op.cpp``; the same messages): the op's Python body, and the path of
+    ``library``, another build of the kernel (``experiments.bench.attention_ab`` and the
+    portable-build tests run one)."""
     dtype = _DTYPES.get(q.dtype)
-    if (
-        dtype is None
-        or k.dtype != q.dtype
-        or v.dtype != q.dtype
-        or out.dtype != q.dtype
-        or kv_cache.dtype != q.dtype
-    ):
+    if dtype is None or any(t.dtype != q.dtype for t in (k, v, out, kv_cache)):
         raise ValueError(
             f"cpu_paged attention: q/k/v/out/kv_cache must share one dtype of "
             f"{sorted(str(d) for d in _DTYPES)}, got q {q.dtype}, k {k.dtype}, "
             f"v {v.dtype}, out {out.dtype}, kv_cache {kv_cache.dtype}"
         )
-    if not (kv_cache.is_cpu and q.is_cpu):
+    if not all(t.is_cpu for t in (kv_cache, q, k, v, out)):
         raise ValueError(
             f"cpu_paged attention runs on CPU tensors, got q on {q.device}, "
             f"kv_cache on {kv_cache.device}"
         )
-    _, num_blocks, block_size, hkv, d = kv_cache.shape
-    hq = q.shape[1]
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"cpu_paged attention: kv_cache must be [2, num_blocks, block_size, Hkv, D], "
+            f"got {list(kv_cache.shape)}"
+        )
     if not kv_cache.is_contiguous():
         raise ValueError("cpu_paged attention: kv_cache must be contiguous")
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    hq = q.shape[1] if q.dim() == 3 else -1
     q_rows, q_st = _rows("q", q, hq, d)
     k_rows, k_st = _rows("k", k, hkv, d)
     v_rows, v_st = _rows("v", v, hkv, d)
     out_rows, out_st = _rows("out", out, hq, d)
-    _, _, slots, table, table_stride, qsl, seq_lens, num_reqs, n = _metadata_args(md, block_size)
+    _check_metadata("slot_mapping", slot_mapping, torch.int64, 1)
+    _check_metadata("block_table", block_table, torch.int32, 2)
+    _check_metadata("query_start_loc", query_start_loc, torch.int32, 1)
+    _check_metadata("seq_lens", seq_lens, torch.int32, 1)
+    n = num_actual_tokens
+    if num_reqs < 0 or query_start_loc.shape[0] < num_reqs + 1 or seq_lens.shape[0] < num_reqs:
+        raise ValueError(
+            f"cpu_paged attention: query_start_loc/seq_lens shorter than num_reqs={num_reqs}"
+        )
+    end = int(query_start_loc[num_reqs])
+    if end > n:
+        raise ValueError(
+            f"cpu_paged attention: query_start_loc ends at {end} > num_actual_tokens={n}"
+        )
+    max_seq_len = int(seq_lens[:num_reqs].max()) if num_reqs else 0
+    if max_seq_len > block_table.shape[1] * block_size:
+        raise ValueError(
+            f"cpu_paged attention: max_seq_len={max_seq_len} exceeds the block table "
+            f"({block_table.shape[1]} blocks of {block_size})"
+        )
+    if slot_mapping.shape[0] < n:
+        raise ValueError(
+            f"cpu_paged attention: slot_mapping has {slot_mapping.shape[0]} entries for "
+            f"num_actual_tokens={n}"
+        )
     if n > min(q_rows, k_rows, v_rows, out_rows):
         raise ValueError(
             f"cpu_paged attention: num_actual_tokens={n} exceeds the rows of "
@@ -163,11 +151,11 @@ def paged_attention(
         kv_cache.data_ptr(),
         num_blocks,
         block_size,
-        slots,
-        table,
-        table_stride,
-        qsl,
-        seq_lens,
+        slot_mapping.data_ptr(),
+        block_table.data_ptr(),
+        block_table.stride(0),
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
         num_reqs,
         n,
         out_rows,
@@ -182,6 +170,78 @@ def paged_attention(
         raise ValueError(
             f"cpu_paged attention: {_ERRORS.get(rc, f'error {rc}')} (Hq={hq}, Hkv={hkv}, D={d})"
         )
+
+
+def _cpu_paged_attention_fake(
+    q, k, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens,
+    num_reqs, num_actual_tokens, scale, sliding_window,
+) -> None:  # fmt: skip
+    # A meta tensor among real ones dispatches here too: refuse it as the kernels do.
+    devices = {t.device for t in (q, k, v, out, kv_cache)}
+    if len(devices) > 1:
+        raise ValueError(
+            f"cpu_paged attention runs on CPU tensors, got q on {q.device}, "
+            f"kv_cache on {kv_cache.device}"
+        )
+    return None
+
+
+@define_op(
+    "piecewise::cpu_paged_attention",
+    fake=_cpu_paged_attention_fake,
+    schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) kv_cache, "
+    "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
+    "int num_reqs, int num_actual_tokens, float scale, int sliding_window) -> ()",
+)
+def cpu_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    num_actual_tokens: int,
+    scale: float,
+    sliding_window: int,
+) -> None:
+    """The fused kernel as a torch op.  This Python body (any device: the checks refuse all
+    but CPU) calls it through ctypes; where the op library is built and loaded
+    (:func:`backends.attention.cpu_paged_build.load_op`), its C++ CPU kernel takes the call
+    instead: the same checks and the same kernel, without the Python."""
+    call_kernel(
+        q, k, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens,
+        num_reqs, num_actual_tokens, scale, sliding_window,
+    )  # fmt: skip
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int,
+    library: Optional[ctypes.CDLL] = None,
+) -> None:
+    """The fused kernel on explicit tensors and the step's metadata (see
+    :class:`AttentionBackend.forward`): the op ``piecewise::cpu_paged_attention``, whose CPU
+    kernel is C++ once :func:`~backends.attention.cpu_paged_build.load_op` has run.
+    ``library``: another build of the kernel, called through ctypes instead."""
+    args = (
+        q, k, v, out, kv_cache, md.slot_mapping, md.block_table, md.query_start_loc,
+        md.seq_lens, md.num_reqs, md.num_actual_tokens, scale, sliding_window,
+    )  # fmt: skip
+    if library is None:
+        load_op()
+        cpu_paged_attention(*args)
+    else:
+        call_kernel(*args, library=library)
 
 
 @register_backend("cpu_paged")

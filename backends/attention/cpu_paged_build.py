@@ -1,18 +1,39 @@
-"""The fused CPU paged-attention library (``csrc/cpu_paged_attention.cpp``), built per machine
-and loaded through ctypes by the shared helper :class:`framework.core.native_build.NativeLibrary`
-(g++ ``-O3 -march=native``, portable fallback, cached under ``$PIECEWISE_CACHE_DIR/kernels``).
+"""The fused CPU paged-attention kernel (``csrc/cpu_paged_attention.cpp``), built per machine
+by the shared helpers of :mod:`framework.core.native_build` (g++ ``-O3 -march=native``,
+portable fallback, cached under ``$PIECEWISE_CACHE_DIR/kernels``) in two forms:
 
-``PIECEWISE_CPU_PAGED_PORTABLE=1`` forces the portable build.
+* a ctypes library (:data:`LIBRARY`, :func:`load_library`): the C entry points, for the op's
+  Python body, other builds of the kernel (``experiments.bench.attention_ab``) and tests;
+* a torch op library (:data:`OP_LIBRARY`, :func:`load_op`, ``csrc/cpu_paged_op.cpp``): the
+  C++ CPU kernel of ``piecewise::cpu_paged_attention``, which the attention backend calls, so
+  a layer's call goes from the dispatcher straight into C++ (checks included).  It compiles
+  torch's headers once per machine and torch version (tens of seconds on 2 cores, cached).
+
+``PIECEWISE_CPU_PAGED_PORTABLE=1`` forces the portable build of both.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 from pathlib import Path
 
-from framework.core.native_build import KernelBuildError, NativeLibrary, compiler
+from framework.core.native_build import KernelBuildError, NativeLibrary, TorchOpLibrary, compiler
 
-__all__ = ["LIBRARY", "KernelBuildError", "compiler", "declare_attention", "isa", "load_library"]
+__all__ = [
+    "LIBRARY",
+    "OP_LIBRARY",
+    "KernelBuildError",
+    "compiler",
+    "declare_attention",
+    "isa",
+    "load_library",
+    "load_op",
+]
+
+logger = logging.getLogger(__name__)
+CSRC = Path(__file__).resolve().parent / "csrc"
 
 
 def declare_attention(lib: ctypes.CDLL) -> None:
@@ -38,9 +59,16 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 LIBRARY = NativeLibrary(
     "cpu_paged",
-    Path(__file__).resolve().parent / "csrc" / "cpu_paged_attention.cpp",
+    CSRC / "cpu_paged_attention.cpp",
     portable_env="PIECEWISE_CPU_PAGED_PORTABLE",
     declare=_declare,
+)
+
+OP_LIBRARY = TorchOpLibrary(
+    "cpu_paged_op",
+    CSRC / "cpu_paged_op.cpp",
+    portable_env="PIECEWISE_CPU_PAGED_PORTABLE",
+    depends=(CSRC / "cpu_paged_attention.cpp",),
 )
 
 
@@ -52,3 +80,24 @@ def load_library(portable: bool | None = None) -> ctypes.CDLL:
 def isa(portable: bool | None = None) -> str:
     """The instruction set the loaded build was vectorised for."""
     return load_library(portable).piecewise_cpu_paged_isa().decode()
+
+
+@functools.lru_cache(maxsize=1)
+def load_op() -> bool:
+    """Register the C++ CPU kernel of ``piecewise::cpu_paged_attention`` (once per process,
+    building the library on first use).  False, with one warning, where it cannot be built:
+    the op's Python body (the same checks, the kernel through ctypes) then runs."""
+    if compiler() is None:
+        return False
+    import backends.attention.cpu_paged  # noqa: F401  (the op is defined before its kernel)
+
+    try:
+        OP_LIBRARY.load()
+    except KernelBuildError as e:
+        logger.warning(
+            "piecewise: the C++ kernel of piecewise::cpu_paged_attention is unavailable, its "
+            "Python body calls the kernel through ctypes: %s",
+            e,
+        )
+        return False
+    return True

@@ -6,6 +6,7 @@ ratio.
     python -m experiments.bench.engine_ab --ab split_calls [--batch 1 8 32] [--rounds 12]
     python -m experiments.bench.engine_ab --ab attention_rev --baseline REV [--batch 8]
     python -m experiments.bench.engine_ab --ab greedy_head [--batch 1 8] [--rounds 12]
+    python -m experiments.bench.engine_ab --ab attention_call [--batch 1 8 32] [--rounds 12]
 
 ===============  ==========================================================================
 ``kv_pages``     the KV caches in 4 KB pages (torch's allocator) against 2 MB pages (where
@@ -16,8 +17,13 @@ ratio.
                  two graphs over the same installed pieces; timed: each decode forward
 ``attention_rev`` the fused CPU attention kernel built from ``--baseline`` (a git revision
                  or a .cpp file, as ``attention_ab`` takes it) against the current source,
-                 the library the op calls swapped between generations: the kernel change
-                 inside a decode step, where its calls are cold; timed: each attention call
+                 both called through ctypes (the op's Python body), the library swapped
+                 between generations: the kernel change inside a decode step, where its
+                 calls are cold; timed: each attention call
+``attention_call`` the attention backend calling the kernel through the op's Python body
+                 (checks in Python, ctypes) against the op's C++ CPU kernel
+                 (``csrc/cpu_paged_op.cpp``: checks in C++, no marshalling), switched between
+                 generations: the per-call cost of the glue; timed: each attention call
 ``greedy_head``  a greedy step's LM head then the sampler's pass over the logits against
                  the head's kernel choosing each row's token as it stores the logits
                  (``ModelRunner.fuse_greedy_head``, switched between generations); timed:
@@ -52,6 +58,7 @@ FORMS = {
     "split_calls": ("submodules", "inlined"),
     "attention_rev": ("baseline", "current"),
     "greedy_head": ("head, then sampler", "greedy head"),
+    "attention_call": ("Python body, ctypes", "C++ op kernel"),
 }
 
 
@@ -142,22 +149,48 @@ def split_calls_forms(llm) -> dict[str, Callable[[], None]]:
     return {"submodules": install(through), "inlined": install(inlined)}
 
 
+def _attention_through(library: Optional[Any]) -> Callable[[], None]:
+    """An installer: the attention backend calls the kernel through ctypes with ``library``
+    (the op's Python body's path), or (None) through the op, as it does by default."""
+    from backends.attention import cpu_paged
+
+    def forward(q, k, v, out, kv_cache, md, scale, sliding_window) -> None:
+        # cpu_paged.paged_attention looked up per call: the timing wrapper stands there.
+        cpu_paged.paged_attention(
+            q, k, v, out, kv_cache, md, scale, sliding_window, library=library
+        )
+
+    def run() -> None:
+        cpu_paged.CpuPagedAttention.forward = staticmethod(forward)
+
+    return run
+
+
 def attention_rev_forms(baseline: str, work: Path) -> dict[str, Callable[[], None]]:
     """Installers of two builds of the fused attention kernel: ``baseline`` (a git revision
-    or a .cpp file) and the current source; installing one makes the op's calls use it."""
-    from backends.attention import cpu_paged
+    or a .cpp file) and the current source, both called through ctypes."""
     from backends.attention.cpu_paged_build import LIBRARY
     from experiments.bench.attention_ab import baseline_library
 
-    libraries = {"baseline": baseline_library(baseline, work), "current": LIBRARY.load(None)}
+    return {
+        f"baseline {baseline}": _attention_through(baseline_library(baseline, work)),
+        "current": _attention_through(LIBRARY.load(None)),
+    }
 
-    def install(name: str) -> Callable[[], None]:
-        def run() -> None:
-            cpu_paged.load_library = lambda portable=None: libraries[name]
 
-        return run
+def attention_call_forms() -> dict[str, Callable[[], None]]:
+    """Installers of the two ways the backend reaches the current kernel: the op's Python
+    body (ctypes) and the op's C++ CPU kernel."""
+    from backends.attention.cpu_paged_build import LIBRARY, load_op
 
-    return {f"baseline {baseline}": install("baseline"), "current": install("current")}
+    if not load_op():
+        raise SystemExit("engine_ab attention_call: the op library cannot be built here")
+    return dict(
+        zip(
+            FORMS["attention_call"],
+            (_attention_through(LIBRARY.load(None)), _attention_through(None)),
+        )
+    )
 
 
 def greedy_head_forms(llm) -> dict[str, Callable[[], None]]:
@@ -258,6 +291,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         work = Path(tempfile.mkdtemp(prefix="engine-ab-"))
         forms, what = attention_rev_forms(args.baseline, work), "attention call"
         timing = _attention_timed(calls)
+    elif args.ab == "attention_call":
+        forms, what = attention_call_forms(), "attention call"
+        timing = _attention_timed(calls)
     elif args.ab == "greedy_head":
         forms, what = greedy_head_forms(llm), "LM head + token choice"
         sample = llm.runner._sample
@@ -270,7 +306,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         timing = _restore(llm.runner, "forward", forward)
     from backends.attention import cpu_paged
 
-    with timing, _restore(cpu_paged, "load_library", cpu_paged.load_library):
+    backend = cpu_paged.CpuPagedAttention
+    with timing, _restore(backend, "forward", backend.__dict__["forward"]):
         rows = [r for b in args.batch for r in measure(llm, forms, calls, b, args)]
     print(
         f"# engine A/B {args.ab}: {path}, {args.dtype}, O{args.level}, prompt {args.prompt_len}, "

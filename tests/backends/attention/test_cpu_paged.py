@@ -51,9 +51,14 @@ def make_step(ctx_lens, q_lens, hq, hkv, d, block_size, dtype, pad=0, seed=0):
     return q, k, v, out, kv, md
 
 
-def run(backend, q, k, v, out, kv, md, scale, window):
+def run(backend, q, k, v, out, kv, md, scale, window, library=None):
+    """The attention op through ``backend``; with ``library`` (a build of the kernel, e.g. the
+    portable one) the kernel is called through it instead (ctypes), on copies alike."""
     md = AttentionMetadata(**{**md.__dict__, "attention_backend": backend})
     out, kv = out.clone(), kv.clone()
+    if library is not None:
+        paged_attention(q, k, v, out, kv, md, scale, window, library=library)
+        return out, kv
     with set_forward_context(ForwardContext({"l": md}, {"l": kv})):
         torch.ops.piecewise.attention(q, k, v, out, "l", scale, window)
     return out, kv
@@ -70,11 +75,12 @@ def check(
     window=-1,
     pad=0,
     seed=0,
+    library=None,
 ):
     step = make_step(ctx_lens, q_lens, hq, hkv, d, block_size, dtype, pad, seed)
     scale = 1 / math.sqrt(d)
     ref_out, ref_kv = run("torch", *step, scale, window)
-    out, kv = run("cpu_paged", *step, scale, window)
+    out, kv = run("cpu_paged", *step, scale, window, library=library)
     assert torch.equal(kv, ref_kv), "the KV write differs from the reference"
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out, ref_out, **tol)
@@ -191,14 +197,61 @@ def test_opcheck():
         )
 
 
-def test_portable_build_matches_reference(monkeypatch):
+def test_portable_build_matches_reference():
     """The build without -march=native (what a machine without the native flags gets)."""
-    import backends.attention.cpu_paged as cpu_paged
-
     assert isa(portable=True) in ("portable", "neon", "avx2")
-    monkeypatch.setattr(cpu_paged, "load_library", lambda: load_library(portable=True))
-    check([37, 70, 5, 200], [37, 20, 1, 1], dtype=torch.bfloat16, window=16, block_size=8)
-    check([129, 3], [1, 3], hq=8, hkv=1, d=128)
+    lib = load_library(portable=True)
+    check([37, 70, 5, 200], [37, 20, 1, 1], dtype=torch.bfloat16, window=16, block_size=8,
+          library=lib)  # fmt: skip
+    check([129, 3], [1, 3], hq=8, hkv=1, d=128, library=lib)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ops_cpp_kernel_is_the_ctypes_kernel_bit_for_bit(dtype):
+    """The backend's calls reach the op's C++ CPU kernel (csrc/cpu_paged_op.cpp, the kernel
+    source compiled into the torch op library); the Python body calls the ctypes build of the
+    same source: the same bits, output and KV write."""
+    from backends.attention.cpu_paged_build import load_op
+
+    assert load_op(), "the op library builds here"
+    step = make_step([37, 70, 5, 200], [37, 20, 1, 1], 8, 2, 64, 16, dtype, pad=3)
+    out, kv = run("cpu_paged", *step, 0.125, 24)
+    ref_out, ref_kv = run("cpu_paged", *step, 0.125, 24, library=load_library())
+    assert torch.equal(kv, ref_kv)
+    assert torch.equal(out[:-3], ref_out[:-3])  # padding rows: each path zeroes them
+    assert torch.equal(out, ref_out)
+
+
+def test_the_op_python_body_checks_what_the_cpp_kernel_checks():
+    """Both kernels of piecewise::cpu_paged_attention refuse the same inputs with the same
+    ValueError (the Python body runs where the op library cannot be built)."""
+    from backends.attention.cpu_paged import call_kernel, cpu_paged_attention
+
+    q, k, v, out, kv, md = make_step([8, 4], [2, 4], 8, 4, 64, 4, torch.float32)
+    meta = (md.slot_mapping, md.block_table, md.query_start_loc, md.seq_lens)
+    cases = {
+        "share one dtype": ((q.half(), k, v, out, kv, *meta, 2, 6), {}),
+        "contiguous heads": ((q, k[:, :2], v, out, kv, *meta, 2, 6), {}),
+        "exceeds the rows of q/k/v/out": ((q, k[:3], v, out, kv, *meta, 2, 6), {}),
+        "exceeds the block table": (
+            (q, k, v, out, kv, md.slot_mapping, md.block_table[:, :1], *meta[2:], 2, 6),
+            {},
+        ),
+        "metadata seq_lens must be a 1-D CPU torch.int32": (
+            (q, k, v, out, kv, *meta[:3], md.seq_lens.long(), 2, 6),
+            {},
+        ),
+        "query_start_loc ends at 6 > num_actual_tokens=5": ((q, k, v, out, kv, *meta, 2, 5), {}),
+        "slot_mapping has 6 entries": ((q, k, v, out, kv, *meta, 2, 7), {}),
+        "outside the KV cache": (
+            (q, k, v, out, kv, md.slot_mapping, md.block_table + 100, *meta[2:], 2, 6),
+            {},
+        ),
+    }
+    for match, (args, _) in cases.items():
+        for fn in (cpu_paged_attention, call_kernel):
+            with pytest.raises(ValueError, match=match):
+                fn(*args, 0.1, -1)
 
 
 @pytest.mark.parametrize("portable", [False, True])
@@ -247,21 +300,16 @@ def test_short_inputs_and_block_table_are_rejected_before_the_kernel():
 @pytest.mark.parametrize("window", [-1, 24])
 @pytest.mark.parametrize("ctx", [21, 37, 64, 90])
 @pytest.mark.parametrize("portable", [False, True])
-def test_a_verify_row_has_the_bits_of_the_decode_step_it_stands_for(
-    portable, ctx, window, dtype, monkeypatch
-):
+def test_a_verify_row_has_the_bits_of_the_decode_step_it_stands_for(portable, ctx, window, dtype):
     """Speculative decoding keeps greedy tokens only if a verify step's row i (1 + k query
     tokens of one request) computes exactly what a decode step at that position would: the
     keys beyond the row are masked, and neither they nor where the block's keys start (the
     window) may change the order of the softmax sums (they did on AVX2: 3 of 16 cases)."""
-    import backends.attention.cpu_paged as cpu_paged
-
-    if portable:
-        monkeypatch.setattr(cpu_paged, "load_library", lambda: load_library(portable=True))
+    lib = load_library(portable=True) if portable else None
     ql = 5
     q, k, v, out, kv, md = make_step([ctx], [ql], 8, 4, 64, 16, dtype)
     scale = 1 / math.sqrt(64)
-    verify, kv_after = run("cpu_paged", q, k, v, out, kv, md, scale, window)
+    verify, kv_after = run("cpu_paged", q, k, v, out, kv, md, scale, window, library=lib)
     for i in range(ql):
         L = ctx - ql + 1 + i
         one = AttentionMetadata(
@@ -278,5 +326,5 @@ def test_a_verify_row_has_the_bits_of_the_decode_step_it_stands_for(
             [L],
         )
         dec, _ = run("cpu_paged", q[i : i + 1], k[i : i + 1], v[i : i + 1],
-                     out[i : i + 1], kv_after, one, scale, window)  # fmt: skip
+                     out[i : i + 1], kv_after, one, scale, window, library=lib)  # fmt: skip
         assert torch.equal(dec[0], verify[i]), f"row {i} (context {L}) differs from its decode"

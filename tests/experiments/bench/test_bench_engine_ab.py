@@ -59,12 +59,27 @@ def test_kv_pages_times_each_decode_attention_call(llama_checkpoint, compile_cac
     assert cpu_paged.paged_attention is attention
 
 
-def test_attention_rev_swaps_the_kernel_build_the_op_calls(
+def _spy_libraries(seen: list):
+    """Wrap ``cpu_paged.paged_attention`` to record the ``library`` of each call (None: the
+    op); returns the original."""
+    from backends.attention import cpu_paged
+
+    original = cpu_paged.paged_attention
+
+    def spy(*args, library=None, **kwargs):
+        seen.append(library)
+        return original(*args, library=library, **kwargs)
+
+    cpu_paged.paged_attention = spy
+    return original
+
+
+def test_attention_rev_swaps_the_kernel_build_the_backend_calls(
     llama_checkpoint, compile_cache_dir, tmp_path
 ):
-    """A baseline source whose scale is 1% off: the two forms call different builds (other
-    tokens are possible, other timings certain), every decode attention call is timed, and
-    the op's library is the current build again afterwards."""
+    """A baseline source whose scale is 1% off: the two forms call different builds through
+    ctypes (other tokens are possible, other timings certain), every decode attention call is
+    timed, and the backend calls the op again afterwards."""
     from backends.attention import cpu_paged
     from backends.attention.cpu_paged_build import LIBRARY
 
@@ -73,15 +88,9 @@ def test_attention_rev_swaps_the_kernel_build_the_op_calls(
     other.write_text(
         LIBRARY.source.read_text().replace(marker, "hq, hkv, d, scale * 1.01f, window};")
     )
-    load = cpu_paged.load_library
-    seen = []
-    original = cpu_paged.paged_attention
-
-    def spy(*args, **kwargs):
-        seen.append(cpu_paged.load_library())
-        return original(*args, **kwargs)
-
-    cpu_paged.paged_attention = spy
+    forward = cpu_paged.CpuPagedAttention.__dict__["forward"]
+    seen: list = []
+    original = _spy_libraries(seen)
     try:
         rows = engine_ab.main(
             ["--ab", "attention_rev", "--baseline", str(other), "--model-dir",
@@ -93,9 +102,36 @@ def test_attention_rev_swaps_the_kernel_build_the_op_calls(
     assert [r["form"] for r in rows[:2]] == [f"baseline {other}", "current"]
     for r in rows:
         assert r["calls"] == 2 * 10 * layers, r
-    assert len({id(lib) for lib in seen}) == 2  # both builds ran
+    builds = {id(lib) for lib in seen if lib is not None}  # (None: the engine's warm-up)
+    assert len(builds) == 2  # both builds ran, through ctypes
     assert LIBRARY.load(None) in seen
-    assert cpu_paged.load_library is load
+    assert cpu_paged.CpuPagedAttention.__dict__["forward"] is forward
+
+
+def test_attention_call_times_the_python_body_against_the_cpp_kernel(
+    llama_checkpoint, compile_cache_dir
+):
+    """Both forms run every decode attention call (the ctypes build, then the op), with the
+    same tokens: the glue changes, never the kernel's bits."""
+    from backends.attention import cpu_paged
+    from backends.attention.cpu_paged_build import LIBRARY, load_op
+
+    if not load_op():
+        pytest.skip("the op library does not build here")
+    forward = cpu_paged.CpuPagedAttention.__dict__["forward"]
+    seen: list = []
+    original = _spy_libraries(seen)
+    try:
+        rows = _rows(llama_checkpoint, compile_cache_dir, "attention_call")
+    finally:
+        cpu_paged.paged_attention = original
+    layers = json.loads((llama_checkpoint / "config.json").read_text())["num_hidden_layers"]
+    assert [r["form"] for r in rows[:2]] == ["Python body, ctypes", "C++ op kernel"]
+    for r in rows:
+        assert r["calls"] == 2 * 10 * layers, r
+        assert r["same_tokens"], r
+    assert set(map(id, seen)) == {id(None), id(LIBRARY.load(None))}
+    assert cpu_paged.CpuPagedAttention.__dict__["forward"] is forward
 
 
 def test_greedy_head_times_each_head_and_choice_with_the_same_tokens(
