@@ -197,6 +197,17 @@ def test_opcheck():
         )
 
 
+def test_opcheck_of_the_kernel_op():
+    """piecewise::cpu_paged_attention: its schema (out and the cache mutated) and its fake."""
+    q, k, v, out, kv, md = make_step([20, 6], [4, 1], 8, 4, 32, 4, torch.bfloat16)
+    torch.library.opcheck(
+        torch.ops.piecewise.cpu_paged_attention.default,
+        (q, k, v, out, kv, md.slot_mapping, md.block_table, md.query_start_loc, md.seq_lens,
+         md.num_reqs, md.num_actual_tokens, 0.125, -1),
+        test_utils=("test_schema", "test_faketensor"),
+    )  # fmt: skip
+
+
 def test_portable_build_matches_reference():
     """The build without -march=native (what a machine without the native flags gets)."""
     assert isa(portable=True) in ("portable", "neon", "avx2")
