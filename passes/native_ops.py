@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
-from framework.core.native_build import KernelBuildError, TorchOpLibrary, compiler
+from framework.core.native_build import TorchOpLibrary
 from passes.int8_small_m import CSRC
-
-logger = logging.getLogger(__name__)
 
 LIBRARY = TorchOpLibrary(
     "piecewise_ops",
@@ -39,6 +36,7 @@ LIBRARY = TorchOpLibrary(
         CSRC / "panel_loop.h",
         CSRC / "fused_moe_packed.cpp",
         CSRC.parents[1] / "framework" / "core" / "csrc" / "row_argmax.h",
+        CSRC.parents[1] / "framework" / "core" / "csrc" / "dtype_name.h",
     ),
 )
 
@@ -56,20 +54,11 @@ OPS = (
 def load() -> bool:
     """Register the C++ kernels (once per process; building the library on first use).
     False, with one warning, where it cannot be built: the ops' Python bodies then run."""
-    if compiler() is None:
-        return False
     import passes.ops.int8_packed_linear  # noqa: F401  (the ops and their Python twins first)
     import passes.ops.packed_linear  # noqa: F401
     import passes.ops.packed_moe  # noqa: F401
 
-    try:
-        LIBRARY.load()
-    except KernelBuildError as e:
-        logger.warning(
-            "piecewise C++ ops unavailable, the linear ops run their Python bodies: %s", e
-        )
-        return False
-    return True
+    return LIBRARY.register("the linear ops run their Python bodies")
 
 
 def loaded() -> bool:

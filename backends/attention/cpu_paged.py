@@ -186,36 +186,17 @@ def _cpu_paged_attention_fake(
     return None
 
 
-@define_op(
+cpu_paged_attention = define_op(
     "piecewise::cpu_paged_attention",
     fake=_cpu_paged_attention_fake,
     schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) kv_cache, "
     "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
     "int num_reqs, int num_actual_tokens, float scale, int sliding_window) -> ()",
-)
-def cpu_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_reqs: int,
-    num_actual_tokens: int,
-    scale: float,
-    sliding_window: int,
-) -> None:
-    """The fused kernel as a torch op.  This Python body (any device: the checks refuse all
-    but CPU) calls it through ctypes; where the op library is built and loaded
-    (:func:`backends.attention.cpu_paged_build.load_op`), its C++ CPU kernel takes the call
-    instead: the same checks and the same kernel, without the Python."""
-    call_kernel(
-        q, k, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens,
-        num_reqs, num_actual_tokens, scale, sliding_window,
-    )  # fmt: skip
+)(call_kernel)
+"""The fused kernel as a torch op.  Its Python body (any device: the checks refuse all but CPU)
+is :func:`call_kernel`, through ctypes; where the op library is built and loaded
+(:func:`backends.attention.cpu_paged_build.load_op`), its C++ CPU kernel takes the call
+instead: the same checks and the same kernel, without the Python."""
 
 
 def paged_attention(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 from framework.core.native_build import KernelBuildError, NativeLibrary, TorchOpLibrary, compiler
@@ -31,8 +30,6 @@ __all__ = [
     "load_library",
     "load_op",
 ]
-
-logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 
@@ -68,7 +65,10 @@ OP_LIBRARY = TorchOpLibrary(
     "cpu_paged_op",
     CSRC / "cpu_paged_op.cpp",
     portable_env="PIECEWISE_CPU_PAGED_PORTABLE",
-    depends=(CSRC / "cpu_paged_attention.cpp",),
+    depends=(
+        CSRC / "cpu_paged_attention.cpp",
+        CSRC.parents[2] / "framework" / "core" / "csrc" / "dtype_name.h",
+    ),
 )
 
 
@@ -87,17 +87,8 @@ def load_op() -> bool:
     """Register the C++ CPU kernel of ``piecewise::cpu_paged_attention`` (once per process,
     building the library on first use).  False, with one warning, where it cannot be built:
     the op's Python body (the same checks, the kernel through ctypes) then runs."""
-    if compiler() is None:
-        return False
     import backends.attention.cpu_paged  # noqa: F401  (the op is defined before its kernel)
 
-    try:
-        OP_LIBRARY.load()
-    except KernelBuildError as e:
-        logger.warning(
-            "piecewise: the C++ kernel of piecewise::cpu_paged_attention is unavailable, its "
-            "Python body calls the kernel through ctypes: %s",
-            e,
-        )
-        return False
-    return True
+    return OP_LIBRARY.register(
+        "piecewise::cpu_paged_attention's Python body calls the kernel through ctypes"
+    )

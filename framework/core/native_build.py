@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -278,6 +279,21 @@ class TorchOpLibrary(NativeLibrary):
     def _link_flags(self) -> tuple[str, ...]:
         lib, _ = self._torch_dirs()
         return (f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}")
+
+    def register(self, fallback: str) -> bool:
+        """Load (building if needed) the default variant, registering its kernels; False,
+        with one warning that ``fallback`` runs instead, where there is no compiler or the
+        library cannot be built.  The ops must be defined first."""
+        if compiler() is None:
+            return False
+        try:
+            self.load()
+        except KernelBuildError as e:
+            logging.getLogger(__name__).warning(
+                "piecewise: lib%s unavailable, %s: %s", self.name, fallback, e
+            )
+            return False
+        return True
 
     def _load(self, portable: Optional[bool] = None):  # type: ignore[override]
         """Load (building if needed) the library: its kernels are registered from then on.

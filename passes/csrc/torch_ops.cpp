@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "../../framework/core/csrc/dtype_name.h"
 #include "int8_linear.cpp"
 #include "small_m_linear.cpp"
 #include "fused_moe_packed.cpp"  // the MoE layer op: its own namespace and registration
@@ -33,17 +34,7 @@ namespace {
 
 using OptTensor = std::optional<at::Tensor>;
 
-std::string dtype_name(c10::ScalarType t) {
-  switch (t) {
-    case c10::ScalarType::BFloat16: return "torch.bfloat16";
-    case c10::ScalarType::Float: return "torch.float32";
-    case c10::ScalarType::Half: return "torch.float16";
-    case c10::ScalarType::Double: return "torch.float64";
-    case c10::ScalarType::Char: return "torch.int8";
-    case c10::ScalarType::Int: return "torch.int32";
-    default: return std::string("torch.") + c10::toString(t);
-  }
-}
+using pw_names::dtype_name;
 
 // Rows of x as a [rows, K] matrix, or -1 when x is not [..., K].
 int64_t rows_of(const at::Tensor& x, int64_t k) {

@@ -20,24 +20,14 @@
 #include <cstdint>
 #include <string>
 
+#include "../../../framework/core/csrc/dtype_name.h"
 #include "cpu_paged_attention.cpp"
 
 namespace {
 
 constexpr const char* kWho = "cpu_paged attention: ";
 
-// A dtype as Python prints it (the Python body's messages say the same).
-std::string dtype_name(c10::ScalarType t) {
-  switch (t) {
-    case c10::ScalarType::BFloat16: return "torch.bfloat16";
-    case c10::ScalarType::Float: return "torch.float32";
-    case c10::ScalarType::Half: return "torch.float16";
-    case c10::ScalarType::Double: return "torch.float64";
-    case c10::ScalarType::Int: return "torch.int32";
-    case c10::ScalarType::Long: return "torch.int64";
-    default: return std::string("torch.") + c10::toString(t);
-  }
-}
+using pw_names::dtype_name;
 
 // (rows, token stride) of a [T, heads, d] tensor whose heads are contiguous.
 std::pair<int64_t, int64_t> rows_of(const char* name, const at::Tensor& t, int64_t heads,
