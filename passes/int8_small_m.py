@@ -81,7 +81,7 @@ LIBRARY = NativeLibrary(
     portable_env="PIECEWISE_INT8_LINEAR_PORTABLE",
     declare=_declare,
     extra_flags=("-ffp-contract=off",),  # the epilogue rounds as torch does: no FMA contraction
-    depends=(CSRC / "panel_loop.h",),
+    depends=(CSRC / "panel_loop.h", CSRC.parents[1] / "framework" / "core" / "csrc" / "bf16.h"),
 )
 
 

@@ -37,6 +37,7 @@ LIBRARY = TorchOpLibrary(
         CSRC / "fused_moe_packed.cpp",
         CSRC.parents[1] / "framework" / "core" / "csrc" / "row_argmax.h",
         CSRC.parents[1] / "framework" / "core" / "csrc" / "dtype_name.h",
+        CSRC.parents[1] / "framework" / "core" / "csrc" / "bf16.h",
     ),
 )
 

@@ -67,6 +67,7 @@ LIBRARY = NativeLibrary(
     depends=(
         Path(__file__).resolve().parent / "csrc" / "panel_loop.h",
         Path(__file__).resolve().parents[1] / "framework" / "core" / "csrc" / "row_argmax.h",
+        Path(__file__).resolve().parents[1] / "framework" / "core" / "csrc" / "bf16.h",
     ),
 )
 

@@ -36,26 +36,16 @@
 #include <optional>
 #include <vector>
 
+#include "../../framework/core/csrc/bf16.h"
+
 namespace pw_moe {
 
 using OptTensor = std::optional<at::Tensor>;
 constexpr int64_t kPanelLanes = 64;  // output features per small-M panel
 constexpr int64_t kPanelPairs = 2;   // k values per lane of a panel row
 
-inline float bf16_to_f32(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet (as torch)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using pw_bf16::bf16_to_f32;
+using pw_bf16::f32_to_bf16;
 
 // w is the [E, ceil(n/64), ceil(k/2), 64, 2] stack of panels of E weights [n, k].
 bool panel_stack(const at::Tensor& w, int64_t e, int64_t n, int64_t k) {

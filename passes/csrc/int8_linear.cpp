@@ -35,6 +35,7 @@
 #include <cstring>
 #include <vector>
 
+#include "../../framework/core/csrc/bf16.h"
 #include "panel_loop.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PW_I8_AVX512 1
@@ -59,20 +60,8 @@ constexpr float kMinScale = 1e-10f;  // MIN_DYNAMIC_SCALE of passes/ops/quant_ut
 
 enum : int64_t { kFloat32 = 0, kBFloat16 = 1 };
 
-inline float bf16_to_f32(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using pw_bf16::bf16_to_f32;
+using pw_bf16::f32_to_bf16;
 
 inline float load1(const void* p, int64_t i, int64_t dt) {
   return dt == kBFloat16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i])

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "../../framework/core/csrc/bf16.h"
 #include "../../framework/core/csrc/row_argmax.h"
 #include "panel_loop.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -47,20 +48,8 @@ constexpr int64_t kBlockPairs = 256;  // k-pairs per block (64 KB of a panel) wi
 constexpr int64_t kParallelMinBytes = pw_panel::kParallelMinBytes;
 static_assert(kMaxRows == 6, "panel<1..6> below");
 
-inline float bf16_to_f32(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using pw_bf16::bf16_to_f32;
+using pw_bf16::f32_to_bf16;
 
 struct Args {
   const uint16_t* x;

@@ -47,6 +47,9 @@ constexpr int kMaxHeadDim = 256;
 // (attention_ab, 9 rounds: cold 0.91-1.05x, hot 0.95-1.15x of 1 block), so still 1.
 constexpr int64_t kPrefetchBlocks = 1;
 
+// The same conversions as framework/core/csrc/bf16.h (the other native kernels' one home for
+// them), written here again because this file is built alone, also from other revisions
+// (experiments.bench.attention_ab copies it into a scratch folder without the project's headers).
 inline float bf16_to_f32(uint16_t x) {
   uint32_t u = static_cast<uint32_t>(x) << 16;
   float f;
