@@ -25,7 +25,8 @@ Start-up watches the workers: while rank 0 waits for them at the rendezvous, a w
 exits ends start-up within a second with its stderr tail (and, for Python's bootstrapping
 error of a script without ``if __name__ == "__main__":``, says to guard the script).  The
 rendezvous file (``piecewise-tp-*`` in the temp directory) is removed on every exit path,
-SIGTERM included.
+SIGTERM included (:mod:`framework.engine.tp_processes`: the workers' stderr, the rendezvous
+files and the SIGTERM handler).
 
 Under ``torchrun`` every rank runs the user's script: ranks other than 0 run the worker loop
 from ``LLM(...)`` and, when rank 0 closes its LLM, leave the group and exit the process
@@ -53,10 +54,7 @@ import contextlib
 import logging
 import os
 import queue
-import signal
 import sys
-import tempfile
-import threading
 import time
 import traceback
 from datetime import timedelta
@@ -70,6 +68,7 @@ import torch.multiprocessing as mp
 
 from framework.core.parallel_state import TPState, divide, kv_head_layout
 from framework.engine.tp_messages import chunk_from_msg, chunk_msg
+from framework.engine.tp_processes import StderrTail, new_store_file, remove_store_file
 from models.config import ModelConfig, read_hf_config
 
 if TYPE_CHECKING:
@@ -83,7 +82,6 @@ _ACTIVE: list["TPGroup"] = []
 default process group, a process-wide resource; this list mirrors it)."""
 _SPAWNED_RANK: list[int] = []
 """Set in a worker process this module spawned: its rank."""
-_STDERR_TAIL_BYTES = 8192
 BOOTSTRAP_HINT = (
     'guard the script\'s entry point with `if __name__ == "__main__":` -- tensor parallelism '
     "spawns worker processes that import the main module, and an unguarded script starts "
@@ -154,14 +152,15 @@ def _join_existing(n: int, dist_backend: str) -> "TPGroup":
     )
 
 
+def _live_workers() -> list:
+    """The worker processes of this process's live groups (what SIGTERM stops)."""
+    return [p for group in _ACTIVE for p in group.workers]
+
+
 def _spawn(n: int, dist_backend: str, llm_args: dict[str, Any]) -> "TPGroup":
     ctx = mp.get_context("spawn")
     errors, ready = ctx.Queue(), ctx.Queue()
-    fd, path = tempfile.mkstemp(prefix="piecewise-tp-")
-    os.close(fd)
-    os.unlink(path)  # FileStore creates it; a stale file would hold old keys
-    _STORE_FILES.add(path)
-    _install_sigterm_cleanup()
+    path = new_store_file(_live_workers)
     init = f"file://{path}"
     threads = max(1, torch.get_num_threads() // n)
     workers, tails = [], []
@@ -175,7 +174,7 @@ def _spawn(n: int, dist_backend: str, llm_args: dict[str, Any]) -> "TPGroup":
                 name=f"piecewise-tp-rank{rank}",
                 daemon=True,  # never outlive rank 0
             )
-            tail = _StderrTail(rank)
+            tail = StderrTail(rank)
             with tail.as_stderr():
                 p.start()
             tail.start()
@@ -185,7 +184,7 @@ def _spawn(n: int, dist_backend: str, llm_args: dict[str, Any]) -> "TPGroup":
         for p in workers:
             p.kill()
             p.join()
-        _remove_store_file(path)
+        remove_store_file(path)
         raise
     group = TPGroup(
         0,
@@ -205,57 +204,6 @@ def _spawn(n: int, dist_backend: str, llm_args: dict[str, Any]) -> "TPGroup":
     except BaseException as e:
         group.fail(e)
     return group
-
-
-class _StderrTail:
-    """A spawned worker's stderr: forwarded to this process's stderr as it comes, and its
-    last bytes kept for the error message when the worker dies."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        self._read, self._write = os.pipe()
-        self._buf = bytearray()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._pump, name=f"piecewise-tp-stderr{rank}", daemon=True
-        )
-
-    @contextlib.contextmanager
-    def as_stderr(self) -> Iterator[None]:
-        """Make the pipe fd 2 while the worker starts (the child inherits it)."""
-        saved = os.dup(2)
-        try:
-            os.dup2(self._write, 2)
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            os.close(self._write)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _pump(self) -> None:
-        try:
-            while True:
-                data = os.read(self._read, 65536)
-                if not data:
-                    break
-                with self._lock:
-                    self._buf += data
-                    del self._buf[:-_STDERR_TAIL_BYTES]
-                try:
-                    os.write(2, data)
-                except OSError:
-                    pass
-        finally:
-            os.close(self._read)
-
-    def text(self, wait_s: float = 1.0) -> str:
-        """The tail so far (waiting up to ``wait_s`` for the pipe's end)."""
-        self._thread.join(timeout=wait_s)
-        with self._lock:
-            return self._buf.decode(errors="replace")
 
 
 def _worker_main(rank, n, dist_backend, init, llm_args, errors, ready, threads) -> None:
@@ -349,7 +297,7 @@ class TPGroup:
         self.spawned = spawned
         self.device: Optional[str] = device
         """The device this rank must use (torchrun on CUDA: ``cuda:<LOCAL_RANK>``)."""
-        self.stderr_tails: list[_StderrTail] = list(stderr_tails)
+        self.stderr_tails: list[StderrTail] = list(stderr_tails)
         self.closed = False
         self.closed_reason = "LLM.close() ran"
         """Why the group closed: what using it afterwards says (a failure, or close)."""
@@ -542,7 +490,7 @@ class TPGroup:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         if self.store_path:
-            _remove_store_file(self.store_path)
+            remove_store_file(self.store_path)
         atexit.unregister(self.close)
         if self in _ACTIVE:
             _ACTIVE.remove(self)
@@ -572,46 +520,3 @@ class _WorkerExited(RuntimeError):
     def __init__(self, rank: int, code: int):
         super().__init__(f"tensor parallel rank {rank} exited with code {code} at start-up")
         self.rank, self.code = rank, code
-
-
-# ---------------------------------------------------------------- the rendezvous files
-_STORE_FILES: set[str] = set()
-"""Rendezvous files of this process's groups (removed at teardown, exit and SIGTERM)."""
-_PREVIOUS_SIGTERM: list[Any] = []
-
-
-def _remove_store_file(path: str) -> None:
-    _STORE_FILES.discard(path)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _on_sigterm(signum, frame) -> None:
-    """Remove the rendezvous files and stop the workers, then do what SIGTERM did before."""
-    for group in list(_ACTIVE):
-        for p in group.workers:
-            with contextlib.suppress(Exception):
-                p.terminate()
-    for path in list(_STORE_FILES):
-        _remove_store_file(path)
-    previous = _PREVIOUS_SIGTERM[0] if _PREVIOUS_SIGTERM else signal.SIG_DFL
-    if callable(previous):
-        previous(signum, frame)
-        return
-    signal.signal(signal.SIGTERM, previous)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _install_sigterm_cleanup() -> None:
-    """Chain :func:`_on_sigterm` before the current SIGTERM handler (once; main thread only:
-    elsewhere the files are still removed on every other exit path)."""
-    if _PREVIOUS_SIGTERM or threading.current_thread() is not threading.main_thread():
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is None:  # a handler set outside Python: leave it alone
-        return
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    _PREVIOUS_SIGTERM.append(previous)
-
-
-atexit.register(lambda: [_remove_store_file(p) for p in list(_STORE_FILES)])
