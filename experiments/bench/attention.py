@@ -155,7 +155,9 @@ def run(args) -> list[dict]:
     return rows, bandwidth
 
 
-def main(argv=None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
+    """The command line; :func:`experiments.bench.measure.measure_attention` parses its own
+    settings with it too, so a new option reaches every caller with its default."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=2)
@@ -177,7 +179,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--hkv", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> list[dict]:
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     rows, bandwidth = run(args)
     print(

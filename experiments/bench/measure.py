@@ -148,8 +148,6 @@ def streaming_floor(contenders: list[Contender], args: argparse.Namespace) -> Op
 def measure_attention(dtype: str, args: argparse.Namespace) -> list[dict]:
     from experiments.bench import attention as bench_attention
 
-    ns = argparse.Namespace(
-        dtype=dtype, rounds=args.rounds, round_seconds=0.05, hq=8, hkv=4, head_dim=64, block_size=16
-    )
+    ns = bench_attention.parser().parse_args(["--dtype", dtype, "--rounds", str(args.rounds)])
     rows, bandwidth = bench_attention.run(ns)
     return [dict(r, dtype=dtype, bandwidth_gb_s=bandwidth / 1e9) for r in rows]

@@ -32,3 +32,23 @@ def test_runs_every_case_round_robin(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "target: b1 decode <= 128 tokens <= 30 µs per call:" in out
     assert "target: 4k-context KV read >= 50% of bandwidth:" in out
+
+
+def test_the_main_bench_runs_it_with_every_option_at_its_default(monkeypatch):
+    """``python -m experiments.bench`` (vs_hf) measures attention through ``measure_attention``,
+    which parses its settings with this bench's own parser: an option added here reaches it
+    (a hand-built namespace once lacked ``evict_mb`` and the main bench died on it)."""
+    import argparse
+
+    from experiments.bench.measure import measure_attention
+
+    monkeypatch.setattr(bench_attention, "CASES", bench_attention.CASES[:1])
+    monkeypatch.setattr(bench_attention, "measure_read_bandwidth", lambda: 1e10)
+    seen = []
+    real_run = bench_attention.run
+    monkeypatch.setattr(bench_attention, "run", lambda ns: seen.append(ns) or real_run(ns))
+    rows = measure_attention("float32", argparse.Namespace(rounds=1))
+    defaults = vars(bench_attention.parser().parse_args([]))
+    assert vars(seen[0]) == dict(defaults, dtype="float32", rounds=1)
+    assert [r["case"] for r in rows] == [bench_attention.CASES[0].name]
+    assert rows[0]["dtype"] == "float32" and rows[0]["bandwidth_gb_s"] == 10.0
