@@ -13,7 +13,11 @@ re-laid-out weights of its packed layers (every linear, the LM head) are given, 
   maps it; a cold one: where packing put them);
 * ``anon_4k``: a copy in anonymous memory advised ``MADV_NOHUGEPAGE`` (4 KB pages: what
   torch's allocator gives a large tensor with transparent huge pages in ``madvise`` mode);
-* ``anon_2m``: a copy from :class:`framework.core.huge_pages.HugePageAllocator` (2 MB pages);
+* ``anon_2m``: a copy from :class:`framework.core.huge_pages.HugePageAllocator` (a 2 MB-aligned
+  mapping per tensor of 2 MB or more, its tail under 2 MB in small pages; smaller tensors in
+  torch's memory: how a cold start placed the weights before slabs);
+* ``anon_slabs``: a copy from ``HugePageAllocator.for_weights()`` (every tensor of 4 KB or
+  more carved from shared slabs wholly in 2 MB pages: how a cold start places them now);
 * ``mapped``: a second map of the processed-weights file, as the warm start maps it
   (``map_safetensors``: private, advised ``MADV_HUGEPAGE``; huge pages where the page cache
   holds the file in 2 MB folios -- a file written before its large tensors were 2 MB aligned
@@ -42,7 +46,7 @@ import torch
 
 from framework.core import huge_pages as hp
 
-VARIANTS = ("as_loaded", "anon_4k", "anon_2m", "mapped", "mapped_huge")
+VARIANTS = ("as_loaded", "anon_4k", "anon_2m", "anon_slabs", "mapped", "mapped_huge")
 
 
 def streamed(llm) -> dict[str, torch.nn.Parameter]:
@@ -125,8 +129,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             placements[v] = loaded
         elif v == "anon_4k":
             placements[v] = {n: anon_4k(t) for n, t in loaded.items()}
-        elif v == "anon_2m":
-            alloc = hp.HugePageAllocator()
+        elif v in ("anon_2m", "anon_slabs"):
+            alloc = hp.HugePageAllocator() if v == "anon_2m" else hp.HugePageAllocator.for_weights()
             placements[v] = {n: alloc.copy(t) for n, t in loaded.items()}
         elif v in ("mapped", "mapped_huge"):
             if not llm.weights_path:

@@ -103,9 +103,10 @@ def process_weights(
 ) -> list[str]:
     """Re-lay every eligible linear weight of ``model`` once, in place, when the
     ``prepack_linear`` pass is on; returns the names of the layers (and stacked MoE experts)
-    packed.  Each re-laid tensor then moves into huge-page memory (``allocator``, default a
-    new :class:`~framework.core.huge_pages.HugePageAllocator`; :func:`place_relaid`): what a
-    decode step streams is read through 2 MB pages.
+    packed.  Each re-laid tensor then moves into huge-page memory (``allocator``, default
+    :meth:`~framework.core.huge_pages.HugePageAllocator.for_weights`: shared 2 MB-page slabs;
+    :func:`place_relaid`): what a decode step streams is read through 2 MB pages, small
+    weights included.
 
     Eligible: a module exposing ``linear_method`` (None: no quantization scheme took it) and
     a 2-D CPU bf16/fp32 weight that no other module shares.  The LM head is included (it runs
@@ -116,7 +117,7 @@ def process_weights(
     (:class:`passes.ops.packed_moe.PackedExpertsMethod`)."""
     if "prepack_linear" not in config.pass_config.passes:
         return []
-    allocator = HugePageAllocator() if allocator is None else allocator
+    allocator = HugePageAllocator.for_weights() if allocator is None else allocator
     owners = Counter(id(p) for _, m in model.named_modules() for p in m.parameters(recurse=False))
     max_rows = config.kernel_config.max_rows()
     int8_rows = config.kernel_config.int8_max_rows()
@@ -228,14 +229,15 @@ def prepare_model(
     compilation config): mapped from the processed-weights cache when it holds this
     combination, else computed (:func:`load_quantized` + :func:`process_weights`) and saved.
 
-    The re-laid-out weights a decode step streams (a huge page or more each) live in huge
-    pages: a cold start moves them into ``allocator``'s memory after packing (default a new
-    :class:`~framework.core.huge_pages.HugePageAllocator`); a warm start maps the file, whose
+    The re-laid-out weights a decode step streams live in huge pages: a cold start moves them
+    into ``allocator``'s memory after packing (default
+    :meth:`~framework.core.huge_pages.HugePageAllocator.for_weights`: shared slabs); a warm
+    start maps the file, whose
     large tensors lie on 2 MB boundaries, advised ``MADV_HUGEPAGE``
     (:mod:`framework.cache.weights`), nothing copied."""
     t0 = time.perf_counter()
     device = torch.device(device)
-    allocator = HugePageAllocator() if allocator is None else allocator
+    allocator = HugePageAllocator.for_weights() if allocator is None else allocator
     cache = _open_cache(model_dir, dtype, device, quantization, config, model_tag)
     if cache is not None:
         got = cache.load()

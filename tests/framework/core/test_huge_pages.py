@@ -120,3 +120,50 @@ def test_refused_mapping_fails_closed(monkeypatch, caplog):
         t = alloc.empty((4 * MB,), torch.uint8)
     assert t.numel() == 4 * MB and alloc.failures == 1 and alloc.plain_bytes == 4 * MB
     assert any("refused" in r.getMessage() for r in caplog.records)
+
+
+@linux
+def test_weight_slabs_share_advised_huge_page_mappings():
+    """``for_weights``: small tensors and the tails of large ones share slabs, each wholly
+    advised MADV_HUGEPAGE; a tensor larger than a slab gets one of its own size (rounded up to
+    2 MB) whose rest later tensors use; nothing is 2 MB aligned per tensor any more."""
+    alloc = hp.HugePageAllocator.for_weights(mode="madvise", slab_bytes=4 * MB)
+    assert alloc.min_bytes == hp.SLAB_ALIGN
+    small = [alloc.empty((n,), torch.uint8) for n in (MB, MB // 2 + 5, 16 << 10)]
+    starts = [t.data_ptr() for t in small]
+    assert starts[1] == starts[0] + MB  # one after another ...
+    assert starts[2] == starts[1] + MB // 2 + hp.SLAB_ALIGN  # ... at small-page boundaries
+    assert all(s % hp.SLAB_ALIGN == 0 for s in starts) and alloc.slabs == 1
+    big = alloc.empty((5 * MB,), torch.uint8)  # over the slab size: a slab of 6 MB
+    assert alloc.slabs == 2 and big.data_ptr() % hp.HUGE_PAGE == 0
+    after = alloc.empty((3 * MB,), torch.uint8)  # fits neither slab's rest: a new one
+    tail = alloc.empty((MB // 2,), torch.uint8)  # fits the first slab's rest
+    assert alloc.slabs == 3 and tail.data_ptr() > starts[2] and tail.data_ptr() < starts[0] + 4 * MB
+    assert alloc.huge_bytes == MB + MB // 2 + 5 + (16 << 10) + 5 * MB + 3 * MB + MB // 2
+    tiny = alloc.empty((100,), torch.uint8)  # under a small page: torch's allocator
+    assert alloc.plain_bytes == 100 and tiny.numel() == 100
+    for i, t in enumerate(small + [big, after, tail]):
+        t.fill_(i + 1)
+    for i, t in enumerate(small + [big, after, tail]):  # no overlap
+        assert int(t.min()) == int(t.max()) == i + 1
+    backing = hp.page_backing(small[0])
+    assert backing.mappings == 1 and backing.advised == 1 and backing.size >= 4 * MB
+    if hp.thp_mode() in ("madvise", "always"):
+        assert backing.anon_huge >= hp.HUGE_PAGE, backing  # the 16 KB tensor's page too
+    placed = alloc.place(torch.full((3000,), 2.5))
+    assert placed.dtype == torch.float32 and bool((placed == 2.5).all())
+    assert placed.data_ptr() % hp.SLAB_ALIGN == 0
+
+
+@linux
+def test_a_slab_is_freed_with_its_allocator_and_last_tensor():
+    alloc = hp.HugePageAllocator.for_weights(mode="madvise", slab_bytes=2 * MB)
+    t = alloc.empty((MB,), torch.uint8)
+    address = t.data_ptr()
+    t.fill_(3)
+    del alloc
+    gc.collect()
+    assert mapped(address) and int(t[-1]) == 3  # the tensor holds it
+    del t
+    gc.collect()
+    assert not mapped(address)

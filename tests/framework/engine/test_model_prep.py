@@ -115,3 +115,35 @@ def test_packed_weights_move_to_huge_page_memory_and_compute_the_same(llama_chec
             assert all(isinstance(p, torch.nn.Parameter) and not p.requires_grad for p in big)
         tokens[threshold] = PagedHarness(model).greedy(prompts, new)
     assert tokens[None] == tokens[8 << 10]
+
+
+@pytest.mark.parametrize("quant", [None, "int8_per_token"], ids=["bf16", "int8"])
+def test_by_default_every_relaid_weight_lies_in_shared_huge_page_slabs(llama_checkpoint, quant):
+    """``process_weights``' own allocator (``HugePageAllocator.for_weights``): every re-laid
+    weight of a small page or more, however small, is carved from a slab advised
+    MADV_HUGEPAGE (a few slabs for the whole model, not a mapping each); the greedy tokens
+    equal those of the same weights left in torch's memory."""
+    from paged_harness import PagedHarness
+
+    from framework.core import huge_pages as hp
+    from framework.core.config import CompilationConfig, PassConfig
+    from framework.engine.model_prep import process_weights, relaid_parameters
+
+    if not hp.HugePageAllocator().enabled:
+        pytest.skip(f"transparent huge pages are {hp.thp_mode()}")
+    config = CompilationConfig(pass_config=PassConfig(passes=["prepack_linear"]))
+    prompts, new = [[3, 17, 42, 9, 100, 7], [8, 1, 250]], 6
+    tokens = []
+    for alloc in (None, hp.HugePageAllocator(mode="never")):
+        model, _, _ = load_quantized(llama_checkpoint, torch.bfloat16, "cpu", quant)
+        packed = process_weights(model, config, alloc)
+        relaid = [p for n in packed for p in relaid_parameters(model.get_submodule(n)).values()]
+        placed = [p for p in relaid if p.numel() * p.element_size() >= hp.SLAB_ALIGN]
+        if alloc is None:
+            assert placed and all(p.data_ptr() % hp.SLAB_ALIGN == 0 for p in placed)
+            backing = hp.page_backing(placed)
+            assert backing.advised == backing.mappings
+            assert 1 <= backing.mappings <= 2  # the tiny model's weights: one 32 MB slab
+            assert backing.size >= sum(p.numel() * p.element_size() for p in placed)
+        tokens.append(PagedHarness(model).greedy(prompts, new))
+    assert tokens[0] == tokens[1]
