@@ -296,3 +296,55 @@ def test_snapshot_restores_attributes_buffers_and_ties(tiny_checkpoint):
     assert restored.counter == layer.counter
     assert "scale_note" in restored._non_persistent_buffers_set
     assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+
+
+def test_the_file_is_written_in_pieces_ending_on_huge_page_boundaries(tmp_path, monkeypatch):
+    """Every ``write`` but the last ends on a 2 MB boundary of the file (small tensors gathered,
+    a large one straight from its memory), however little the OS takes per call; the file
+    reads back the same."""
+    from framework.cache import weights
+    from framework.core.huge_pages import HUGE_PAGE
+
+    asked: list[int] = []  # where each call asked to stop writing (file offset)
+    real_write = os.write
+    written = 0
+
+    def stingy_write(fd, data):  # the OS may take less than asked
+        nonlocal written
+        asked.append(written + len(memoryview(data)))
+        n = real_write(fd, memoryview(data)[: 1536 << 10])
+        written += n
+        return n
+
+    tensors = {f"small{i}": torch.full((50_000,), i, dtype=torch.int8) for i in range(50)}
+    tensors["big"] = torch.randn(1024, 2048)  # 8 MB, 2 MB aligned
+    tensors["tail"] = torch.arange(1000, dtype=torch.int16)
+    path = tmp_path / "w.safetensors"
+    monkeypatch.setattr(weights.os, "write", stingy_write)
+    write_safetensors(path, tensors, {"k": "v"})
+    monkeypatch.undo()
+    size = path.stat().st_size
+    assert written == size and len(asked) > size // (1536 << 10)
+    assert all(end % HUGE_PAGE == 0 or end == size for end in asked), asked
+    got, _ = map_safetensors(path)
+    assert all(torch.equal(got[n], t) for n, t in tensors.items())
+
+
+def test_small_tensors_map_as_huge_pages_too(tmp_path):
+    """A file of small tensors only (2.5 MB of 50 KB ones), written and mapped here: where the
+    page cache builds folios as large as the writes (ext4 since Linux 6.16), its first 2 MB
+    map as one huge page -- written tensor by tensor they lay in small folios."""
+    from framework.core.huge_pages import HUGE_PAGE, page_backing, thp_mode
+
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split() for line in f]
+    fs = max((m for m in mounts if str(tmp_path).startswith(m[1])), key=lambda m: len(m[1]))[2]
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    if not (fs == "ext4" and thp_mode() in ("madvise", "always") and release >= (6, 16)):
+        pytest.skip(f"{fs} on Linux {os.uname().release}, THP {thp_mode()}: no large folios")
+    tensors = {f"w{i}": torch.full((25_000,), i, dtype=torch.bfloat16) for i in range(50)}
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, tensors, {"k": "v"})
+    got, _ = map_safetensors(path)
+    assert all(torch.equal(got[n], t) for n, t in tensors.items())
+    assert page_backing(list(got.values())).file_pmd >= HUGE_PAGE
