@@ -23,7 +23,11 @@ def start(llm, model_dir, **config):
 
 
 def metrics(url: str, **headers) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+    return parse_metrics(httpx.get(f"{url}/metrics", headers=headers, timeout=30).text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {series (name with labels): value}."""
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

@@ -1,16 +1,9 @@
 """The Prometheus text of /metrics from the server's own measurements and an engine
 stats snapshot."""
 
+from serve_helpers import parse_metrics as parse
+
 from framework.serve.metrics import ServingMetrics
-
-
-def parse(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def test_render_counts_latencies_blocks_and_prefix_hits():
