@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from experiments.bench import memory as bench_memory
+from framework.core.huge_pages import HugePageAllocator
 
 
 def test_stats_count_each_weight_once_in_the_layout_the_kernels_read(llama_checkpoint):
@@ -29,9 +30,22 @@ def test_stats_count_each_weight_once_in_the_layout_the_kernels_read(llama_check
     s = packed.stats
     assert len(packed.packed_layers) == 4 * 2 + 1  # qkv, o, gate_up, down per layer + LM head
     params = {id(p): p for p in packed.model.parameters()}
-    assert s["memory_weights_bytes"] == sum(
-        p.untyped_storage().nbytes() for p in params.values()
-    ) + sum(b.untyped_storage().nbytes() for b in packed.model.buffers())
+    tensors = list(params.values()) + list(packed.model.buffers())
+    assert s["memory_weights_bytes"] == sum(t.numel() * t.element_size() for t in tensors)
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    slabs = [group for group in by_storage.values() if len(group) > 1]
+    for group in by_storage.values():
+        if len(group) == 1:  # a storage of its own holds that tensor and nothing else
+            t = group[0]
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    for group in slabs:  # huge-page slabs (the re-laid weights): tensors side by side
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in group)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert all(t.is_contiguous() for t in group)
+    if HugePageAllocator().enabled:
+        assert len(slabs) == 1  # the tiny model's re-laid weights: one 32 MB slab
     # Packing pads to whole 64-row panels; nothing else is held beside the model.
     extra = s["memory_weights_bytes"] - plain.stats["memory_weights_bytes"]
     assert 0 <= extra < 0.5 * s["memory_packed_weight_bytes"]
