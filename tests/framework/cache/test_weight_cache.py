@@ -161,12 +161,13 @@ def test_a_corrupted_file_is_recomputed_with_a_warning_naming_it(ckpt, tmp_path,
     assert_same_model(third.model, first.model)
 
 
-@pytest.mark.parametrize("when", ["probe", "write"])
+@pytest.mark.parametrize("when", ["probe", "write", "mid_file"])
 def test_a_full_disk_is_one_warning_and_the_model_still_loads(
     ckpt, tmp_path, monkeypatch, caplog, when
 ):
     """Refused at the probe (a full or read-only root): one log line, no second warning
-    beside the compile store's; refused while writing the file: the store's one
+    beside the compile store's; refused while writing the file (at its start, or by the OS
+    after the first 100 KB were written: the partial file is removed): the store's one
     CacheWriteWarning.  Either way the model comes back, computed."""
     root = tmp_path / "cache"
     config = config_for(root)
@@ -184,10 +185,23 @@ def test_a_full_disk_is_one_warning_and_the_model_still_loads(
         def full(path, tensors, metadata):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-        monkeypatch.setattr(weights, "write_safetensors", full)
+        real_write, room = os.write, [100 << 10]
+
+        def filling(fd, data):  # the disk takes 100 KB, then is full
+            if room[0] <= 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            n = real_write(fd, memoryview(data)[: room[0]])
+            room[0] -= n
+            return n
+
+        if when == "write":
+            monkeypatch.setattr(weights, "write_safetensors", full)
+        else:
+            monkeypatch.setattr(weights.os, "write", filling)
         with pytest.warns(CacheWriteWarning, match="No space left"):
             got = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)
         assert not list(root.rglob("*.bin")) and not list(root.rglob(".tmp-*"))
+        assert when == "write" or room[0] <= 0  # the disk did fill mid-file
     assert got.weights_cache == "miss" and got.weights_path is None
     assert_same_model(got.model, reference.model)
 
