@@ -27,7 +27,10 @@ re-laid-out weights of its packed layers (every linear, the LM head) are given, 
 
 Swapping is ``param.data = other`` on the engine's own parameters (the compiled program reads
 them through the same objects).  Each variant's backing is read from ``/proc/self/smaps``
-(resident bytes, anonymous huge pages, file pages mapped huge).  Per round every variant runs
+(resident bytes, anonymous huge pages, file pages mapped huge), mapping by mapping: where a
+variant leaves tensors in torch's heap (``as_loaded`` cold, ``anon_2m`` below 2 MB) the figures
+are the heap mappings', whatever else they hold; ``placed_huge_gb`` is what the allocator
+itself put in huge-page memory.  Per round every variant runs
 one generation of ``--steps`` decode steps; the table gives each variant's median decode step
 (the runner's step times), the ratio to ``anon_2m``, and the streaming rate.  Tokens must be
 the same for every variant (checked).  Holds one extra copy of the weights per variant.
@@ -132,6 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elif v in ("anon_2m", "anon_slabs"):
             alloc = hp.HugePageAllocator() if v == "anon_2m" else hp.HugePageAllocator.for_weights()
             placements[v] = {n: alloc.copy(t) for n, t in loaded.items()}
+            info[v] = {"placed_huge_gb": alloc.huge_bytes / 1e9}
         elif v in ("mapped", "mapped_huge"):
             if not llm.weights_path:
                 print(f"# {v} skipped: no processed-weights file")
