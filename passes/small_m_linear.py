@@ -1,7 +1,9 @@
 """A hand-written CPU linear for the few rows of a decode step (bf16), near memory bandwidth.
 
 ``small_m_linear(x2, w, bias)`` computes ``x2 @ w.T + bias`` for a 2-D bf16 ``x2`` with the C++
-kernel ``csrc/small_m_linear.cpp`` (AVX512-BF16 ``vdpbf16ps`` where the build targets it; AVX2
+kernel ``csrc/small_m_linear.cpp`` (AMX tiles, ``tdpbf16ps``, where the build targets AMX-BF16
+and Linux grants the tile registers: Sapphire Rapids and later, every M; AVX512-BF16
+``vdpbf16ps`` where the build targets it; AVX2
 + FMA on CPUs without it, e.g. AMD Zen 3: each bf16 pair widened exactly to fp32 by a shift and
 a mask, two FMAs; a portable loop elsewhere). fp32 accumulation, the output rounded to nearest
 even once, after the bias (as ``F.linear`` does). Any number of rows: past 6 the rows take
@@ -14,8 +16,18 @@ bandwidth.  The kernel reads the weight re-laid out into panels of 64 output fea
 (:func:`pack`, see the .cpp), so each thread streams contiguous memory and needs no horizontal
 reductions.  That panel layout is the layer's own weight (``piecewise::packed_linear``,
 :mod:`passes.ops.packed_linear`): the engine re-lays each weight once after loading and releases
-the original; on AVX512-BF16 machines it is also oneDNN's packed layout, so larger batches
-run oneDNN on the same bytes.
+the original; on AVX512-BF16 machines without AMX it is also oneDNN's packed layout, so larger
+batches run oneDNN on the same bytes.  With AMX oneDNN picks a blocking of its own: no shared
+bytes, and batches past ``max_rows`` run the kernel ``max_rows`` rows at a time.
+
+AMX: on AVX512-BF16 alone a linear of M rows costs M times the dot products, and on an Intel
+Xeon with AMX (2 vCPUs, 2026-12-05) that made the kernel compute-bound from M = 2: against
+oneDNN's AMX path on its own layout it was 1.8x slower at M = 8 and 6x at M = 64 (N 11264,
+K 2048).  The tile path reads the same panels (a panel's k-pairs are AMX's VNNI layout for
+B) and streams the weight at every M up to 16; the tiny model's O2 decode step, AVX512 build
+against AMX build in alternated processes, 3 rounds: b1 2.56 -> 2.75 ms (0.93x: one stream
+per thread where the AVX512 path keeps two), b8 5.58 -> 3.25 ms (1.72x), b32 12.02 -> 5.94 ms
+(2.02x) (``experiments/bench/results/small_m_amx_2026-12-05.md``).
 
 :func:`run_packed` is what the op calls; :func:`small_m_linear` packs a plain weight per call
 (tests, microbenchmarks).  Whether the op uses the kernel, and up to how many rows, are

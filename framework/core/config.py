@@ -154,7 +154,10 @@ class KernelConfig(StrictConfig):
     """Rows (tokens) up to which a linear runs the small-M kernel; more go to oneDNN.  The
     kernel streams each weight panel once for all rows (row passes over k-blocks in cache), so
     it leads oneDNN up to at least 64 rows on the tiny and 1.1B shapes
-    (``passes.small_m_linear.DEFAULT_MAX_ROWS``, ``experiments/bench/small_m_linear.py``)."""
+    (``passes.small_m_linear.DEFAULT_MAX_ROWS``, ``experiments/bench/small_m_linear.py``); on
+    AMX CPUs through its tile path (the geometric mean over those shapes 1.24x / 1.21x /
+    1.06x oneDNN's AMX path at M = 1 / 8 / 64: ``experiments/bench/results/``
+    ``small_m_amx_2026-12-05.md``)."""
     int8_small_m_max_rows: int = 64
     """Rows up to which an int8 linear (``int8_per_token``, ``int8_per_channel_weight_only``)
     runs the small-M int8 kernel (``passes/int8_small_m.py``; its weight is then re-laid out

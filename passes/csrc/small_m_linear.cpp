@@ -35,6 +35,11 @@
     defined(__AVX512BF16__)
 #define PW_AVX512BF16 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PW_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PW_AVX2 1
 #include <immintrin.h>
@@ -184,6 +189,130 @@ void panel_pair_m1(const Args& a, int64_t p, int64_t q) {
   store_row_vectors(a, p, 0, ap);
   store_row_vectors(a, q, 0, aq);
 }
+
+#if defined(PW_AMX)
+
+// AMX (Sapphire Rapids and later): the panel layout is AMX's VNNI layout for B -- a k-pair of
+// a panel is 64 lanes x 2 bf16 -- so a 16 k-pair x 16 lane B tile is 16 rows of 64 bytes at a
+// stride of 256 bytes, read in place.  Rows go in groups of at most 16 (an A tile: the group's
+// rows x 32 k of x); per group and panel four C tiles (16 lanes each) accumulate over the
+// k-steps of 32 (tdpbf16ps), are stored to `buf`, and the k-pairs past the last whole step
+// (K % 32) are added with vdpbf16ps before the epilogue of the AVX512 path.  Every row of a
+// C tile depends only on its own row of A, in one order whatever the group or M: a row's bits
+// never depend on the rows beside it.  On AVX512-BF16 alone a bf16 linear of M rows costs M
+// times the dot products, which on these CPUs makes the kernel compute-bound from M = 2
+// (oneDNN, on AMX, was 2-8x faster at M = 4-64; see passes/small_m_linear.py); AMX makes
+// every M up to 64 a stream of the weight.  Used for every M (M = 1 included) so the bits of
+// a row are the same at every batch size.
+namespace amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The process may use the tile data registers (Linux asks for it once: arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); false where the kernel refuses (the AVX512 path).
+inline bool permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// Tiles 0-3: C (mr rows x 16 fp32), 4: A (mr rows x 32 bf16), 5-6: B (16 k-pairs x 16 lanes).
+inline void configure(int mr) {
+  TileConfig c;
+  for (int t = 0; t < 5; ++t) {
+    c.rows[t] = static_cast<uint8_t>(mr);
+    c.colsb[t] = 64;
+  }
+  for (int t = 5; t < 7; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+constexpr int64_t kStepPairs = 16;  // k-pairs per tile step (32 k)
+constexpr int kGroupRows = 16;
+
+// Rows [m0, m0 + mr) of panel p (tiles configured for mr rows): the whole k-steps on AMX,
+// then the tail pairs and the epilogue on AVX512.
+inline void panel_group(const Args& a, int64_t p, int64_t m0, int mr, float* buf) {
+  const int64_t kp = (a.k + 1) / 2, steps = a.k / (2 * kStepPairs);
+  const uint16_t* w = a.w + p * kp * 2 * kLanes;
+  const uint16_t* x = a.x + m0 * a.x_st;
+  const int64_t xs = a.x_st * 2, ws = 2 * kLanes * 2;  // row strides in bytes
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* ws0 = w + s * kStepPairs * 2 * kLanes;
+    _tile_loadd(4, x + s * 2 * kStepPairs, xs);
+    _tile_loadd(5, ws0, ws);
+    _tile_loadd(6, ws0 + 32, ws);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, ws0 + 64, ws);
+    _tile_loadd(6, ws0 + 96, ws);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  const int64_t ld = kLanes * 4;
+  _tile_stored(0, buf, ld);
+  _tile_stored(1, buf + 16, ld);
+  _tile_stored(2, buf + 32, ld);
+  _tile_stored(3, buf + 48, ld);
+  const int64_t full = a.k / 2;
+  for (int r = 0; r < mr; ++r) {
+    __m512 acc[4];
+    for (int b = 0; b < 4; ++b) acc[b] = _mm512_loadu_ps(buf + r * kLanes + 16 * b);
+    const uint16_t* xr = x + r * a.x_st;
+    for (int64_t i = steps * kStepPairs; i < full; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, xr + 2 * i, 4);
+      const __m512bh xb = as_bh(_mm512_set1_epi32(pair));
+      const uint16_t* wi = w + i * 2 * kLanes;
+      for (int b = 0; b < 4; ++b)
+        acc[b] = _mm512_dpbf16_ps(acc[b], xb, as_bh(_mm512_loadu_si512(wi + 32 * b)));
+    }
+    if (a.k & 1) {  // last k alone; its partner in the packed weight is zero
+      const __m512bh xb = as_bh(_mm512_set1_epi32(xr[a.k - 1]));
+      const uint16_t* wi = w + (kp - 1) * 2 * kLanes;
+      for (int b = 0; b < 4; ++b)
+        acc[b] = _mm512_dpbf16_ps(acc[b], xb, as_bh(_mm512_loadu_si512(wi + 32 * b)));
+    }
+    store_row_vectors(a, p, m0 + r, acc);
+  }
+}
+
+// Panels [b, e), every row: groups of at most 16 rows, balanced (17 -> 9 + 8), each panel
+// streamed once for the first group and from cache for the others.
+inline void run_share(const Args& a, int64_t b, int64_t e) {
+  const int64_t groups = (a.m + kGroupRows - 1) / kGroupRows;
+  const int64_t base = a.m / groups, extra = a.m % groups;
+  alignas(64) float buf[kGroupRows * kLanes];
+  int configured = 0;
+  for (int64_t p = b; p < e; ++p) {
+    for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+      const int mr = static_cast<int>(base + (g < extra ? 1 : 0));
+      if (mr != configured) {
+        configure(mr);
+        configured = mr;
+      }
+      panel_group(a, p, m0, mr, buf);
+      m0 += mr;
+    }
+  }
+  if (configured) _tile_release();
+}
+
+}  // namespace amx
+
+#endif  // PW_AMX
 
 #elif defined(PW_AVX2)
 
@@ -340,6 +469,12 @@ void run_panel(const Args& a, int64_t p, std::vector<float>& buf) {
 // This thread's share of the panels, [b, e), every row.  One row (a batch-1 decode step) reads
 // them two at a time, from the two halves of the share (panel_pair_m1).
 void run_share(const Args& a, int64_t b, int64_t e) {
+#if defined(PW_AMX)
+  if (amx::permitted()) {
+    amx::run_share(a, b, e);
+    return;
+  }
+#endif
 #if defined(PW_AVX512BF16)
   if (a.m == 1) {
     const int64_t half = (e - b) / 2;
@@ -460,6 +595,9 @@ int64_t piecewise_small_m_linear_lanes() { return pw_small_m::kLanes; }
 
 // Which instruction set the build uses (for logs and benchmarks).
 const char* piecewise_small_m_linear_isa() {
+#if defined(PW_AMX)
+  if (pw_small_m::amx::permitted()) return "amx_bf16";
+#endif
 #if defined(PW_AVX512BF16)
   return "avx512_bf16";
 #elif defined(__AVX512F__)

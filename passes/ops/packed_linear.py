@@ -11,9 +11,10 @@ Layouts (:attr:`PackedLinearMethod.layout`):
 
 * ``panel`` (bf16): the small-M kernel's ``[ceil(N/64), ceil(K/2), 64, 2]``
   (:func:`passes.small_m_linear.pack`).  Up to ``max_rows`` rows run that kernel; more rows
-  run oneDNN on the same bytes, which on AVX512-BF16 machines are oneDNN's own packed layout
-  (checked per weight at packing: then ``weight_md`` holds oneDNN's descriptor).  Where they
-  are not, or oneDNN views are unavailable (AVX2-only CPUs: oneDNN lays out no bf16 there),
+  run oneDNN on the same bytes, which on AVX512-BF16 machines without AMX are oneDNN's own
+  packed layout (checked per weight at packing: then ``weight_md`` holds oneDNN's
+  descriptor).  Where they are not (AMX CPUs: oneDNN's AMX blocking; K not a multiple of
+  32), or oneDNN views are unavailable (AVX2-only CPUs: oneDNN lays out no bf16 there),
   larger batches run the small-M kernel ``max_rows`` rows at a time: every row then has the
   bits it has in a decode step, and it is 5.6-6x faster than unpacking the weight for a bf16
   ``F.linear`` (AVX2 machine, 128-512 rows of the default model's shapes; torch's bf16 GEMM

@@ -8,6 +8,7 @@ the dispatch inside ``piecewise::packed_linear`` and opcheck."""
 import pytest
 import torch
 import torch.nn.functional as F
+from onednn_panels import has_amx, onednn_reads_panels
 
 from passes import small_m_linear as small_m
 from passes.ops.packed_linear import mkldnn_available
@@ -197,10 +198,11 @@ def test_packed_linear_dispatches_by_rows(monkeypatch):
         small_m, "run_packed", lambda x2, *a: slices.append(len(x2)) or real_run(x2, *a)
     )
     check(layer(x), x, w, b)
+    assert (layer.weight_md is not None) == onednn_reads_panels(w)
     if layer.weight_md is not None:
         assert len(large) == 1  # 65 rows: oneDNN on the same bytes
-    else:  # no oneDNN view (AVX2-only CPUs): the kernel, max_rows rows at a time
-        assert large == [] and slices == [small_m.DEFAULT_MAX_ROWS, 1]
+    else:  # no oneDNN view of the panels (AVX2-only CPUs; AMX, whose oneDNN layout differs):
+        assert large == [] and slices == [small_m.DEFAULT_MAX_ROWS, 1]  # max_rows at a time
     if not onednn.packs(BF16):  # an AVX2-only CPU: max_rows 0 leaves the layer dense
         from models.layers import Linear
         from passes.ops.packed_linear import PackedLinearMethod
@@ -208,8 +210,9 @@ def test_packed_linear_dispatches_by_rows(monkeypatch):
         assert not PackedLinearMethod(0).process(Linear(64, 96, bias=True, dtype=BF16))
         return
     off, _, _, _ = _layer(small_m.DEFAULT_MAX_ROWS + 1, 96, 64, True, 0)
+    before = len(large)
     check(off(x[:1]), x[:1], w, b)
-    assert len(large) == 2  # max_rows 0: oneDNN at every size
+    assert off.weight_md is not None and len(large) == before + 1  # max_rows 0: oneDNN always
 
 
 @pytest.mark.skipif(not mkldnn_available(), reason="needs oneDNN (mkldnn)")
@@ -309,6 +312,22 @@ def test_avx2_build_runs_the_intrinsics_and_matches_the_portable_loops():
         torch.testing.assert_close(native, portable, atol=1e-2, rtol=1e-2)
         for r in range(m):  # a row's bits do not depend on the rows beside it
             assert torch.equal(small_m.small_m_linear(x[r : r + 1], w, b)[0], native[r])
+
+
+def test_amx_cpus_run_the_tile_path_at_every_row_count():
+    """Where the CPU has AMX-BF16 the native build runs the tile path (``amx_bf16``) -- for
+    every M, M = 1 included, so a row's bits are the same at every batch size; elsewhere it
+    never does.  The portable build never does."""
+    assert small_m.isa(portable=True) == "portable"
+    if not has_amx() or "avx512_bf16" not in _cpu_flags():
+        assert small_m.isa() != "amx_bf16"
+        return
+    assert small_m.isa() == "amx_bf16"
+    x, w, b = make(40, 130, 1025, True, seed=3)  # K % 32 = 1: AMX steps, tail pairs, odd k
+    out = small_m.small_m_linear(x, w, b)
+    check(out, x, w, b)
+    for m in (1, 2, 16, 17):
+        assert torch.equal(small_m.small_m_linear(x[:m], w, b), out[:m])
 
 
 def test_rows_independent_when_every_row_count_runs_the_kernel():
