@@ -6,9 +6,12 @@ Two kernels (``csrc/int8_linear.cpp``) over one weight layout:
   per row in the kernel's prologue, with exactly the arithmetic of
   ``piecewise::dynamic_per_token_quant`` (scale ``max(absmax / 127, 1e-10)``, round half to
   even, clamp, in fp32); the int8 products run on AVX512-VNNI ``vpdpbusd`` (u8 x s8, 4 k per
-  32-bit lane, int32 accumulation), or on AVX2 ``vpmaddubsw`` + ``vpmaddwd`` (the sign moved
-  to the activation side, ``|w| x (q * sign(w))``, so no int16 pair sum saturates: the same
-  exact int32 sums); the epilogue computes
+  32-bit lane, int32 accumulation) -- from 6 rows on AMX ``tdpbusd`` where the CPU has AMX-INT8
+  (the same exact sums, read from the same panels: 2.2-3.8x faster at M = 64 with every
+  call streaming its weight from DRAM, Intel Xeon, ``experiments/bench/results/``
+  ``small_m_amx_2026-12-05.md``) --, or on AVX2 ``vpmaddubsw`` +
+  ``vpmaddwd`` (the sign moved to the activation side, ``|w| x (q * sign(w))``, so no int16
+  pair sum saturates: the same exact int32 sums); the epilogue computes
   ``float(acc) * x_scale * w_scale (+ bias)`` in that order, rounded once to x's dtype.  The
   result equals ``dynamic_per_token_quant`` + ``torch._int_mm`` + the scaled-mm epilogue bit for
   bit (``tests/passes/test_int8_small_m.py``).
@@ -81,7 +84,11 @@ LIBRARY = NativeLibrary(
     portable_env="PIECEWISE_INT8_LINEAR_PORTABLE",
     declare=_declare,
     extra_flags=("-ffp-contract=off",),  # the epilogue rounds as torch does: no FMA contraction
-    depends=(CSRC / "panel_loop.h", CSRC.parents[1] / "framework" / "core" / "csrc" / "bf16.h"),
+    depends=(
+        CSRC / "panel_loop.h",
+        CSRC / "amx_tiles.h",
+        CSRC.parents[1] / "framework" / "core" / "csrc" / "bf16.h",
+    ),
 )
 
 

@@ -34,6 +34,7 @@ LIBRARY = TorchOpLibrary(
         CSRC / "small_m_linear.cpp",
         CSRC / "int8_linear.cpp",
         CSRC / "panel_loop.h",
+        CSRC / "amx_tiles.h",
         CSRC / "fused_moe_packed.cpp",
         CSRC.parents[1] / "framework" / "core" / "csrc" / "row_argmax.h",
         CSRC.parents[1] / "framework" / "core" / "csrc" / "dtype_name.h",

@@ -78,6 +78,7 @@ LIBRARY = NativeLibrary(
     declare=_declare,
     depends=(
         Path(__file__).resolve().parent / "csrc" / "panel_loop.h",
+        Path(__file__).resolve().parent / "csrc" / "amx_tiles.h",
         Path(__file__).resolve().parents[1] / "framework" / "core" / "csrc" / "row_argmax.h",
         Path(__file__).resolve().parents[1] / "framework" / "core" / "csrc" / "bf16.h",
     ),

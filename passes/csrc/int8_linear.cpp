@@ -42,6 +42,10 @@
 #include <immintrin.h>
 #if defined(__AVX512VNNI__)
 #define PW_I8_VNNI 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define PW_I8_AMX 1
+#include "amx_tiles.h"
+#endif
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PW_I8_AVX2 1
@@ -56,6 +60,12 @@ constexpr int kMaxRows = pw_panel::kMaxTileRows;  // rows per pass over a panel
 constexpr int64_t kBlockQuads = 256;  // k-quads per block (64 KB of a panel) with several passes
 static_assert(kMaxRows == 6, "qpanel<1..6> / wpanel<1..6> below");
 constexpr float kQMax = 127.0f;
+// W8A8 calls of at least this many rows run AMX tiles where the build has them (the sums are
+// exact either way, so the choice changes no bit).  Below it the VNNI path streams the
+// weight faster (AMX took 1.07-1.47x the time at M = 1, 0.68-1.16x
+// at M = 3-4 and 0.38-0.92x at M = 6, M = 64 0.17-0.24x: Intel Xeon with AMX, 2 threads,
+// weights in cache; experiments/bench/results/small_m_amx_2026-12-05.md).
+constexpr int64_t kAmxMinRows = 6;
 constexpr float kMinScale = 1e-10f;  // MIN_DYNAMIC_SCALE of passes/ops/quant_utils.py
 
 enum : int64_t { kFloat32 = 0, kBFloat16 = 1 };
@@ -239,6 +249,95 @@ void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32
     }
   }
 }
+
+#if defined(PW_I8_AMX)
+
+// AMX (Sapphire Rapids and later): tdpbusd is vpdpbusd on tiles -- u8 x s8 k-quads into int32
+// -- and the panel layout is its B layout (csrc/amx_tiles.h), so the sums are exact integers,
+// the same as the VNNI path's, and the epilogue is the same arithmetic: the same bits at any
+// M.  Rows go in groups of at most 16 (an A tile: the group's rows x 16 k-quads of u); per
+// group and panel four C tiles accumulate over the k-steps of 16 quads, the quads past the
+// last whole step are added with vpdpbusd, then the epilogue.  On VNNI alone a W8A8 linear of
+// M rows costs M times the dot products: compute-bound from M = 8 on such a CPU (int8_small_m.py).
+namespace amx {
+
+constexpr int64_t kStepQuads = 16;  // k-quads per tile step (64 k)
+
+inline void qgroup(const QArgs& a, int64_t p, int64_t m0, int mr, int32_t* buf) {
+  const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
+  const int64_t ust = a.kq * kQuad, steps = a.kq / kStepQuads, ws = kQuad * kLanes;
+  const uint8_t* u = a.u + m0 * ust;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    const int8_t* wst = w + s * kStepQuads * ws;
+    _tile_loadd(4, u + s * pw_amx::kStepBytes, ust);
+    _tile_loadd(5, wst, ws);
+    _tile_loadd(6, wst + 64, ws);
+    _tile_dpbusd(0, 4, 5);
+    _tile_dpbusd(1, 4, 6);
+    _tile_loadd(5, wst + 128, ws);
+    _tile_loadd(6, wst + 192, ws);
+    _tile_dpbusd(2, 4, 5);
+    _tile_dpbusd(3, 4, 6);
+  }
+  const int64_t ld = kLanes * 4;
+  _tile_stored(0, buf, ld);
+  _tile_stored(1, buf + 16, ld);
+  _tile_stored(2, buf + 32, ld);
+  _tile_stored(3, buf + 48, ld);
+  const int64_t n0 = p * kLanes;
+  for (int r = 0; r < mr; ++r) {
+    __m512i acc[4];
+    for (int b = 0; b < 4; ++b) acc[b] = _mm512_loadu_si512(buf + r * kLanes + 16 * b);
+    for (int64_t i = steps * kStepQuads; i < a.kq; ++i) {
+      int32_t quad;
+      std::memcpy(&quad, u + r * ust + kQuad * i, 4);
+      const __m512i xb = _mm512_set1_epi32(quad);
+      const int8_t* wi = w + i * ws;
+      for (int b = 0; b < 4; ++b)
+        acc[b] = _mm512_dpbusd_epi32(acc[b], xb, _mm512_loadu_si512(wi + 64 * b));
+    }
+    for (int b = 0; b < 4; ++b) {  // the VNNI path's epilogue, element for element
+      const int64_t left = a.n - n0 - 16 * b;
+      if (left <= 0) break;
+      const __mmask16 mask = tail_mask(left);
+      const __m512i comp = _mm512_maskz_loadu_epi32(mask, a.comp + n0 + 16 * b);
+      const __m512 wsc = _mm512_maskz_loadu_ps(mask, a.ws + n0 + 16 * b);
+      __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[b], comp));
+      y = _mm512_mul_ps(y, _mm512_set1_ps(a.xs[m0 + r]));
+      y = _mm512_mul_ps(y, wsc);
+      if (a.bias) y = _mm512_add_ps(y, load16(a.bias, n0 + 16 * b, mask, a.dt));
+      store16(a.out, (m0 + r) * a.out_st + n0 + 16 * b, y, mask, a.dt);
+    }
+  }
+}
+
+// The prologue for every row, then every panel over the same threads, static split.
+template <class Prologue>
+void run_quantized(const QArgs& a, const Prologue& prologue) {
+  const int64_t panels = (a.n + kLanes - 1) / kLanes;
+  const bool parallel = panels > 1 && a.n * a.kq * kQuad >= pw_panel::kParallelMinBytes;
+  const pw_amx::Groups groups(a.m);
+#pragma omp parallel if (parallel)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < a.m; ++r) prologue(r);
+    alignas(64) int32_t buf[pw_amx::kGroupRows * kLanes];
+    int configured = 0;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p)
+      pw_amx::each_group(groups, configured,
+                         [&](int64_t m0, int rows) { qgroup(a, p, m0, rows, buf); });
+    if (configured) _tile_release();
+  }
+}
+
+}  // namespace amx
+
+#endif  // PW_I8_AMX
 
 #elif defined(PW_I8_AVX2)
 
@@ -537,6 +636,9 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
 
 template <class Prologue>
 void run_quantized(const QArgs& a, const Prologue& prologue) {
+#if defined(PW_I8_AMX)
+  if (a.m >= kAmxMinRows && pw_amx::permitted()) return amx::run_quantized(a, prologue);
+#endif
   pw_panel::run_panels<int32_t>(
       a.m, (a.n + kLanes - 1) / kLanes, a.kq, kBlockQuads, kLanes, a.n * a.kq * kQuad, prologue,
       [&a](int64_t p, int64_t m0, int64_t mr, int64_t i0, int64_t i1, int32_t* buf, bool first,
@@ -644,6 +746,9 @@ int64_t piecewise_int8_linear_quad() { return pw_int8::kQuad; }
 
 // Which instruction set the build uses (for logs and benchmarks).
 const char* piecewise_int8_linear_isa() {
+#if defined(PW_I8_AMX)
+  if (pw_amx::permitted()) return "amx_int8";
+#endif
 #if defined(PW_I8_VNNI)
   return "avx512_vnni";
 #elif defined(PW_I8_AVX512)

@@ -37,8 +37,7 @@
 #include <immintrin.h>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define PW_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PW_AVX2 1
@@ -206,37 +205,7 @@ void panel_pair_m1(const Args& a, int64_t p, int64_t q) {
 // a row are the same at every batch size.
 namespace amx {
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// The process may use the tile data registers (Linux asks for it once: arch_prctl
-// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); false where the kernel refuses (the AVX512 path).
-inline bool permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-// Tiles 0-3: C (mr rows x 16 fp32), 4: A (mr rows x 32 bf16), 5-6: B (16 k-pairs x 16 lanes).
-inline void configure(int mr) {
-  TileConfig c;
-  for (int t = 0; t < 5; ++t) {
-    c.rows[t] = static_cast<uint8_t>(mr);
-    c.colsb[t] = 64;
-  }
-  for (int t = 5; t < 7; ++t) {
-    c.rows[t] = 16;
-    c.colsb[t] = 64;
-  }
-  _tile_loadconfig(&c);
-}
-
 constexpr int64_t kStepPairs = 16;  // k-pairs per tile step (32 k)
-constexpr int kGroupRows = 16;
 
 // Rows [m0, m0 + mr) of panel p (tiles configured for mr rows): the whole k-steps on AMX,
 // then the tail pairs and the epilogue on AVX512.
@@ -292,21 +261,12 @@ inline void panel_group(const Args& a, int64_t p, int64_t m0, int mr, float* buf
 // Panels [b, e), every row: groups of at most 16 rows, balanced (17 -> 9 + 8), each panel
 // streamed once for the first group and from cache for the others.
 inline void run_share(const Args& a, int64_t b, int64_t e) {
-  const int64_t groups = (a.m + kGroupRows - 1) / kGroupRows;
-  const int64_t base = a.m / groups, extra = a.m % groups;
-  alignas(64) float buf[kGroupRows * kLanes];
+  const pw_amx::Groups groups(a.m);
+  alignas(64) float buf[pw_amx::kGroupRows * kLanes];
   int configured = 0;
-  for (int64_t p = b; p < e; ++p) {
-    for (int64_t g = 0, m0 = 0; g < groups; ++g) {
-      const int mr = static_cast<int>(base + (g < extra ? 1 : 0));
-      if (mr != configured) {
-        configure(mr);
-        configured = mr;
-      }
-      panel_group(a, p, m0, mr, buf);
-      m0 += mr;
-    }
-  }
+  for (int64_t p = b; p < e; ++p)
+    pw_amx::each_group(groups, configured,
+                       [&](int64_t m0, int rows) { panel_group(a, p, m0, rows, buf); });
   if (configured) _tile_release();
 }
 
@@ -470,7 +430,7 @@ void run_panel(const Args& a, int64_t p, std::vector<float>& buf) {
 // them two at a time, from the two halves of the share (panel_pair_m1).
 void run_share(const Args& a, int64_t b, int64_t e) {
 #if defined(PW_AMX)
-  if (amx::permitted()) {
+  if (pw_amx::permitted()) {
     amx::run_share(a, b, e);
     return;
   }
@@ -596,7 +556,7 @@ int64_t piecewise_small_m_linear_lanes() { return pw_small_m::kLanes; }
 // Which instruction set the build uses (for logs and benchmarks).
 const char* piecewise_small_m_linear_isa() {
 #if defined(PW_AMX)
-  if (pw_small_m::amx::permitted()) return "amx_bf16";
+  if (pw_amx::permitted()) return "amx_bf16";
 #endif
 #if defined(PW_AVX512BF16)
   return "avx512_bf16";

@@ -11,6 +11,7 @@ and the ops (opcheck; the small-M calls never enter Python once the C++ kernels 
 import pytest
 import torch
 import torch.nn.functional as F
+from onednn_panels import has_amx
 
 from framework.core.quantization import QuantizationConfig
 from passes import int8_small_m as i8
@@ -64,6 +65,21 @@ def test_w8a8_equals_the_reference_bit_for_bit(n, k, dtype):
             out, ref = kernel(x, w_q, scale, b), reference(x, w_q, scale, b)
             assert out.dtype == dtype and out.shape == (m, n)
             assert torch.equal(out, ref), f"M={m} bias={bias}: max diff {(out - ref).abs().max()}"
+
+
+def test_amx_cpus_run_w8a8_from_six_rows_on_tiles_with_the_same_bits():
+    """Where the CPU has AMX-INT8 the native build reports ``amx_int8`` and runs W8A8 calls of 6
+    rows or more on tiles (K with whole 64-k steps and a tail, odd panel tails); the sums are
+    exact, so every row equals the reference and its own VNNI-path result (one row alone)."""
+    if not has_amx():
+        assert i8.isa() != "amx_int8"
+        return
+    assert i8.isa() == "amx_int8"
+    for n, k in [(130, 4096 + 36), (200, 100)]:
+        x, w_q, scale, b = make(40, n, k, True)
+        out = kernel(x, w_q, scale, b)
+        assert torch.equal(out, reference(x, w_q, scale, b))
+        assert torch.equal(torch.cat([kernel(x[r : r + 1], w_q, scale, b) for r in range(40)]), out)
 
 
 def test_portable_build_equals_the_reference():
