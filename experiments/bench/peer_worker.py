@@ -189,6 +189,8 @@ class LlamaCppRunner(Runner):
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
+        if not job.get("llamacpp_extra_bufts", True):  # peers --llamacpp-no-extra-bufts
+            mp.use_extra_bufts = False
         self.model = L.llama_model_load_from_file(job["gguf"].encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {job['gguf']}")

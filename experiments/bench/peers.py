@@ -101,6 +101,7 @@ SETTINGS = (
     "model_dirs",
     "project_env",
     "variant",
+    "llamacpp_no_extra_bufts",
 )
 """What must match for a rerun to reuse an existing output file's runs."""
 
@@ -366,6 +367,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="also run the project's contenders with this environment, as '<contender>@NAME' "
         "(e.g. thp=THP_MEM_ALLOC_ENABLE=1): A/B of process set-up, alternated like the rest",
     )
+    p.add_argument(
+        "--llamacpp-no-extra-bufts",
+        action="store_true",
+        help="load llama.cpp's models with use_extra_bufts off (no repacked CPU weight buffers, "
+        "as llama.cpp's --no-repack): llama-cpp-python 0.3.36's q8_0 fails to build its decode "
+        "graph with its AMX buffers on an AMX Xeon",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per process")
     p.add_argument("--convert-ct2", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -442,6 +450,7 @@ def main(
             "level": args.level,
             "cache_dir": str(work / "artifacts"),
             "env_keys": list(ENV_KEYS),
+            "llamacpp_extra_bufts": not args.llamacpp_no_extra_bufts,
         }
         jobs = {}
         for c in contenders:

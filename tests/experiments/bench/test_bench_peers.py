@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from onednn_panels import has_amx
 
 from experiments.bench import peer_worker as peers
 from experiments.bench import peers as bench_peers
@@ -266,10 +267,16 @@ def test_bad_arguments_are_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("peer", ["llamacpp_bf16", "llamacpp_q8_0", "ct2_int8"])
+@pytest.mark.parametrize(
+    "peer", ["llamacpp_bf16", "llamacpp_q8_0", "llamacpp_q8_0-no-extra-bufts", "ct2_int8"]
+)
 def test_real_peer_matches_the_projects_tokens(tmp_path, llama_checkpoint, peer):
     """The real processes: the project (O0) makes the reference, the peer runs on the files
-    written for it; bf16 must give the project's tokens, quantized peers are reported."""
+    written for it; bf16 must give the project's tokens, quantized peers are reported.  (On an
+    AMX Xeon llama-cpp-python 0.3.36's q8_0 fails with its extra buffers on: the last llama.cpp
+    case turns them off.)"""
+    peer, _, option = peer.partition("-")
+    extra = ["--llamacpp-no-extra-bufts"] if option else []
     for m in bench_peers.NEEDS[peer]:
         pytest.importorskip(m)
     data = bench_peers.main(
@@ -303,9 +310,12 @@ def test_real_peer_matches_the_projects_tokens(tmp_path, llama_checkpoint, peer)
             str(tmp_path / "p.json"),
             "--work-dir",
             str(tmp_path / "w"),
-        ],  # fmt: skip
+        ]  # fmt: skip
+        + extra,
         probe=lambda args: {"error": "no probe"},
     )
+    if peer == "llamacpp_q8_0" and not option and has_amx() and data.get("failures"):
+        pytest.xfail(f"llama.cpp q8_0 with its AMX buffers: {data['failures'][0]['error'][-300:]}")
     assert not data.get("failures"), data.get("failures")
     run = next(r for r in data["runs"] if r["contender"] == peer)
     for b in ("1", "3"):
@@ -353,6 +363,27 @@ def test_a_variant_runs_the_project_with_its_environment(tmp_path, llama_checkpo
     assert "THP_MEM_ALLOC_ENABLE" not in by["project_bf16"]
     r = {x["ratio"]: x["speedup"] for x in data["ratios"]}
     assert r["project_bf16@thp vs project_bf16"] == pytest.approx(10 / 8)
+
+
+def test_llamacpp_extra_buffers_can_be_turned_off(tmp_path, llama_checkpoint, monkeypatch):
+    """``--llamacpp-no-extra-bufts`` reaches every job (the worker then loads llama.cpp's model
+    with ``use_extra_bufts`` off) and the run's settings; by default the jobs keep them on."""
+    monkeypatch.setattr(bench_peers, "missing_packages", lambda c: [])
+    (tmp_path / "q8_0").write_bytes(b"GGUF")  # the file a real run would write
+    monkeypatch.setattr(bench_peers, "ensure_gguf", lambda folder, kind, work: tmp_path / kind)
+    run, calls = _fake_process({"project_bf16": [10.0], "llamacpp_q8_0": [8.0]})
+    for flag in ([], ["--llamacpp-no-extra-bufts"]):
+        jobs = []
+        data = bench_peers.main(
+            ["--sizes", "tiny", "--model-dirs", f"tiny={llama_checkpoint}", "--batches", "1"]
+            + ["--contenders", "project_bf16", "llamacpp_q8_0", "--rounds", "1"]
+            + ["--out", str(tmp_path / f"p{len(flag)}.json"), "--work-dir", str(tmp_path / "w")]
+            + flag,
+            runner=lambda job, env, timeout: jobs.append(job) or run(job, env, timeout),
+            probe=lambda args: {"error": "no probe"},
+        )
+        assert {j["llamacpp_extra_bufts"] for j in jobs} == {not flag}
+        assert data["settings"]["llamacpp_no_extra_bufts"] is bool(flag)
 
 
 def test_markdown_survives_a_round_that_timed_below_zero(tmp_path, llama_checkpoint):
