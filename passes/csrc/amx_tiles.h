@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "panel_loop.h"
+
 namespace pw_amx {
 
 struct alignas(64) TileConfig {
@@ -48,29 +50,76 @@ inline void configure(int rows) {
   _tile_loadconfig(&c);
 }
 
-// m rows in groups of at most kGroupRows whose sizes differ by at most one (17 -> 9 + 8).
-struct Groups {
-  int64_t count, base, extra;
-  explicit Groups(int64_t m)
-      : count((m + kGroupRows - 1) / kGroupRows),
-        base(count ? m / count : 0),
-        extra(count ? m % count : 0) {}
-  int rows(int64_t g) const { return static_cast<int>(base + (g < extra ? 1 : 0)); }
-};
-
-// Every group of rows of one panel: fn(m0, rows), tiles (re)configured when the group height
-// changes; `configured` is the height the thread's tiles hold (0: none yet).
+// Every group of rows of one panel, at most kGroupRows each, their sizes differing by at most
+// one (17 -> 9 + 8): fn(m0, rows), the tiles (re)configured when the group height changes;
+// `configured` is the height this thread's tiles hold (0: none yet).
 template <class Fn>
-inline void each_group(const Groups& g, int& configured, const Fn& fn) {
-  for (int64_t j = 0, m0 = 0; j < g.count; ++j) {
-    const int rows = g.rows(j);
+inline void each_group(int64_t m, int& configured, const Fn& fn) {
+  const pw_panel::RowPasses groups(m, kGroupRows);
+  for (int64_t j = 0; j < groups.passes; ++j) {
+    const int rows = static_cast<int>(groups.rows(j));
     if (rows != configured) {
       configure(rows);
       configured = rows;
     }
-    fn(m0, rows);
-    m0 += rows;
+    fn(groups.start(j), rows);
   }
+}
+
+enum class Dot { kBF16, kInt8 };  // tdpbf16ps (bf16 pairs, fp32) / tdpbusd (u8 x s8, int32)
+
+// C tiles c0 and c1 += A (tile 4) x B (tiles 5 and 6), by the kind of dot product D.  A macro:
+// the tile intrinsics take their tile numbers as literals (they are spelled into the asm).
+#if defined(__AMX_BF16__)
+#define PW_AMX_DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
+#else
+#define PW_AMX_DP_BF16(c, a, b) ((void)0)
+#endif
+#if defined(__AMX_INT8__)
+#define PW_AMX_DP_INT8(c, a, b) _tile_dpbusd(c, a, b)
+#else
+#define PW_AMX_DP_INT8(c, a, b) ((void)0)
+#endif
+#define PW_AMX_DOT_PAIR(D, c0, c1)       \
+  do {                                   \
+    if constexpr (D == Dot::kBF16) {     \
+      PW_AMX_DP_BF16(c0, 4, 5);          \
+      PW_AMX_DP_BF16(c1, 4, 6);          \
+    } else {                             \
+      PW_AMX_DP_INT8(c0, 4, 5);          \
+      PW_AMX_DP_INT8(c1, 4, 6);          \
+    }                                    \
+  } while (0)
+
+// One panel's whole k-steps for a group's rows (tiles configured for them): C tiles 0-3 (lanes
+// 0-15, 16-31, 32-47, 48-63) start at zero and take, per step, the A tile of the rows' next 64
+// bytes of x (`a`, rows `a_stride` bytes apart) against the panel's next 16 k-steps (`w`, 4096
+// bytes: four B tiles side by side); then they are stored to `out` (rows x 64 32-bit sums).
+template <Dot D>
+inline void panel_steps(const void* a, int64_t a_stride, const void* w, int64_t steps,
+                        void* out) {
+  const char* ac = static_cast<const char*>(a);
+  const char* wc = static_cast<const char*>(w);
+  constexpr int64_t kB = 256;  // bytes per k-step of a panel: a B tile's row stride
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    const char* ws = wc + s * 16 * kB;
+    _tile_loadd(4, ac + s * kStepBytes, a_stride);
+    _tile_loadd(5, ws, kB);
+    _tile_loadd(6, ws + 64, kB);
+    PW_AMX_DOT_PAIR(D, 0, 1);
+    _tile_loadd(5, ws + 128, kB);
+    _tile_loadd(6, ws + 192, kB);
+    PW_AMX_DOT_PAIR(D, 2, 3);
+  }
+  char* oc = static_cast<char*>(out);
+  _tile_stored(0, oc, kB);
+  _tile_stored(1, oc + 64, kB);
+  _tile_stored(2, oc + 128, kB);
+  _tile_stored(3, oc + 192, kB);
 }
 
 }  // namespace pw_amx

@@ -267,27 +267,7 @@ inline void qgroup(const QArgs& a, int64_t p, int64_t m0, int mr, int32_t* buf) 
   const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
   const int64_t ust = a.kq * kQuad, steps = a.kq / kStepQuads, ws = kQuad * kLanes;
   const uint8_t* u = a.u + m0 * ust;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    const int8_t* wst = w + s * kStepQuads * ws;
-    _tile_loadd(4, u + s * pw_amx::kStepBytes, ust);
-    _tile_loadd(5, wst, ws);
-    _tile_loadd(6, wst + 64, ws);
-    _tile_dpbusd(0, 4, 5);
-    _tile_dpbusd(1, 4, 6);
-    _tile_loadd(5, wst + 128, ws);
-    _tile_loadd(6, wst + 192, ws);
-    _tile_dpbusd(2, 4, 5);
-    _tile_dpbusd(3, 4, 6);
-  }
-  const int64_t ld = kLanes * 4;
-  _tile_stored(0, buf, ld);
-  _tile_stored(1, buf + 16, ld);
-  _tile_stored(2, buf + 32, ld);
-  _tile_stored(3, buf + 48, ld);
+  pw_amx::panel_steps<pw_amx::Dot::kInt8>(u, ust, w, steps, buf);
   const int64_t n0 = p * kLanes;
   for (int r = 0; r < mr; ++r) {
     __m512i acc[4];
@@ -320,7 +300,6 @@ template <class Prologue>
 void run_quantized(const QArgs& a, const Prologue& prologue) {
   const int64_t panels = (a.n + kLanes - 1) / kLanes;
   const bool parallel = panels > 1 && a.n * a.kq * kQuad >= pw_panel::kParallelMinBytes;
-  const pw_amx::Groups groups(a.m);
 #pragma omp parallel if (parallel)
   {
 #pragma omp for schedule(static)
@@ -329,7 +308,7 @@ void run_quantized(const QArgs& a, const Prologue& prologue) {
     int configured = 0;
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p)
-      pw_amx::each_group(groups, configured,
+      pw_amx::each_group(a.m, configured,
                          [&](int64_t m0, int rows) { qgroup(a, p, m0, rows, buf); });
     if (configured) _tile_release();
   }

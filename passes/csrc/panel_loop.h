@@ -61,11 +61,12 @@ struct Prefetch {
   int64_t every = 0, phase = 0;
 };
 
-// m rows in passes of at most kMaxTileRows whose sizes differ by at most one.
+// m rows in passes of at most `most` (the register tile's kMaxTileRows; 16 for AMX tiles)
+// whose sizes differ by at most one.
 struct RowPasses {
   int64_t passes, base, extra;
-  explicit RowPasses(int64_t m)
-      : passes((m + kMaxTileRows - 1) / kMaxTileRows),
+  explicit RowPasses(int64_t m, int64_t most = kMaxTileRows)
+      : passes((m + most - 1) / most),
         base(passes ? m / passes : 0),
         extra(passes ? m % passes : 0) {}
   int64_t start(int64_t j) const { return j * base + std::min(j, extra); }

@@ -213,28 +213,7 @@ inline void panel_group(const Args& a, int64_t p, int64_t m0, int mr, float* buf
   const int64_t kp = (a.k + 1) / 2, steps = a.k / (2 * kStepPairs);
   const uint16_t* w = a.w + p * kp * 2 * kLanes;
   const uint16_t* x = a.x + m0 * a.x_st;
-  const int64_t xs = a.x_st * 2, ws = 2 * kLanes * 2;  // row strides in bytes
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    const uint16_t* ws0 = w + s * kStepPairs * 2 * kLanes;
-    _tile_loadd(4, x + s * 2 * kStepPairs, xs);
-    _tile_loadd(5, ws0, ws);
-    _tile_loadd(6, ws0 + 32, ws);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, ws0 + 64, ws);
-    _tile_loadd(6, ws0 + 96, ws);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_dpbf16ps(3, 4, 6);
-  }
-  const int64_t ld = kLanes * 4;
-  _tile_stored(0, buf, ld);
-  _tile_stored(1, buf + 16, ld);
-  _tile_stored(2, buf + 32, ld);
-  _tile_stored(3, buf + 48, ld);
+  pw_amx::panel_steps<pw_amx::Dot::kBF16>(x, a.x_st * 2, w, steps, buf);
   const int64_t full = a.k / 2;
   for (int r = 0; r < mr; ++r) {
     __m512 acc[4];
@@ -261,11 +240,10 @@ inline void panel_group(const Args& a, int64_t p, int64_t m0, int mr, float* buf
 // Panels [b, e), every row: groups of at most 16 rows, balanced (17 -> 9 + 8), each panel
 // streamed once for the first group and from cache for the others.
 inline void run_share(const Args& a, int64_t b, int64_t e) {
-  const pw_amx::Groups groups(a.m);
   alignas(64) float buf[pw_amx::kGroupRows * kLanes];
   int configured = 0;
   for (int64_t p = b; p < e; ++p)
-    pw_amx::each_group(groups, configured,
+    pw_amx::each_group(a.m, configured,
                        [&](int64_t m0, int rows) { panel_group(a, p, m0, rows, buf); });
   if (configured) _tile_release();
 }
