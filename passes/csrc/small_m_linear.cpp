@@ -200,7 +200,8 @@ void panel_pair_m1(const Args& a, int64_t p, int64_t q) {
 // C tile depends only on its own row of A, in one order whatever the group or M: a row's bits
 // never depend on the rows beside it.  On AVX512-BF16 alone a bf16 linear of M rows costs M
 // times the dot products, which on these CPUs makes the kernel compute-bound from M = 2
-// (oneDNN, on AMX, was 2-8x faster at M = 4-64; see passes/small_m_linear.py); AMX makes
+// (oneDNN, on AMX, was up to 1.4x faster at M = 8 and 2.6-5.3x at M = 64, every call from
+// DRAM: experiments/bench/results/small_m_amx_2026-12-05.md); AMX makes
 // every M up to 64 a stream of the weight.  Used for every M (M = 1 included) so the bits of
 // a row are the same at every batch size.
 namespace amx {
