@@ -24,10 +24,11 @@ AMX: on AVX512-BF16 alone a linear of M rows costs M times the dot products, and
 Xeon with AMX (2 vCPUs, 2026-12-05) that made the kernel compute-bound from M = 2: against
 oneDNN's AMX path on its own layout it took 1.37x the time at M = 8 and 4.8x at M = 64 (N
 11264, K 2048, every call streaming from DRAM).  The tile path reads the same panels (a
-panel's k-pairs are AMX's VNNI layout for B) and streams the weight at every M up to 16; the tiny model's O2 decode step, AVX512 build
-against AMX build in alternated processes, 3 rounds: b1 2.56 -> 2.75 ms (0.93x: one stream
-per thread where the AVX512 path keeps two), b8 5.58 -> 3.25 ms (1.72x), b32 12.02 -> 5.94 ms
-(2.02x) (``experiments/bench/results/small_m_amx_2026-12-05.md``).
+panel's k-pairs are AMX's VNNI layout for B) and streams the weight at every M up to 16;
+the tiny model's O2 decode step, AVX512 build against AMX build in alternated processes,
+3 rounds: b1 2.56 -> 2.75 ms (0.93x: one stream per thread where the AVX512 path keeps two),
+b8 5.58 -> 3.25 ms (1.72x), b32 12.02 -> 5.94 ms (2.02x)
+(``experiments/bench/results/small_m_amx_2026-12-05.md``).
 
 :func:`run_packed` is what the op calls; :func:`small_m_linear` packs a plain weight per call
 (tests, microbenchmarks).  Whether the op uses the kernel, and up to how many rows, are
