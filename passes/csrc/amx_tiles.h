@@ -91,22 +91,45 @@ enum class Dot { kBF16, kInt8 };  // tdpbf16ps (bf16 pairs, fp32) / tdpbusd (u8 
     }                                    \
   } while (0)
 
+constexpr int64_t kB = 256;  // bytes per k-step of a panel: a B tile's row stride
+constexpr int64_t kStepWeightBytes = 16 * kB;  // one tile step of a panel: four B tiles
+
+// Touch the 4096 bytes at `p` (the next tile step) with one plain load per 256 bytes, where
+// they lie before `end`.  A step's B tiles go into the two tile registers the last step's dot
+// products read, so its loads wait for them: tile loads alone kept few lines in flight, and a
+// one-row call streamed its weight from DRAM 4-7% slower than the AVX512 path.  Plain loads
+// into vector registers have no such wait: they start the next step's lines early, and the
+// prefetchers bring the rest of each 256 bytes.  On a Xeon with AMX, weights from DRAM: bf16
+// calls 3-4% faster at M = 1 and 8 than tile loads alone, every output's bits the same;
+// software prefetch (prefetcht1, 2-16 steps ahead) was slower than these loads
+// (experiments/bench/results/amx_touch_2026-12-06.md).
+inline __m512i touch_step(const char* p, const char* end, __m512i sink) {
+  if (p + kStepWeightBytes > end) return sink;
+  for (int64_t r = 0; r < 16; ++r)
+    sink = _mm512_or_si512(sink, _mm512_loadu_si512(p + r * kB));
+  return sink;
+}
+
 // One panel's whole k-steps for a group's rows (tiles configured for them): C tiles 0-3 (lanes
 // 0-15, 16-31, 32-47, 48-63) start at zero and take, per step, the A tile of the rows' next 64
 // bytes of x (`a`, rows `a_stride` bytes apart) against the panel's next 16 k-steps (`w`, 4096
 // bytes: four B tiles side by side); then they are stored to `out` (rows x 64 32-bit sums).
+// `end` is one past the packed weight's last byte: the step after each one is touched early
+// (touch_step) where it lies inside the weight.
 template <Dot D>
 inline void panel_steps(const void* a, int64_t a_stride, const void* w, int64_t steps,
-                        void* out) {
+                        void* out, const void* end) {
   const char* ac = static_cast<const char*>(a);
   const char* wc = static_cast<const char*>(w);
-  constexpr int64_t kB = 256;  // bytes per k-step of a panel: a B tile's row stride
+  const char* we = static_cast<const char*>(end);
+  __m512i sink = _mm512_setzero_si512();
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
-    const char* ws = wc + s * 16 * kB;
+    const char* ws = wc + s * kStepWeightBytes;
+    sink = touch_step(ws + kStepWeightBytes, we, sink);
     _tile_loadd(4, ac + s * kStepBytes, a_stride);
     _tile_loadd(5, ws, kB);
     _tile_loadd(6, ws + 64, kB);
@@ -120,6 +143,7 @@ inline void panel_steps(const void* a, int64_t a_stride, const void* w, int64_t 
   _tile_stored(1, oc + 64, kB);
   _tile_stored(2, oc + 128, kB);
   _tile_stored(3, oc + 192, kB);
+  asm volatile("" : : "v"(sink));  // the touches are kept: their value is "used"
 }
 
 }  // namespace pw_amx

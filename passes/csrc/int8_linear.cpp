@@ -267,7 +267,8 @@ inline void qgroup(const QArgs& a, int64_t p, int64_t m0, int mr, int32_t* buf) 
   const int8_t* w = a.w + p * a.kq * kQuad * kLanes;
   const int64_t ust = a.kq * kQuad, steps = a.kq / kStepQuads, ws = kQuad * kLanes;
   const uint8_t* u = a.u + m0 * ust;
-  pw_amx::panel_steps<pw_amx::Dot::kInt8>(u, ust, w, steps, buf);
+  const int8_t* end = a.w + (a.n + kLanes - 1) / kLanes * a.kq * kQuad * kLanes;
+  pw_amx::panel_steps<pw_amx::Dot::kInt8>(u, ust, w, steps, buf, end);
   const int64_t n0 = p * kLanes;
   for (int r = 0; r < mr; ++r) {
     __m512i acc[4];

@@ -214,7 +214,8 @@ inline void panel_group(const Args& a, int64_t p, int64_t m0, int mr, float* buf
   const int64_t kp = (a.k + 1) / 2, steps = a.k / (2 * kStepPairs);
   const uint16_t* w = a.w + p * kp * 2 * kLanes;
   const uint16_t* x = a.x + m0 * a.x_st;
-  pw_amx::panel_steps<pw_amx::Dot::kBF16>(x, a.x_st * 2, w, steps, buf);
+  const uint16_t* end = a.w + (a.n + kLanes - 1) / kLanes * kp * 2 * kLanes;
+  pw_amx::panel_steps<pw_amx::Dot::kBF16>(x, a.x_st * 2, w, steps, buf, end);
   const int64_t full = a.k / 2;
   for (int r = 0; r < mr; ++r) {
     __m512 acc[4];
