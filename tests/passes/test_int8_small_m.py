@@ -11,6 +11,7 @@ and the ops (opcheck; the small-M calls never enter Python once the C++ kernels 
 import pytest
 import torch
 import torch.nn.functional as F
+from guard_page import before_guard_page
 from onednn_panels import has_amx
 
 from framework.core.quantization import QuantizationConfig
@@ -80,6 +81,22 @@ def test_amx_cpus_run_w8a8_from_six_rows_on_tiles_with_the_same_bits():
         out = kernel(x, w_q, scale, b)
         assert torch.equal(out, reference(x, w_q, scale, b))
         assert torch.equal(torch.cat([kernel(x[r : r + 1], w_q, scale, b) for r in range(40)]), out)
+
+
+@pytest.mark.parametrize("k", [1024, 1028, 1060])
+def test_w8a8_reads_nothing_past_the_packed_weight(k):
+    """The packed weight ends where an unmapped page begins: the tile path (6 rows and more on
+    AMX) touches each next tile step early and must not touch one past the end -- K = 1024 ends
+    on a whole 64-k step, 1028 and 1060 with quads past it.  A read past the end kills the
+    process; the results equal the heap copy's."""
+    x, w_q, scale, b = make(24, 130, k, True, seed=7)
+    packed, comp = i8.pack(w_q), i8.compensation(w_q)
+    guarded = before_guard_page(packed)
+    for m in (1, 6, 17, 24):
+        assert torch.equal(
+            i8.run_packed(x[:m], guarded, scale, comp, b, 130),
+            i8.run_packed(x[:m], packed, scale, comp, b, 130),
+        )
 
 
 def test_portable_build_equals_the_reference():

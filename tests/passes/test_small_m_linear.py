@@ -8,6 +8,7 @@ the dispatch inside ``piecewise::packed_linear`` and opcheck."""
 import pytest
 import torch
 import torch.nn.functional as F
+from guard_page import before_guard_page
 from onednn_panels import has_amx, onednn_reads_panels
 
 from passes import small_m_linear as small_m
@@ -328,6 +329,21 @@ def test_amx_cpus_run_the_tile_path_at_every_row_count():
     check(out, x, w, b)
     for m in (1, 2, 16, 17):
         assert torch.equal(small_m.small_m_linear(x[:m], w, b), out[:m])
+
+
+@pytest.mark.parametrize("k", [1024, 1025, 1056])
+def test_the_kernel_reads_nothing_past_the_packed_weight(k):
+    """The packed weight ends where an unmapped page begins (as the last weight of a mapped
+    weights file may): the tile path touches each next tile step early, and must not touch
+    one past the end -- K = 1024 ends on a whole step, 1025 with an odd tail, 1056 with tail
+    pairs.  A read past the end kills the process; the results equal the heap copy's."""
+    x, w, b = make(40, 130, k, True, seed=5)
+    packed = small_m.pack(w)
+    guarded = before_guard_page(packed)
+    for m in (1, 8, 17, 40):
+        assert torch.equal(
+            small_m.run_packed(x[:m], guarded, b, 130), small_m.run_packed(x[:m], packed, b, 130)
+        )
 
 
 def test_rows_independent_when_every_row_count_runs_the_kernel():
