@@ -430,7 +430,10 @@ class WeightCache:
             probe = tmp_path(self.dir, "probe")
             with open(probe, "wb") as f:
                 f.write(b"0")
-            os.unlink(probe)
+            # Another start holding the store's writer lock sweeps every temp file here
+            # (sweep_stale_temps, lock held) and this probe is written before that lock: it may
+            # be gone already, which says nothing against the disk.
+            remove(probe)
         except OSError as e:
             if not is_environment_error(e):
                 raise

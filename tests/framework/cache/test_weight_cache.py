@@ -6,6 +6,7 @@ warning and the model still comes back; what cannot be described is not cached."
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -362,3 +363,25 @@ def test_small_tensors_map_as_huge_pages_too(tmp_path):
     got, _ = map_safetensors(path)
     assert all(torch.equal(got[n], t) for n, t in tensors.items())
     assert page_backing(list(got.values())).file_pmd >= HUGE_PAGE
+
+
+def test_a_sweep_by_another_start_does_not_fail_the_write_probe(tmp_path, monkeypatch):
+    """Two cold starts of one model: one holds the store's writer lock and sweeps the folder's
+    temp files (lock held: every ``.tmp-*`` goes) while the other's write probe, written
+    before it takes that lock, lies between its write and its removal.  The write worked: the
+    folder is writable, not an error (CI once failed here with FileNotFoundError)."""
+    from framework.cache import weights
+    from framework.core.files import sweep_stale_temps
+
+    cache = weights.WeightCache(tmp_path, {"tensor_parallel": {"rank": 0}}, "model")
+    real_open = open
+
+    @contextlib.contextmanager
+    def open_then_swept(path, mode="r"):
+        with real_open(path, mode) as f:
+            yield f
+        assert sweep_stale_temps(Path(path).parent, lock_held=True) == 1
+
+    monkeypatch.setattr(weights, "open", open_then_swept, raising=False)
+    assert cache._writable()
+    assert list(cache.dir.iterdir()) == []
