@@ -332,7 +332,8 @@ constexpr int64_t kI8Avx2Block = 64;
 
 template <int G, int V>
 inline void qsweep(const int8_t* w, const uint8_t* u, int64_t ust, int64_t i0, int64_t i1,
-                   int v0, int32_t* acc_rows, int64_t ahead) {
+                   int v0, int32_t* acc_rows, const pw_panel::SweepPrefetch& spf) {
+  pw_panel::SweepPrefetcher pf(spf, w, kQuad * kLanes);
   __m256i acc[G][V];
   for (int r = 0; r < G; ++r)
     for (int v = 0; v < V; ++v)
@@ -341,7 +342,7 @@ inline void qsweep(const int8_t* w, const uint8_t* u, int64_t ust, int64_t i0, i
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(int8_t(0x80));
   for (int64_t i = i0; i < i1; ++i) {
     const int8_t* wi = w + i * kQuad * kLanes + 32 * v0;
-    if (ahead) pw_panel::prefetch_step(w + (i + ahead) * kQuad * kLanes);
+    pf.at(i);
     __m256i q[G];
     for (int r = 0; r < G; ++r) {
       int32_t quad;
@@ -363,34 +364,14 @@ inline void qsweep(const int8_t* w, const uint8_t* u, int64_t ust, int64_t i0, i
                           acc[r][v]);
 }
 
-// Rows in the AVX2 kernels' tiles (one row: the whole panel; more: pairs over half panels)
-// over k-blocks of `block` steps; `sweep<G, V>(r, b0, b1, v0)` runs one tile.
-// With several sweeps per block the first one prefetches the next block, a k-step per k-step
-// (as the bf16 AVX2 kernel; the caller's row-pass prefetch is not used).
-template <int MR, class Sweep>
-inline void avx2_tiles(int64_t i0, int64_t i1, int64_t block, const Sweep& sweep) {
-  for (int64_t b0 = i0; b0 < i1; b0 += block) {
-    const int64_t b1 = std::min(i1, b0 + block);
-    if constexpr (MR == 1) {
-      sweep.template run<1, 8>(0, b0, b1, 0, 0);
-    } else {
-      int64_t ahead = block;
-      for (int r = 0; r + 1 < MR; r += 2)
-        for (int h = 0; h < 2; ++h, ahead = 0) sweep.template run<2, 4>(r, b0, b1, 4 * h, ahead);
-      if constexpr (MR % 2)
-        for (int h = 0; h < 2; ++h) sweep.template run<1, 4>(MR - 1, b0, b1, 4 * h, 0);
-    }
-  }
-}
-
 struct QSweep {
   const int8_t* w;
   const uint8_t* u;
   int64_t ust;
   int32_t* acc;
   template <int G, int V>
-  void run(int r, int64_t b0, int64_t b1, int v0, int64_t ahead) const {
-    qsweep<G, V>(w, u + r * ust, ust, b0, b1, v0, acc + r * kLanes, ahead);
+  void run(int r, int64_t b0, int64_t b1, int v0, const pw_panel::SweepPrefetch& pf) const {
+    qsweep<G, V>(w, u + r * ust, ust, b0, b1, v0, acc + r * kLanes, pf);
   }
 };
 
@@ -401,8 +382,7 @@ void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32
   const int64_t ust = a.kq * kQuad;
   alignas(32) int32_t acc[MR * kLanes];
   pw_panel::load_partials(acc, buf, MR * kLanes, first);
-  (void)pf;
-  avx2_tiles<MR>(i0, i1, kI8Avx2Block, QSweep{w, a.u + m0 * ust, ust, acc});
+  pw_panel::pair_tiles<MR>(i0, i1, kI8Avx2Block, pf, QSweep{w, a.u + m0 * ust, ust, acc});
   if (last)
     q_store_rows<MR>(a, p, m0, acc, nullptr);  // acc = sum u x W_q - comp, exactly
   else
@@ -531,13 +511,14 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
 // FMAs per k-quad in k order (as the AVX-512 path); tiles as the W8A8 AVX2 kernel.
 template <int G, int V>
 inline void wsweep(const int8_t* w, const float* x, int64_t xst, int64_t i0, int64_t i1, int v0,
-                   float* acc_rows, int64_t ahead) {
+                   float* acc_rows, const pw_panel::SweepPrefetch& spf) {
+  pw_panel::SweepPrefetcher pf(spf, w, kQuad * kLanes);
   __m256 acc[G][V];
   for (int r = 0; r < G; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_loadu_ps(acc_rows + r * kLanes + 8 * (v0 + v));
   for (int64_t i = i0; i < i1; ++i) {
     const int8_t* wi = w + i * kQuad * kLanes + 32 * v0;
-    if (ahead) pw_panel::prefetch_step(w + (i + ahead) * kQuad * kLanes);
+    pf.at(i);
     for (int v = 0; v < V; ++v) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + 32 * v));
       const __m256 f0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(wv, 24), 24));
@@ -564,8 +545,8 @@ struct WSweep {
   int64_t xst;
   float* acc;
   template <int G, int V>
-  void run(int r, int64_t b0, int64_t b1, int v0, int64_t ahead) const {
-    wsweep<G, V>(w, x + r * xst, xst, b0, b1, v0, acc + r * kLanes, ahead);
+  void run(int r, int64_t b0, int64_t b1, int v0, const pw_panel::SweepPrefetch& pf) const {
+    wsweep<G, V>(w, x + r * xst, xst, b0, b1, v0, acc + r * kLanes, pf);
   }
 };
 
@@ -576,8 +557,7 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
   const int64_t xst = a.kq * kQuad;
   alignas(32) float acc[MR * kLanes];
   pw_panel::load_partials(acc, buf, MR * kLanes, first);
-  (void)pf;
-  avx2_tiles<MR>(i0, i1, kI8Avx2Block, WSweep{w, a.x + m0 * xst, xst, acc});
+  pw_panel::pair_tiles<MR>(i0, i1, kI8Avx2Block, pf, WSweep{w, a.x + m0 * xst, xst, acc});
   if (last)
     w_store_rows<MR>(a, p, m0, acc);
   else

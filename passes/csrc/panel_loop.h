@@ -61,6 +61,41 @@ struct Prefetch {
   int64_t every = 0, phase = 0;
 };
 
+// The prefetches of one sweep of a pair-tile loop (`pair_tiles`, below), where the rows of a
+// pass go over each k-block of the panel in several sweeps (row pairs x lane halves) from L1:
+// the k-steps the pass must bring in (the next k-block, or its share of the next row-pass
+// block) are dealt out over all the sweeps of a block, step j of the block to sweep
+// j % sweeps, so DRAM streams evenly while every sweep computes.  `sweeps == 0`: none.
+struct SweepPrefetch {
+  int64_t delta = 0;  // step i prefetches step i + delta
+  int64_t every = 1;  // ... when it is one of every `every`-th steps of the pass,
+  int64_t turn = 0;   //     counting from `turn` at the block's first step
+  int sweeps = 0, sweep = 0;
+};
+
+// The running state of a SweepPrefetch over a sweep's steps: `at(i)` before step i's loads.
+class SweepPrefetcher {
+ public:
+  SweepPrefetcher(const SweepPrefetch& pf, const void* panel, int64_t step_bytes)
+      : base_(static_cast<const char*>(panel) + pf.delta * step_bytes),
+        step_bytes_(step_bytes),
+        every_(pf.every),
+        turn_(pf.turn),
+        sweeps_(pf.sweeps),
+        sweep_(pf.sweep) {}
+  inline void at(int64_t i) {
+    if (sweeps_ == 0) return;
+    if (deal_ == sweep_ && turn_ == 0) prefetch_step(base_ + i * step_bytes_);
+    if (++deal_ == sweeps_) deal_ = 0;
+    if (++turn_ == every_) turn_ = 0;
+  }
+
+ private:
+  const char* base_;
+  int64_t step_bytes_, every_, turn_;
+  int sweeps_, sweep_, deal_ = 0;
+};
+
 // m rows in passes of at most `most` (the register tile's kMaxTileRows; 16 for AMX tiles)
 // whose sizes differ by at most one.
 struct RowPasses {
@@ -102,6 +137,38 @@ inline void load_partials(Acc* acc, const Acc* buf, int64_t n, bool first) {
     std::fill(acc, acc + n, Acc{});
   else
     std::copy(buf, buf + n, acc);
+}
+
+// The tiles of the AVX2 kernels (16 vector registers): one row sweeps the whole panel (8
+// vectors of 8 lanes, left to the hardware prefetchers: one stream); more rows go over k-blocks
+// of `block` steps held in L1, in pairs over half panels (2 x 4 accumulators), an odd last row
+// alone.  `sweep.run<G, V>(r, b0, b1, v0, spf)` runs rows [r, r + G) over steps [b0, b1) and
+// lanes [8 v0, 8 (v0 + V)).  Prefetch: without the driver's (one row pass over the whole
+// panel) the sweeps of a block bring in the next block; with it (`pf`, several row passes over
+// a block of `run_panel`) they bring in this pass's share of the next such block, as the
+// AVX-512 kernels do; either way dealt out over all the sweeps (SweepPrefetch).
+template <int MR, class Sweep>
+inline void pair_tiles(int64_t i0, int64_t i1, int64_t block, const Prefetch& pf,
+                       const Sweep& sweep) {
+  constexpr int kSweeps = 2 * ((MR + 1) / 2);
+  for (int64_t b0 = i0; b0 < i1; b0 += block) {
+    const int64_t b1 = std::min(i1, b0 + block);
+    if constexpr (MR == 1) {
+      sweep.template run<1, 8>(0, b0, b1, 0, SweepPrefetch{});
+    } else {
+      SweepPrefetch spf{block, 1, 0, kSweeps, 0};
+      if (pf.every) {
+        spf.delta = i1 - i0;
+        spf.every = pf.every;
+        spf.turn = (b0 - i0 + pf.phase) % pf.every;
+      }
+      for (int r = 0; r + 1 < MR; r += 2)
+        for (int h = 0; h < 2; ++h, ++spf.sweep) sweep.template run<2, 4>(r, b0, b1, 4 * h, spf);
+      if constexpr (MR % 2)
+        for (int h = 0; h < 2; ++h, ++spf.sweep)
+          sweep.template run<1, 4>(MR - 1, b0, b1, 4 * h, spf);
+    }
+  }
 }
 
 struct NoPrologue {

@@ -262,8 +262,10 @@ inline void run_share(const Args& a, int64_t b, int64_t e) {
 // Sixteen ymm registers: one row sweeps the whole 64-lane panel (8 accumulators); more rows go
 // in groups of two over half panels (2 x 4 accumulators), over k-blocks of kAvx2Block pairs
 // (16 KB) that stay in L1 while every group and half runs over them, the partial sums waiting
-// in `acc` (on the stack).  Each output sees the same operations in the same order whatever
-// MR, the grouping or the blocking, so a row's bits never depend on the rows beside it.
+// in `acc` (on the stack); the sweeps of a block share out the prefetch of the weight bytes
+// that come next (csrc/panel_loop.h, pair_tiles).  Each output sees the same operations in the
+// same order whatever MR, the grouping or the blocking, so a row's bits never depend on the
+// rows beside it.
 constexpr int64_t kAvx2Block = 64;
 
 inline void widen_pair(const uint16_t* x, __m256& x0, __m256& x1) {
@@ -277,14 +279,15 @@ inline void widen_pair(const uint16_t* x, __m256& x0, __m256& x1) {
 // Rows [r0, r0 + G) over k-pairs [i0, i1), lanes [8 v0, 8 (v0 + V)) of the panel at w.
 template <int G, int V>
 inline void avx2_sweep(const uint16_t* w, const uint16_t* x, int64_t x_st, int64_t i0,
-                       int64_t i1, int v0, float* acc_rows, int64_t ahead = 0) {
+                       int64_t i1, int v0, float* acc_rows, const pw_panel::SweepPrefetch& spf) {
+  pw_panel::SweepPrefetcher pf(spf, w, 2 * kLanes * sizeof(uint16_t));
   __m256 acc[G][V];
   for (int r = 0; r < G; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_loadu_ps(acc_rows + r * kLanes + 8 * (v0 + v));
   const __m256i hi = _mm256_set1_epi32(int32_t(0xffff0000u));
   for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* wi = w + i * 2 * kLanes + 16 * v0;
-    if (ahead) pw_panel::prefetch_step(w + (i + ahead) * 2 * kLanes);
+    pf.at(i);
     __m256 xa[G], xb[G];
     for (int r = 0; r < G; ++r) widen_pair(x + r * x_st + 2 * i, xa[r], xb[r]);
     for (int v = 0; v < V; ++v) {
@@ -301,6 +304,17 @@ inline void avx2_sweep(const uint16_t* w, const uint16_t* x, int64_t x_st, int64
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_rows + r * kLanes + 8 * (v0 + v), acc[r][v]);
 }
 
+struct Avx2Sweep {
+  const uint16_t* w;
+  const uint16_t* x;
+  int64_t x_st;
+  float* acc;
+  template <int G, int V>
+  void run(int r, int64_t b0, int64_t b1, int v0, const pw_panel::SweepPrefetch& pf) const {
+    avx2_sweep<G, V>(w, x + r * x_st, x_st, b0, b1, v0, acc + r * kLanes, pf);
+  }
+};
+
 template <int MR>
 void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf,
               bool first, bool last, const pw_panel::Prefetch& pf) {
@@ -309,25 +323,7 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
   const uint16_t* x = a.x + m0 * a.x_st;
   alignas(32) float acc[MR * kLanes];
   pw_panel::load_partials(acc, buf, MR * kLanes, first);
-  (void)pf;  // the sweeps prefetch for themselves (below), whatever the caller's row passes
-  for (int64_t b0 = i0; b0 < full; b0 += kAvx2Block) {
-    const int64_t b1 = std::min(full, b0 + kAvx2Block);
-    if constexpr (MR == 1) {
-      avx2_sweep<1, 8>(w, x, a.x_st, b0, b1, 0, acc);
-    } else {
-      // The first sweep over a k-block prefetches the next one, a k-pair per k-pair, so DRAM
-      // streams while the later sweeps compute on this block in L1 (measured against the
-      // caller's prefetch in bursts per block: 1.04-1.27x at M = 4 and 8, even at M = 32).
-      int64_t ahead = kAvx2Block;
-      for (int r = 0; r + 1 < MR; r += 2)
-        for (int h = 0; h < 2; ++h, ahead = 0)
-          avx2_sweep<2, 4>(w, x + r * a.x_st, a.x_st, b0, b1, 4 * h, acc + r * kLanes, ahead);
-      if constexpr (MR % 2)
-        for (int h = 0; h < 2; ++h)
-          avx2_sweep<1, 4>(w, x + (MR - 1) * a.x_st, a.x_st, b0, b1, 4 * h,
-                           acc + (MR - 1) * kLanes);
-    }
-  }
+  pw_panel::pair_tiles<MR>(i0, full, kAvx2Block, pf, Avx2Sweep{w, x, a.x_st, acc});
   if ((a.k & 1) && i1 == kp) {  // last k alone; its partner in the packed weight is zero
     const uint16_t* wi = w + (kp - 1) * 2 * kLanes;
     for (int r = 0; r < MR; ++r) {
