@@ -120,6 +120,24 @@ def kernel_available() -> bool:
     return True
 
 
+EVERY_ROW_COUNT_ISAS = ("avx2_fma",)
+"""Builds of the kernels (:func:`isa`) that take int8 calls of every row count."""
+
+
+@functools.lru_cache(maxsize=None)
+def takes_every_row_count() -> bool:
+    """The kernels take int8 calls of every row count, past ``max_rows`` that many rows at a
+    time (``piecewise::int8_packed_linear``, ``int8_wo_packed_linear``): where the CPU has no
+    int8 dot product (the kernels' AVX2 build: no VNNI), torch's int8 GEMMs have no fast path
+    either.  Measured on the AVX2 EPYC (2026-12-06, ``python -m
+    experiments.bench.small_m_linear --kernels int8 int8_wo --shapes 2816x512 512x1408 --rows
+    64 512``): ``_int_mm`` 6.6-27x and torch's weight-only path 2.0-3.8x slower than the kernels
+    at 64-512 rows; a batch of 8 64-token prompts took 6-7 s to prefill in int8 there, 0.4 s
+    in bf16 (whose kernel already took every row count there).  Then too every row of a call
+    has the bits a decode step gives it."""
+    return kernel_available() and isa() in EVERY_ROW_COUNT_ISAS
+
+
 def panel_shape(n: int, k: int) -> tuple[int, int, int, int]:
     """The shape :func:`pack` gives an ``[n, k]`` weight."""
     return (-(-n // LANES), -(-k // QUAD), LANES, QUAD)

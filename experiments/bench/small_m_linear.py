@@ -5,6 +5,7 @@ crossover that sets ``KernelConfig.small_m_max_rows`` / ``int8_small_m_max_rows`
     python -m experiments.bench.small_m_linear [--kernels bf16 int8] [--models tiny 1.1b]
         [--rows 1 4 8 16 24 32 40 48 64] [--rounds 5] [--threads 2] [--json out.json]
     python -m experiments.bench.small_m_linear --kernels bf16 --shapes 2816x512 --rows 1 8
+    python -m experiments.bench.small_m_linear --baseline REV [--kernels bf16 int8 int8_wo]
 
 Shapes (``NxK``, one weight per projection): ``tiny`` is the default tiny model (qkv 1024x512,
 o 512x512, gate_up 2816x512, down 512x1408, LM head 32000x512), ``1.1b`` the TinyLlama 1.1B
@@ -34,16 +35,28 @@ a shared machine the best round is the one least disturbed), and the kernel's sp
 the baseline (medians).  Then, per family, the geometric mean over shapes of that speed-up
 per M, and the crossover: the largest measured M up to which the geometric mean stays >= 1
 (the default ``max_rows`` these measurements support).
+
+``--baseline REV``: a kernel change A/B instead.  The kernels' sources at git revision ``REV``
+(``passes/csrc``, ``framework/core/csrc``) are built for this machine beside the current ones,
+and each family has two variants, both called through ctypes with the same arguments:
+``kernel`` (the current source) and ``revision`` (REV's); the ratio is revision / kernel, and
+the table says whether the two wrote the same bits.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import io
 import json
 import math
 import statistics
+import subprocess
+import tarfile
+import tempfile
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,12 +78,47 @@ FAMILIES = {
 weights; see :func:`family_spec`."""
 
 
-def family_spec(family: str) -> tuple[tuple[str, ...], str]:
+BASELINE_SOURCES = ("passes/csrc", "framework/core/csrc")
+"""What ``--baseline REV`` takes from the revision: the kernels' sources and their headers."""
+
+
+def baseline_libraries(rev: str, work: Path) -> dict[str, ctypes.CDLL]:
+    """This machine's builds of the small-M kernels at git revision ``rev`` (``"bf16"``: the
+    small-M library, ``"int8"``: the int8 one, W8A8 and weight-only), from its sources
+    extracted under ``work``, with the current libraries' flags and declarations."""
+    from passes import int8_small_m
+    from passes import small_m_linear as small_m
+
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        archive = subprocess.run(
+            ["git", "archive", rev, *BASELINE_SOURCES], cwd=repo, check=True, capture_output=True
+        ).stdout
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        detail = (
+            e.stderr.decode(errors="replace") if isinstance(e, subprocess.CalledProcessError) else e
+        )
+        raise SystemExit(
+            f"small_m_linear: --baseline {rev!r} is not a git revision holding "
+            f"{' and '.join(BASELINE_SOURCES)} ({detail})"
+        ) from e
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(work, filter="data")
+    return {
+        "bf16": small_m.LIBRARY.relocated("small_m_linear_baseline", repo, work).load(None),
+        "int8": int8_small_m.LIBRARY.relocated("int8_linear_baseline", repo, work).load(None),
+    }
+
+
+def family_spec(family: str, ab: bool = False) -> tuple[tuple[str, ...], str]:
     """(variants, baseline) of ``family`` on this machine: where oneDNN cannot lay out bf16
     weights (AVX2-only CPUs, :func:`framework.compat.onednn.packs`) the bf16 family has no
-    ``oneDNN`` variant and its baseline is ``F.linear``, what a layer runs above max_rows."""
+    ``oneDNN`` variant and its baseline is ``F.linear``, what a layer runs above max_rows.
+    ``ab``: the ``--baseline`` A/B, ``kernel`` against ``revision``."""
     from framework.compat import onednn
 
+    if ab:
+        return ("kernel", "revision"), "revision"
     variants, baseline = FAMILIES[family]
     if family == "bf16" and not onednn.packs(torch.bfloat16):
         return tuple(v for v in variants if v != "oneDNN"), "F.linear"
@@ -173,6 +221,91 @@ def _int8_impls(n: int, k: int, copies: int, g: torch.Generator, weight_only: bo
     }
 
 
+def _ab_impls(
+    family: str, n: int, k: int, copies: int, g: torch.Generator, libs: dict[str, ctypes.CDLL]
+) -> dict[str, tuple]:
+    """``kernel`` (the current build) and ``revision`` (``libs``, another revision's), both
+    through ctypes on the same packed weights; the output of each call is written to the same
+    tensor shape, kept per variant (``_ab_outputs``) for the bit comparison."""
+    from passes import int8_small_m as i8
+    from passes import small_m_linear as small_m
+
+    current = {"bf16": small_m.load_library(), "int8": i8.load_library()}
+    lib_key = "bf16" if family == "bf16" else "int8"
+    if family == "bf16":
+        ws = [
+            small_m.pack((torch.randn(n, k, generator=g) * 0.05).bfloat16()) for _ in range(copies)
+        ]
+    else:
+        from framework.core.quantization import QuantizationConfig
+        from passes.quant_schemes import quantize_weight
+
+        spec = QuantizationConfig.parse("int8_per_token").spec_for("layer")
+        ws = []
+        for _ in range(copies):
+            w_q, scale = quantize_weight(
+                (torch.randn(n, k, generator=g) * 0.05).bfloat16(), spec.weight
+            )
+            ws.append((i8.pack(w_q), scale.reshape(-1).float().contiguous(), i8.compensation(w_q)))
+
+    def make(lib: ctypes.CDLL, outs: dict) -> Callable:
+        def call(x, i):
+            m = x.shape[0]
+            out = outs.setdefault(m, torch.empty(m, n, dtype=torch.bfloat16))
+            if family == "bf16":
+                rc = lib.piecewise_small_m_linear(
+                    x.data_ptr(), k, m, ws[i].data_ptr(), None, out.data_ptr(), n, n, k, 1
+                )
+            elif family == "int8":
+                packed, w_scale, comp = ws[i]
+                rc = lib.piecewise_int8_linear(
+                    x.data_ptr(),
+                    k,
+                    m,
+                    packed.data_ptr(),
+                    comp.data_ptr(),
+                    w_scale.data_ptr(),
+                    None,
+                    out.data_ptr(),
+                    n,
+                    n,
+                    k,
+                    1,
+                )
+            else:
+                packed, w_scale, _ = ws[i]
+                rc = lib.piecewise_int8_wo_linear(
+                    x.data_ptr(),
+                    k,
+                    m,
+                    packed.data_ptr(),
+                    w_scale.data_ptr(),
+                    None,
+                    out.data_ptr(),
+                    n,
+                    n,
+                    k,
+                    1,
+                )
+            if rc:
+                raise RuntimeError(
+                    f"small_m_linear --baseline: kernel error {rc} ({family}, {n}x{k})"
+                )
+            return out
+
+        return call
+
+    nbytes = (2 if family == "bf16" else 1) * n * k
+    return {
+        name: (make(lib, _AB_OUTPUTS.setdefault(name, {})), nbytes)
+        for name, lib in (("kernel", current[lib_key]), ("revision", libs[lib_key]))
+    }
+
+
+_AB_OUTPUTS: dict[str, dict[int, torch.Tensor]] = {}
+"""The A/B's last output per variant and M (``_ab_impls``): compared bit for bit per row."""
+
+
 def bench_shape(
     family: str,
     n: int,
@@ -181,17 +314,21 @@ def bench_shape(
     rounds: int,
     sweep_bytes: int = SWEEP_BYTES,
     clock: str = "wall",
+    baseline_libs: Optional[dict[str, ctypes.CDLL]] = None,
 ) -> list[dict]:
     """One weight shape, every row count: ``{"family", "shape", "M", <variant>: (µs, GB/s
-    median round, GB/s best round)}`` per M."""
+    median round, GB/s best round)}`` per M (with ``baseline_libs``, the ``--baseline`` A/B,
+    also ``"same_bits"``)."""
     g = torch.Generator().manual_seed(0)
     per_copy = (2 if family == "bf16" else 1) * n * k
     copies = _copies(per_copy, sweep_bytes)
-    impls: dict[str, tuple[Callable, int]] = (
-        _bf16_impls(n, k, copies, g)
-        if family == "bf16"
-        else _int8_impls(n, k, copies, g, weight_only=family == "int8_wo")
-    )
+    impls: dict[str, tuple[Callable, int]]
+    if baseline_libs is not None:
+        impls = _ab_impls(family, n, k, copies, g, baseline_libs)
+    elif family == "bf16":
+        impls = _bf16_impls(n, k, copies, g)
+    else:
+        impls = _int8_impls(n, k, copies, g, weight_only=family == "int8_wo")
     names = list(impls)
     out = []
     for m in rows:
@@ -203,7 +340,10 @@ def bench_shape(
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 times[name].append(_sweep_s(impls[name][0], xs, copies, CLOCKS[clock]))
         row: dict = {"family": family, "shape": f"{n}x{k}", "M": m}
-        row["baseline"] = family_spec(family)[1]
+        row["baseline"] = family_spec(family, baseline_libs is not None)[1]
+        if baseline_libs is not None:
+            a, b = (impls[v][0](xs[0], 0) for v in ("kernel", "revision"))
+            row["same_bits"] = bool(torch.equal(a, b))
         for name, ts in times.items():
             t, nbytes = statistics.median(ts), impls[name][1]
             row[name] = (t * 1e6, nbytes / t / 1e9, nbytes / min(ts) / 1e9)
@@ -228,15 +368,19 @@ def crossover(rows: list[dict], family: str) -> tuple[dict[int, float], int]:
     return gmean, best
 
 
-def _print_family(family: str, rows: list[dict]) -> None:
-    variants, baseline = family_spec(family)
+def _print_family(family: str, rows: list[dict], ab: bool = False) -> None:
+    variants, baseline = family_spec(family, ab)
     head = " | ".join(f"{v} µs | GB/s (best)" for v in variants)
+    bits = " same bits |" if ab else ""
     print(f"\n## {family}: kernel vs {baseline}")
-    print(f"| shape NxK | M | {head} | kernel vs {baseline} |")
-    print("|---|---|" + "---|---|" * len(variants) + "---|")
+    print(f"| shape NxK | M | {head} | kernel vs {baseline} |{bits}")
+    print("|---|---|" + "---|---|" * len(variants) + "---|" + ("---|" if ab else ""))
     for r in rows:
         cells = " | ".join(f"{r[v][0]:.1f} | {r[v][1]:.1f} ({r[v][2]:.1f})" for v in variants)
-        print(f"| {r['shape']} | {r['M']} | {cells} | {r[baseline][0] / r['kernel'][0]:.2f}x |")
+        same = f" {'yes' if r['same_bits'] else 'NO'} |" if ab else ""
+        print(
+            f"| {r['shape']} | {r['M']} | {cells} | {r[baseline][0] / r['kernel'][0]:.2f}x |{same}"
+        )
 
 
 def main(argv=None) -> list[dict]:
@@ -258,6 +402,12 @@ def main(argv=None) -> list[dict]:
     )
     ap.add_argument("--bandwidth", action="store_true", help="also probe the read bandwidth")
     ap.add_argument("--json", default=None, help="also write the rows and crossovers here")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        metavar="REV",
+        help="A/B the current kernels against their sources at this git revision",
+    )
     args = ap.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures one thread's CPU time: use it with --threads 1")
@@ -279,23 +429,31 @@ def main(argv=None) -> list[dict]:
         print(f"# read bandwidth (native probe): {probe_read_bandwidth()['best_gb_s']:.1f} GB/s")
     rows: list[dict] = []
     summary = {}
-    for family in args.kernels:
-        got = []
-        for shape in shapes:
-            n, k = (int(v) for v in shape.lower().split("x"))
-            got += bench_shape(
-                family, n, k, args.rows, args.rounds, args.sweep_mb << 20, args.clock
+    ab = args.baseline is not None
+    with tempfile.TemporaryDirectory(prefix="small_m_baseline_") as work:
+        libs = baseline_libraries(args.baseline, Path(work)) if ab else None
+        if ab:
+            print(f"# A/B: the kernels at {args.baseline} (revision) against the current source")
+        for family in args.kernels:
+            got = []
+            for shape in shapes:
+                n, k = (int(v) for v in shape.lower().split("x"))
+                got += bench_shape(
+                    family, n, k, args.rows, args.rounds, args.sweep_mb << 20, args.clock, libs
+                )
+            _print_family(family, got, ab)
+            gmean, best = crossover(got, family)
+            baseline = family_spec(family, ab)[1]
+            print(
+                f"\n{family}: geometric mean over shapes of kernel vs {baseline}: "
+                + ", ".join(f"M={m} {v:.2f}x" for m, v in gmean.items())
             )
-        _print_family(family, got)
-        gmean, best = crossover(got, family)
-        baseline = family_spec(family)[1]
-        print(
-            f"\n{family}: geometric mean over shapes of kernel vs {baseline}: "
-            + ", ".join(f"M={m} {v:.2f}x" for m, v in gmean.items())
-        )
-        print(f"{family}: crossover (gmean >= 1 for every M up to it): M = {best}")
-        summary[family] = {"gmean_speedup": gmean, "crossover": best}
-        rows += got
+            if not ab:
+                print(f"{family}: crossover (gmean >= 1 for every M up to it): M = {best}")
+            summary[family] = {"gmean_speedup": gmean} | ({} if ab else {"crossover": best})
+            rows += got
+    if ab:
+        summary["baseline"] = args.baseline
     after = _loadavg()
     print(f"# load average at the end: {after}")
     if args.json:

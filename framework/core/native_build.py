@@ -120,6 +120,23 @@ class NativeLibrary:
     def __repr__(self) -> str:
         return f"NativeLibrary({self.name!r}, {str(self.source)!r})"
 
+    def relocated(self, name: str, old_root: Path, new_root: Path) -> "NativeLibrary":
+        """The same library (flags, declarations) built as ``lib<name>.so`` from the copies of
+        its source and ``depends`` under ``new_root`` that sit where they sit under
+        ``old_root`` (e.g. a checkout of another revision: A/B benchmarks of a kernel)."""
+
+        def moved(path: Path) -> Path:
+            return Path(new_root) / path.resolve().relative_to(Path(old_root).resolve())
+
+        return NativeLibrary(
+            name,
+            moved(self.source),
+            portable_env=self.portable_env,
+            declare=self._declare,
+            extra_flags=self.extra_flags,
+            depends=tuple(moved(d) for d in self.depends),
+        )
+
     def build_key(self, cxx: str, flags: tuple[str, ...]) -> str:
         h = hashlib.sha256()
         for part in (

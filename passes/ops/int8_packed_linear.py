@@ -15,7 +15,9 @@ compensation).  Its ``linear_method`` then emits one op per linear::
 Up to ``max_rows`` rows (``KernelConfig.int8_small_m_max_rows``) the C++ kernel runs, the
 activations quantised in its prologue; more rows run the reference path on the unpacked
 weight (``dynamic_per_token_quant`` + ``torch._int_mm`` + epilogue; weight-only: the existing
-``int8_weight_only_mm``).  Both give the same result for W8A8, bit for bit.
+``int8_weight_only_mm``).  Both give the same result for W8A8, bit for bit.  Where torch's int8
+GEMMs have no fast path (AVX2 without VNNI: :func:`passes.int8_small_m.takes_every_row_count`)
+larger calls run the kernel too, ``max_rows`` rows at a time, as bf16 does there.
 
 Quant fusions: the activation quantisation of a packed layer lives inside its op at every
 row count (the graph is traced once, for every size), so the graph holds no
@@ -48,13 +50,28 @@ from passes.ops.scaled_mm import _epilogue, int8_weight_only_mm_torch
 from passes.quant_schemes import Int8DynamicPerToken, Int8WeightOnly
 
 
-def _small(x2: Tensor, bias: Optional[Tensor], max_rows: int) -> bool:
-    return (
-        x2.shape[0] <= max_rows
+def _kernel_rows(x2: Tensor, bias: Optional[Tensor], max_rows: int) -> int:
+    """Rows per kernel call for this call, 0 for torch's path: every row up to ``max_rows``;
+    more, ``max_rows`` at a time where the kernels take every row count
+    (:func:`passes.int8_small_m.takes_every_row_count`: AVX2 without VNNI)."""
+    rows = x2.shape[0]
+    if not (
+        max_rows > 0
         and x2.dtype in i8.DTYPES
         and (bias is None or bias.dtype == x2.dtype)
         and i8.kernel_available()
-    )
+    ):
+        return 0
+    if rows <= max_rows:
+        return max(rows, 1)
+    return max_rows if i8.takes_every_row_count() else 0
+
+
+def _sliced(run, x2: Tensor, step: int) -> Tensor:
+    """``run`` over ``x2`` in slices of ``step`` rows (one call when it has no more)."""
+    if x2.shape[0] <= step:
+        return run(x2)
+    return torch.cat([run(x2[i : i + step]) for i in range(0, x2.shape[0], step)])
 
 
 def int8_packed_linear_impl(
@@ -69,8 +86,9 @@ def int8_packed_linear_impl(
 ) -> Tensor:
     n, k = out_features, in_features
     x2 = x.reshape(-1, k)
-    if _small(x2, bias, max_rows):
-        out = i8.run_packed(x2, w, w_scale, w_comp, bias, n)
+    step = _kernel_rows(x2, bias, max_rows)
+    if step:
+        out = _sliced(lambda xs: i8.run_packed(xs, w, w_scale, w_comp, bias, n), x2, step)
     else:
         x_q = torch.empty(x2.shape, dtype=torch.int8, device=x.device)
         scales = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)
@@ -91,8 +109,9 @@ def int8_wo_packed_linear_impl(
 ) -> Tensor:
     n, k = out_features, in_features
     x2 = x.reshape(-1, k)
-    if _small(x2, bias, max_rows):
-        out = i8.run_packed_weight_only(x2, w, w_scale, bias, n)
+    step = _kernel_rows(x2, bias, max_rows)
+    if step:
+        out = _sliced(lambda xs: i8.run_packed_weight_only(xs, w, w_scale, bias, n), x2, step)
     else:
         out = int8_weight_only_mm_torch(x2, i8.unpack(w, n, k), w_scale.to(x.dtype), bias)
     return out.view(*x.shape[:-1], n)

@@ -264,8 +264,9 @@ def test_opcheck(scheme, rows, max_rows):
 def test_small_m_calls_run_in_cpp_and_larger_ones_in_python(monkeypatch):
     """With the C++ kernels registered, a call of at most max_rows rows never enters Python
     (the ctypes entry and the unpack would raise); more rows go to the op's Python twin,
-    which unpacks the weight for _int_mm."""
+    which unpacks the weight for _int_mm (where torch has a fast int8 GEMM: pinned here)."""
     assert torch._C._dispatch_has_kernel_for_dispatch_key("piecewise::int8_packed_linear", "CPU")
+    monkeypatch.setattr(i8, "takes_every_row_count", lambda: False)
     plain, layer = _layer("int8_per_token", 96, 64, True)
     x = torch.randn(i8.DEFAULT_MAX_ROWS + 1, 64).to(BF16)
     expected = plain(x)
@@ -282,6 +283,36 @@ def test_small_m_calls_run_in_cpp_and_larger_ones_in_python(monkeypatch):
     assert unpacks == []
     assert torch.equal(layer(x), expected)
     assert unpacks == [1]
+
+
+@pytest.mark.parametrize("scheme", ["int8_per_token", "int8_per_channel_weight_only"])
+def test_where_torch_has_no_fast_int8_gemm_larger_calls_run_the_kernel_in_slices(
+    monkeypatch, scheme
+):
+    """Where the kernels take every row count (AVX2 without VNNI, pinned here) a call past
+    max_rows runs the kernel max_rows rows at a time and never unpacks the weight: W8A8 gives
+    the unpacked scheme's bits, and in both schemes every row what it gives alone."""
+    monkeypatch.setattr(i8, "takes_every_row_count", lambda: True)
+    plain, layer = _layer(scheme, 96, 64, True, max_rows=16)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3)).to(BF16)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+    expected = plain(x)
+    name = "run_packed_weight_only" if layer.linear_method.weight_only else "run_packed"
+    calls, real_run = [], getattr(i8, name)
+    monkeypatch.setattr(i8, name, lambda x2, *a: calls.append(x2.shape[0]) or real_run(x2, *a))
+    monkeypatch.setattr(i8, "unpack", lambda *a: pytest.fail("the weight was unpacked"))
+    op = (
+        torch.ops.piecewise.int8_wo_packed_linear_python.default
+        if layer.linear_method.weight_only
+        else torch.ops.piecewise.int8_packed_linear_python.default
+    )
+    got = op(*_args(layer, x))  # the op's Python body: where the C++ op hands calls past max_rows
+    assert calls == [16, 16, 8]
+    assert torch.equal(got, alone)
+    if layer.linear_method.weight_only:
+        torch.testing.assert_close(got, expected, atol=3e-2, rtol=2e-2)
+    else:
+        assert torch.equal(got, expected)
 
 
 def test_model_prep_packs_the_int8_layers(llama_checkpoint):

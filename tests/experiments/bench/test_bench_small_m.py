@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +90,45 @@ def test_cpu_clock_needs_one_thread_and_runs_with_one():
         + ["--rows", "8", "--rounds", "1", "--sweep-mb", "1"]
     )
     assert rows[0]["M"] == 8 and rows[0]["kernel"][0] > 0
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _kernels_as_committed() -> bool:
+    """The kernels' sources equal HEAD's (a clean clone; the A/B's same-bits check needs it)."""
+    return (
+        subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", *bml.BASELINE_SOURCES], cwd=REPO
+        ).returncode
+        == 0
+    )
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_baseline_ab_times_both_builds_and_compares_their_bits(capsys):
+    """``--baseline HEAD``: the kernels at HEAD are built beside the current ones and timed
+    against them, every family through ctypes; one row pass (3 rows) and several (20 rows:
+    the driver's row passes over k-blocks)."""
+    rows = bml.main(
+        ["--threads", "1", "--kernels", "bf16", "int8", "int8_wo", "--rows", "1", "3", "20"]
+        + ["--shapes", "96x64", "--rounds", "1", "--sweep-mb", "1", "--baseline", "HEAD"]
+    )
+    assert [(r["family"], r["M"]) for r in rows] == [
+        (f, m) for f in ("bf16", "int8", "int8_wo") for m in (1, 3, 20)
+    ]
+    for r in rows:
+        assert r["baseline"] == "revision" and isinstance(r["same_bits"], bool)
+        for impl in ("kernel", "revision"):
+            us, gbs, best = r[impl]
+            assert us > 0 and 0 < gbs <= best
+    if _kernels_as_committed():
+        assert all(r["same_bits"] for r in rows)
+    text = capsys.readouterr().out
+    assert "kernels at HEAD (revision)" in text and "| kernel vs revision | same bits |" in text
+    assert "crossover" not in text
+
+
+def test_a_bad_baseline_revision_is_refused_by_name(tmp_path):
+    with pytest.raises(SystemExit, match="no-such-revision"):
+        bml.baseline_libraries("no-such-revision", tmp_path)

@@ -82,3 +82,31 @@ def test_cpu_flags_are_in_the_native_key_only(library, monkeypatch):
     monkeypatch.setattr(nb, "cpu_flags", lambda: "a-different-cpu")
     assert library.build_key(cxx, nb.NATIVE_FLAGS) != keys[0]
     assert library.build_key(cxx, nb.PORTABLE_FLAGS) == keys[1]
+
+
+def test_a_relocated_library_builds_the_copy_under_its_new_root(tmp_path, monkeypatch):
+    """``relocated``: the same library from copies of its source and headers under another
+    root (another revision's checkout), built and loaded beside the original."""
+    monkeypatch.setenv("PIECEWISE_CACHE_DIR", str(tmp_path / "cache"))
+    old, new = tmp_path / "old", tmp_path / "new"
+    for root, factor in ((old, 2), (new, 3)):
+        (root / "csrc").mkdir(parents=True)
+        (root / "csrc" / "factor.h").write_text(f"constexpr int64_t kFactor = {factor};\n")
+        (root / "csrc" / "twice.cpp").write_text(
+            '#include <cstdint>\n#include "factor.h"\n'
+            'extern "C" int64_t twice(int64_t x) { return kFactor * x; }\n'
+            'extern "C" const char* isa() { return "x"; }\n'
+        )
+    original = nb.NativeLibrary(
+        "twice",
+        old / "csrc" / "twice.cpp",
+        portable_env="PW_TEST_PORTABLE",
+        declare=_declare,
+        extra_flags=("-DUNUSED=1",),
+        depends=(old / "csrc" / "factor.h",),
+    )
+    moved = original.relocated("twice_other", old, new)
+    assert moved.source == new / "csrc" / "twice.cpp"
+    assert moved.depends == (new / "csrc" / "factor.h",) and moved.extra_flags == ("-DUNUSED=1",)
+    assert original.load().twice(7) == 14 and moved.load().twice(7) == 21  # both, declared
+    assert moved.library_path().name == "libtwice_other.so"
