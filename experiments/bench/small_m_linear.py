@@ -225,8 +225,8 @@ def _ab_impls(
     family: str, n: int, k: int, copies: int, g: torch.Generator, libs: dict[str, ctypes.CDLL]
 ) -> dict[str, tuple]:
     """``kernel`` (the current build) and ``revision`` (``libs``, another revision's), both
-    through ctypes on the same packed weights; the output of each call is written to the same
-    tensor shape, kept per variant (``_ab_outputs``) for the bit comparison."""
+    through ctypes on the same packed weights, each writing one output tensor per row count
+    (of this shape) that it returns."""
     from passes import int8_small_m as i8
     from passes import small_m_linear as small_m
 
@@ -297,13 +297,9 @@ def _ab_impls(
 
     nbytes = (2 if family == "bf16" else 1) * n * k
     return {
-        name: (make(lib, _AB_OUTPUTS.setdefault(name, {})), nbytes)
+        name: (make(lib, {}), nbytes)
         for name, lib in (("kernel", current[lib_key]), ("revision", libs[lib_key]))
     }
-
-
-_AB_OUTPUTS: dict[str, dict[int, torch.Tensor]] = {}
-"""The A/B's last output per variant and M (``_ab_impls``): compared bit for bit per row."""
 
 
 def bench_shape(

@@ -112,10 +112,14 @@ def test_baseline_ab_times_both_builds_and_compares_their_bits(capsys):
     the driver's row passes over k-blocks)."""
     rows = bml.main(
         ["--threads", "1", "--kernels", "bf16", "int8", "int8_wo", "--rows", "1", "3", "20"]
-        + ["--shapes", "96x64", "--rounds", "1", "--sweep-mb", "1", "--baseline", "HEAD"]
+        + ["--shapes", "96x64", "200x64", "--rounds", "1", "--sweep-mb", "1"]
+        + ["--baseline", "HEAD"]
     )
-    assert [(r["family"], r["M"]) for r in rows] == [
-        (f, m) for f in ("bf16", "int8", "int8_wo") for m in (1, 3, 20)
+    assert [(r["family"], r["shape"], r["M"]) for r in rows] == [
+        (f, s, m)
+        for f in ("bf16", "int8", "int8_wo")
+        for s in ("96x64", "200x64")
+        for m in (1, 3, 20)
     ]
     for r in rows:
         assert r["baseline"] == "revision" and isinstance(r["same_bits"], bool)
