@@ -23,6 +23,8 @@ directly, no sort).  Per expert hit, gate-up and down each run
 * oneDNN on the same bytes for a larger group (prefill), where oneDNN's blocked layout is the
   panel layout (bf16 on AVX512-BF16 with the reduction dimension a multiple of 32: checked
   once per shape at packing, then ``w13_md`` / ``w2_md`` hold oneDNN's descriptor);
+* where oneDNN lays out no bf16 at all (AVX2-only CPUs, whose torch bf16 GEMM is slow too)
+  the small-M kernel, ``max_rows`` rows at a time;
 * otherwise ``F.linear`` on that one expert's weight unpacked for the call (correct, slower:
   one expert's copy at a time, never the whole stack).
 
@@ -54,8 +56,15 @@ NAME = "piecewise::fused_moe_packed"
 
 def _linear(x2: Tensor, w: Tensor, md: Optional[Tensor], n: int, k: int, max_rows: int) -> Tensor:
     """``x2 [M, k] @ W.T`` for one expert's panels ``w`` of ``W [n, k]``."""
-    if x2.shape[0] <= max_rows:
+    rows = x2.shape[0]
+    if rows <= max_rows:
         return small_m.run_packed(x2, w, None, n)
+    if md is None and not onednn.packs(x2.dtype):
+        # no oneDNN bf16 here (AVX2-only CPUs), and torch's bf16 GEMM has no fast path either:
+        # the kernel, max_rows rows at a time (as the dense linears there)
+        return torch.cat(
+            [small_m.run_packed(x2[i : i + max_rows], w, None, n) for i in range(0, rows, max_rows)]
+        )
     out = onednn.linear(x2, w, md, None, n, k) if md is not None else None
     return out if out is not None else F.linear(x2, small_m.unpack(w, n, k))
 

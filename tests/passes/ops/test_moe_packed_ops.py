@@ -57,6 +57,27 @@ def test_matches_the_oracle(t, experts, k, inter, max_rows):
     torch.testing.assert_close(got, fused_moe_grouped(x, weights, ids, w13, w2), **BF16)
 
 
+def test_without_onednn_bf16_large_groups_run_the_kernel_in_slices(monkeypatch):
+    """Where oneDNN lays out no bf16 (AVX2-only CPUs; pinned here) a group above max_rows
+    runs the small-M kernel max_rows rows at a time, never unpacking an expert: each token
+    then gets the bits it gets in a decode step alone."""
+    from framework.compat import onednn
+
+    x, weights, ids, w13, w2 = make(40, 6, 2, 72, seed=7)
+    m = packed(w13, w2, 4)
+    alone = torch.cat([m(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(40)])
+    monkeypatch.setattr(onednn, "packs", lambda dtype: False)
+    monkeypatch.setattr(small_m, "unpack", lambda *a: pytest.fail("an expert was unpacked"))
+    rows, real = [], small_m.run_packed
+    monkeypatch.setattr(small_m, "run_packed", lambda x2, *a: rows.append(len(x2)) or real(x2, *a))
+    got = ops.fused_moe_packed_python(
+        x, weights, ids, m.w13, m.w2, None, None, 72, 4
+    )  # the op's Python body: where the C++ op hands a group above max_rows
+    assert max(rows) == 4 and sum(rows) == 2 * 40 * 2  # gate-up and down, 80 (token, expert) rows
+    assert torch.equal(got, alone)
+    torch.testing.assert_close(got, fused_moe_reference(x, weights, ids, w13, w2), **BF16)
+
+
 def test_fp32_routing_weights_with_bf16_experts():
     """Mixtral keeps its routing weights fp32."""
     x, weights, ids, w13, w2 = make(3, weights_dtype=torch.float32)
