@@ -364,17 +364,6 @@ inline void qsweep(const int8_t* w, const uint8_t* u, int64_t ust, int64_t i0, i
                           acc[r][v]);
 }
 
-struct QSweep {
-  const int8_t* w;
-  const uint8_t* u;
-  int64_t ust;
-  int32_t* acc;
-  template <int G, int V>
-  void run(int r, int64_t b0, int64_t b1, int v0, const pw_panel::SweepPrefetch& pf) const {
-    qsweep<G, V>(w, u + r * ust, ust, b0, b1, v0, acc + r * kLanes, pf);
-  }
-};
-
 template <int MR>
 void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32_t* buf,
             bool first, bool last, const pw_panel::Prefetch& pf) {
@@ -382,7 +371,12 @@ void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32
   const int64_t ust = a.kq * kQuad;
   alignas(32) int32_t acc[MR * kLanes];
   pw_panel::load_partials(acc, buf, MR * kLanes, first);
-  pw_panel::pair_tiles<MR>(i0, i1, kI8Avx2Block, pf, QSweep{w, a.u + m0 * ust, ust, acc});
+  const uint8_t* u = a.u + m0 * ust;
+  pw_panel::pair_tiles<MR>(i0, i1, kI8Avx2Block, pf, [&](auto g, auto v, int r, int64_t b0,
+                                                         int64_t b1, int v0, const auto& spf) {
+    constexpr int G = decltype(g)::value, V = decltype(v)::value;
+    qsweep<G, V>(w, u + r * ust, ust, b0, b1, v0, acc + r * kLanes, spf);
+  });
   if (last)
     q_store_rows<MR>(a, p, m0, acc, nullptr);  // acc = sum u x W_q - comp, exactly
   else
@@ -539,17 +533,6 @@ inline void wsweep(const int8_t* w, const float* x, int64_t xst, int64_t i0, int
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_rows + r * kLanes + 8 * (v0 + v), acc[r][v]);
 }
 
-struct WSweep {
-  const int8_t* w;
-  const float* x;
-  int64_t xst;
-  float* acc;
-  template <int G, int V>
-  void run(int r, int64_t b0, int64_t b1, int v0, const pw_panel::SweepPrefetch& pf) const {
-    wsweep<G, V>(w, x + r * xst, xst, b0, b1, v0, acc + r * kLanes, pf);
-  }
-};
-
 template <int MR>
 void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
             bool last, const pw_panel::Prefetch& pf) {
@@ -557,7 +540,12 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
   const int64_t xst = a.kq * kQuad;
   alignas(32) float acc[MR * kLanes];
   pw_panel::load_partials(acc, buf, MR * kLanes, first);
-  pw_panel::pair_tiles<MR>(i0, i1, kI8Avx2Block, pf, WSweep{w, a.x + m0 * xst, xst, acc});
+  const float* x = a.x + m0 * xst;
+  pw_panel::pair_tiles<MR>(i0, i1, kI8Avx2Block, pf, [&](auto g, auto v, int r, int64_t b0,
+                                                         int64_t b1, int v0, const auto& spf) {
+    constexpr int G = decltype(g)::value, V = decltype(v)::value;
+    wsweep<G, V>(w, x + r * xst, xst, b0, b1, v0, acc + r * kLanes, spf);
+  });
   if (last)
     w_store_rows<MR>(a, p, m0, acc);
   else

@@ -142,11 +142,15 @@ inline void load_partials(Acc* acc, const Acc* buf, int64_t n, bool first) {
 // The tiles of the AVX2 kernels (16 vector registers): one row sweeps the whole panel (8
 // vectors of 8 lanes, left to the hardware prefetchers: one stream); more rows go over k-blocks
 // of `block` steps held in L1, in pairs over half panels (2 x 4 accumulators), an odd last row
-// alone.  `sweep.run<G, V>(r, b0, b1, v0, spf)` runs rows [r, r + G) over steps [b0, b1) and
-// lanes [8 v0, 8 (v0 + V)).  Prefetch: without the driver's (one row pass over the whole
-// panel) the sweeps of a block bring in the next block; with it (`pf`, several row passes over
-// a block of `run_panel`) they bring in this pass's share of the next such block, as the
-// AVX-512 kernels do; either way dealt out over all the sweeps (SweepPrefetch).
+// alone.  `sweep(Int<G>{}, Int<V>{}, r, b0, b1, v0, spf)` runs rows [r, r + G) over steps
+// [b0, b1) and lanes [8 v0, 8 (v0 + V)) (a kernel passes a generic lambda).  Prefetch:
+// without the driver's (one row pass over the whole panel) the sweeps of a block bring in the
+// next block; with it (`pf`, several row passes over a block of `run_panel`) they bring in
+// this pass's share of the next such block, as the AVX-512 kernels do; either way dealt out
+// over all the sweeps (SweepPrefetch).
+template <int N>
+using Int = std::integral_constant<int, N>;
+
 template <int MR, class Sweep>
 inline void pair_tiles(int64_t i0, int64_t i1, int64_t block, const Prefetch& pf,
                        const Sweep& sweep) {
@@ -154,7 +158,7 @@ inline void pair_tiles(int64_t i0, int64_t i1, int64_t block, const Prefetch& pf
   for (int64_t b0 = i0; b0 < i1; b0 += block) {
     const int64_t b1 = std::min(i1, b0 + block);
     if constexpr (MR == 1) {
-      sweep.template run<1, 8>(0, b0, b1, 0, SweepPrefetch{});
+      sweep(Int<1>{}, Int<8>{}, 0, b0, b1, 0, SweepPrefetch{});
     } else {
       SweepPrefetch spf{block, 1, 0, kSweeps, 0};
       if (pf.every) {
@@ -163,10 +167,11 @@ inline void pair_tiles(int64_t i0, int64_t i1, int64_t block, const Prefetch& pf
         spf.turn = (b0 - i0 + pf.phase) % pf.every;
       }
       for (int r = 0; r + 1 < MR; r += 2)
-        for (int h = 0; h < 2; ++h, ++spf.sweep) sweep.template run<2, 4>(r, b0, b1, 4 * h, spf);
+        for (int h = 0; h < 2; ++h, ++spf.sweep)
+          sweep(Int<2>{}, Int<4>{}, r, b0, b1, 4 * h, spf);
       if constexpr (MR % 2)
         for (int h = 0; h < 2; ++h, ++spf.sweep)
-          sweep.template run<1, 4>(MR - 1, b0, b1, 4 * h, spf);
+          sweep(Int<1>{}, Int<4>{}, MR - 1, b0, b1, 4 * h, spf);
     }
   }
 }

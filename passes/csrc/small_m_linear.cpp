@@ -304,17 +304,6 @@ inline void avx2_sweep(const uint16_t* w, const uint16_t* x, int64_t x_st, int64
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_rows + r * kLanes + 8 * (v0 + v), acc[r][v]);
 }
 
-struct Avx2Sweep {
-  const uint16_t* w;
-  const uint16_t* x;
-  int64_t x_st;
-  float* acc;
-  template <int G, int V>
-  void run(int r, int64_t b0, int64_t b1, int v0, const pw_panel::SweepPrefetch& pf) const {
-    avx2_sweep<G, V>(w, x + r * x_st, x_st, b0, b1, v0, acc + r * kLanes, pf);
-  }
-};
-
 template <int MR>
 void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf,
               bool first, bool last, const pw_panel::Prefetch& pf) {
@@ -323,7 +312,11 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
   const uint16_t* x = a.x + m0 * a.x_st;
   alignas(32) float acc[MR * kLanes];
   pw_panel::load_partials(acc, buf, MR * kLanes, first);
-  pw_panel::pair_tiles<MR>(i0, full, kAvx2Block, pf, Avx2Sweep{w, x, a.x_st, acc});
+  pw_panel::pair_tiles<MR>(i0, full, kAvx2Block, pf, [&](auto g, auto v, int r, int64_t b0,
+                                                           int64_t b1, int v0, const auto& spf) {
+    constexpr int G = decltype(g)::value, V = decltype(v)::value;
+    avx2_sweep<G, V>(w, x + r * a.x_st, a.x_st, b0, b1, v0, acc + r * kLanes, spf);
+  });
   if ((a.k & 1) && i1 == kp) {  // last k alone; its partner in the packed weight is zero
     const uint16_t* wi = w + (kp - 1) * 2 * kLanes;
     for (int r = 0; r < MR; ++r) {

@@ -46,15 +46,15 @@ from framework.core.ops import define_op
 from passes import int8_small_m as i8
 from passes import native_ops
 from passes.ops.activation_quant import dynamic_per_token_quant_torch
+from passes.ops.packed_linear import in_row_slices
 from passes.ops.scaled_mm import _epilogue, int8_weight_only_mm_torch
 from passes.quant_schemes import Int8DynamicPerToken, Int8WeightOnly
 
 
 def _kernel_rows(x2: Tensor, bias: Optional[Tensor], max_rows: int) -> int:
-    """Rows per kernel call for this call, 0 for torch's path: every row up to ``max_rows``;
-    more, ``max_rows`` at a time where the kernels take every row count
-    (:func:`passes.int8_small_m.takes_every_row_count`: AVX2 without VNNI)."""
-    rows = x2.shape[0]
+    """Rows per kernel call for this call (``max_rows``: one call up to it, slices past it
+    where the kernels take every row count, :func:`passes.int8_small_m.
+    takes_every_row_count`: AVX2 without VNNI), or 0 for torch's path."""
     if not (
         max_rows > 0
         and x2.dtype in i8.DTYPES
@@ -62,16 +62,7 @@ def _kernel_rows(x2: Tensor, bias: Optional[Tensor], max_rows: int) -> int:
         and i8.kernel_available()
     ):
         return 0
-    if rows <= max_rows:
-        return max(rows, 1)
-    return max_rows if i8.takes_every_row_count() else 0
-
-
-def _sliced(run, x2: Tensor, step: int) -> Tensor:
-    """``run`` over ``x2`` in slices of ``step`` rows (one call when it has no more)."""
-    if x2.shape[0] <= step:
-        return run(x2)
-    return torch.cat([run(x2[i : i + step]) for i in range(0, x2.shape[0], step)])
+    return max_rows if x2.shape[0] <= max_rows or i8.takes_every_row_count() else 0
 
 
 def int8_packed_linear_impl(
@@ -88,7 +79,7 @@ def int8_packed_linear_impl(
     x2 = x.reshape(-1, k)
     step = _kernel_rows(x2, bias, max_rows)
     if step:
-        out = _sliced(lambda xs: i8.run_packed(xs, w, w_scale, w_comp, bias, n), x2, step)
+        out = in_row_slices(lambda xs: i8.run_packed(xs, w, w_scale, w_comp, bias, n), x2, step)
     else:
         x_q = torch.empty(x2.shape, dtype=torch.int8, device=x.device)
         scales = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)
@@ -111,7 +102,7 @@ def int8_wo_packed_linear_impl(
     x2 = x.reshape(-1, k)
     step = _kernel_rows(x2, bias, max_rows)
     if step:
-        out = _sliced(lambda xs: i8.run_packed_weight_only(xs, w, w_scale, bias, n), x2, step)
+        out = in_row_slices(lambda xs: i8.run_packed_weight_only(xs, w, w_scale, bias, n), x2, step)
     else:
         out = int8_weight_only_mm_torch(x2, i8.unpack(w, n, k), w_scale.to(x.dtype), bias)
     return out.view(*x.shape[:-1], n)

@@ -45,6 +45,15 @@ from passes import small_m_linear as small_m
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def in_row_slices(run, x2: torch.Tensor, rows: int) -> torch.Tensor:
+    """``run(x2)`` with ``x2`` cut into slices of at most ``rows`` rows, the outputs stacked
+    (one call when it has no more): a small-M kernel taking a call past its ``max_rows``
+    (the packed ops, bf16 and int8, dense and experts, where torch has no fast GEMM)."""
+    if x2.shape[0] <= rows:
+        return run(x2)
+    return torch.cat([run(x2[i : i + rows]) for i in range(0, x2.shape[0], rows)])
+
+
 def mkldnn_available() -> bool:
     return onednn.available()
 
@@ -71,15 +80,8 @@ def packed_linear_cpu(
                 f"piecewise::packed_linear: bias {tuple(bias.shape)} {bias.dtype} for "
                 f"w ({n}, {k}) {w.dtype}"
             )
-        if rows <= max_rows:
-            out = small_m.run_packed(x2, w, bias, n)
-        else:  # no oneDNN view of these bytes: the kernel, max_rows rows at a time
-            out = torch.cat(
-                [
-                    small_m.run_packed(x2[i : i + max_rows], w, bias, n)
-                    for i in range(0, rows, max_rows)
-                ]
-            )
+        # past max_rows no oneDNN view of these bytes: the kernel, max_rows rows at a time
+        out = in_row_slices(lambda xs: small_m.run_packed(xs, w, bias, n), x2, max_rows)
     else:
         out = onednn.linear(x2, w, md, bias, n, k) if md is not None else None
         if out is None:

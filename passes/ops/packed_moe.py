@@ -50,21 +50,17 @@ from framework.core.ops import define_op
 from passes import native_ops
 from passes import small_m_linear as small_m
 from passes.ops.moe import combine_by_expert
+from passes.ops.packed_linear import in_row_slices
 
 NAME = "piecewise::fused_moe_packed"
 
 
 def _linear(x2: Tensor, w: Tensor, md: Optional[Tensor], n: int, k: int, max_rows: int) -> Tensor:
     """``x2 [M, k] @ W.T`` for one expert's panels ``w`` of ``W [n, k]``."""
-    rows = x2.shape[0]
-    if rows <= max_rows:
-        return small_m.run_packed(x2, w, None, n)
-    if md is None and not onednn.packs(x2.dtype):
-        # no oneDNN bf16 here (AVX2-only CPUs), and torch's bf16 GEMM has no fast path either:
-        # the kernel, max_rows rows at a time (as the dense linears there)
-        return torch.cat(
-            [small_m.run_packed(x2[i : i + max_rows], w, None, n) for i in range(0, rows, max_rows)]
-        )
+    if x2.shape[0] <= max_rows or (md is None and not onednn.packs(x2.dtype)):
+        # past max_rows with no oneDNN bf16 here (AVX2-only CPUs), where torch's bf16 GEMM has
+        # no fast path either: the kernel, max_rows rows at a time (as the dense linears there)
+        return in_row_slices(lambda xs: small_m.run_packed(xs, w, None, n), x2, max_rows)
     out = onednn.linear(x2, w, md, None, n, k) if md is not None else None
     return out if out is not None else F.linear(x2, small_m.unpack(w, n, k))
 
