@@ -35,6 +35,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 "contender": r["contender"],
                 "batches": {},
                 "start_s": [],
+                "to_first_tokens_s": [],
+                "page_cache_frac": [],
                 "warm_after_torch_s": [],
                 "rss_peak_bytes": [],
                 "rss_peak_first_batch_bytes": [],
@@ -46,6 +48,11 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         if first and first.get("rss_after"):
             s["rss_peak_first_batch_bytes"].append(first["rss_after"].get("VmHWM", 0))
         s["start_s"].append(r["start_s"])
+        if "to_first_tokens_s" in r:
+            s["to_first_tokens_s"].append(r["to_first_tokens_s"])
+        held = page_cache_frac(r)
+        if held is not None:
+            s["page_cache_frac"].append(held)
         if "warm_after_torch_s" in r:
             s["warm_after_torch_s"].append(r["warm_after_torch_s"])
         s["rss_peak_bytes"].append(r["rss_end"].get("VmHWM", 0))
@@ -63,6 +70,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             b["stats"] = _stats(b["step_ms"]) if b["step_ms"] else None
         for k in (
             "start_s",
+            "to_first_tokens_s",
+            "page_cache_frac",
             "warm_after_torch_s",
             "rss_peak_bytes",
             "rss_peak_first_batch_bytes",
@@ -71,6 +80,16 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         ):
             s[k] = _stats(s[k]) if s[k] else None
     return rows
+
+
+def page_cache_frac(run: dict[str, Any]) -> Optional[float]:
+    """The fraction of a run's weights the page cache held when it started: for the project
+    on a processed-weights cache hit, that file's (``LLM.stats``); else its weight files'
+    (the worker's ``page_cache_before_load``).  None for a file from before it was kept."""
+    stats = run.get("project_stats") or {}
+    if stats.get("weights_cache") == "hit" and stats.get("weights_page_cache_frac") is not None:
+        return stats["weights_page_cache_frac"]
+    return (run.get("page_cache_before_load") or {}).get("fraction")
 
 
 def median_step(summary: dict[str, Any], size: str, contender: str, batch: int) -> Optional[float]:
@@ -229,13 +248,17 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], rat: list, fl: dict)
             )
     lines += [
         "",
-        "| size | contender | start s (median) | peak RSS GB (median) | others' CPU |",
-        "|---|---|---|---|---|",
+        "| size | contender | start s (median) | to first 2 tokens s (median) "
+        "| weights in page cache at start [min, max] | peak RSS GB (median) | others' CPU |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in summary.values():
+        first, held = s.get("to_first_tokens_s"), s.get("page_cache_frac")
         lines.append(
             f"| {s['size']} | {s['contender']} | {s['start_s']['median']:.2f} | "
-            f"{s['rss_peak_bytes']['median'] / 1e9:.2f} | "
+            f"{_fmt(first['median'] if first else None)} | "
+            + (f"{100 * held['min']:.0f}%, {100 * held['max']:.0f}%" if held else "-")
+            + f" | {s['rss_peak_bytes']['median'] / 1e9:.2f} | "
             f"{100 * s['others_frac']['median']:.0f}% |"
         )
     if rat:

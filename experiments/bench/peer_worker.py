@@ -14,7 +14,9 @@ contender (timing its start: the library's import plus the model's load), then p
 2. ``reps`` times (alternating): a generation of ``new_tokens[1]`` and one of ``new_tokens[0]``
    new tokens from the same prompts; per step = (best long - best short) / (long - short).
 
-It reports start times, per-batch results, peak RSS (``VmHWM``) after the load and at the end,
+It reports start times (and the time to the first two tokens: a contender that maps its
+weights lazily pays their reads there), the fraction of its weight files the page cache held
+before the load, per-batch results, peak RSS (``VmHWM``) after the load and at the end,
 the page backing of its memory (``/proc/self/smaps_rollup``: anonymous huge pages, PMD-mapped
 file pages), the CPU time the machine spent elsewhere while it ran (``/proc/stat``: other
 processes' and the hypervisor's steal), and the load average.
@@ -474,6 +476,35 @@ def diagnose(runner: "ProjectRunner") -> dict[str, Any]:
     return out
 
 
+def weight_files(job: dict[str, Any]) -> list[Path]:
+    """The files a contender's load maps or reads its weights from.  The project's: the
+    checkpoint (a warm start maps its processed-weights cache instead, whose fraction
+    ``LLM.stats`` reports as ``weights_page_cache_frac``)."""
+    if job["contender"].startswith("llamacpp"):
+        return [Path(job["gguf"])] if job.get("gguf") else []
+    if job["contender"].startswith("ct2"):
+        return [Path(job["ct2_dir"]) / "model.bin"] if job.get("ct2_dir") else []
+    return sorted(Path(job["model_dir"]).glob("*.safetensors")) if job.get("model_dir") else []
+
+
+def page_cache_report(files: list[Path]) -> dict[str, Any]:
+    """What the page cache held of each file before the load (fraction of its pages) and of
+    all of them (by bytes): a contender that finds its weights on disk, not in memory, starts
+    (or, mapping lazily, runs its first tokens) at the disk's speed."""
+    from framework.core.page_cache import file_resident_fraction
+
+    out: dict[str, Any] = {"files": {}}
+    held = total = 0
+    for f in files:
+        frac = file_resident_fraction(f)
+        out["files"][f.name] = frac
+        if frac is not None:
+            size = f.stat().st_size
+            held, total = held + frac * size, total + size
+    out["fraction"] = held / total if total else None
+    return out
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     t_process = job.get("process_start")  # the launcher's time.time() before the spawn
     res: dict[str, Any] = {
@@ -485,6 +516,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         res["spawn_to_worker_s"] = time.time() - t_process
     res["affinity"] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     res["env"] = {k: os.environ[k] for k in job.get("env_keys", []) if k in os.environ}
+    if job.get("evict") and not job.get("prepare"):  # peers --evict: the start reads from disk
+        from framework.core.page_cache import evict_tree
+
+        project = job["contender"].startswith("project")
+        evict_tree(*weight_files(job), *([job["cache_dir"]] if project else []))
+    res["page_cache_before_load"] = page_cache_report(weight_files(job))
     t0 = time.perf_counter()
     if job["contender"].startswith("project") or job["contender"] == "hf_eager":
         import torch  # noqa: F401  (the import's time is reported apart)
@@ -500,7 +537,15 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         st = runner.llm.stats
         res["project_stats"] = {
             k: st.get(k)
-            for k in ("load_s", "warm_restore_s", "compile_s", "dynamo_skipped", "cache_hits")
+            for k in (
+                "load_s",
+                "warm_restore_s",
+                "compile_s",
+                "dynamo_skipped",
+                "cache_hits",
+                "weights_cache",
+                "weights_page_cache_frac",
+            )
         }
     res["rss_after_load"] = proc_status()
     res["memory_backing_after_load"] = smaps_rollup()
@@ -509,9 +554,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     try:
         for batch in job["batches"]:
             prompts = job["prompts"][str(batch)]
+            t_first = time.perf_counter()
             runner.prepare(batch)
             row: dict[str, Any] = {"batch": batch}
             runner.generate(prompts, 2)  # warm-up: first-call costs, compile-range loads
+            row["first_generate_s"] = time.perf_counter() - t_first
+            if "to_first_tokens_s" not in res:  # start + the first (2-token) generation
+                res["to_first_tokens_s"] = time.perf_counter() - t0
             toks = runner.generate(prompts, job["check_tokens"])
             row["tokens"] = toks
             ref = (job.get("reference") or {}).get(str(batch))

@@ -29,7 +29,12 @@ Method (``experiments.bench.peer_worker`` runs one contender in one fresh proces
   time at batch 1, the per-step time of the whole batch otherwise;
 - greedy decoding, ``--threads`` (2) threads, no EOS stop;
 - per contender: medians over the rounds, min, max and spread (max / min); ratios of medians;
-  start time (library import + model load, in the fresh process), peak RSS (``VmHWM``);
+  start time (library import + model load, in the fresh process), the time to the first two
+  tokens (start + the first generation: a contender that maps its weights lazily reads them
+  there), the share of its weight files the page cache held at start, peak RSS (``VmHWM``);
+- ``--evict``: each timed process first drops its contender's weight files (the project: the
+  artifact cache, processed weights included) from the page cache (``posix_fadvise``, no
+  privileges): starts that read from disk, as after the host reclaimed idle memory;
 - the machine's read bandwidth by the native probe (:mod:`experiments.bench.bandwidth`), in its own
   process; the floor of each size = the bytes a decode step must stream (every weight but
   the embedding table, at the contender's bytes per weight) / the best read bandwidth measured
@@ -102,6 +107,7 @@ SETTINGS = (
     "project_env",
     "variant",
     "llamacpp_no_extra_bufts",
+    "evict",
 )
 """What must match for a rerun to reuse an existing output file's runs."""
 
@@ -374,6 +380,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "as llama.cpp's --no-repack): llama-cpp-python 0.3.36's q8_0 fails to build its decode "
         "graph with its AMX buffers on an AMX Xeon",
     )
+    p.add_argument(
+        "--evict",
+        action="store_true",
+        help="drop each contender's weight files (the project: its artifact cache too) from the "
+        "page cache before its timed process: starts that read them from disk",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per process")
     p.add_argument("--convert-ct2", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -451,6 +463,7 @@ def main(
             "cache_dir": str(work / "artifacts"),
             "env_keys": list(ENV_KEYS),
             "llamacpp_extra_bufts": not args.llamacpp_no_extra_bufts,
+            "evict": args.evict,
         }
         jobs = {}
         for c in contenders:

@@ -2,7 +2,7 @@
 
     python -m experiments.bench.warm_start [--preset default | --shape 1.1b | --model-dir DIR]
         [--level 2] [--dtype bfloat16] [--quantization int8_per_token] [--rounds 3]
-        [--threads 2] [--warm-only] [--trees DIR [DIR ...]]
+        [--threads 2] [--warm-only] [--evict] [--trees DIR [DIR ...]]
 
 Each round: one cold start (fresh piecewise cache and fresh TORCHINDUCTOR_CACHE_DIR), then
 one warm start on that cache.  Prints each pair, the medians, the warm/cold ratio and the
@@ -14,6 +14,13 @@ starts.  ``--trees A B`` runs the same starts with ``PYTHONPATH=A`` and ``PYTHON
 checkouts: before and after a change), alternated round by round, and prints both medians and
 their ratio.  ``--shape 1.1b`` uses the TinyLlama-shape checkpoint of
 ``experiments.bench.memory`` (2.2 GB, written once under the model cache).
+
+``--evict`` drops the checkpoint, the artifact cache and Inductor's cache from the page cache
+before every warm start (``framework.core.page_cache.evict``: ``posix_fadvise(DONTNEED)``, no
+privileges needed): the start of a machine whose memory was reclaimed since the last run (a
+host's proactive reclaim, other processes' reads), which reads its files from disk.  Without it
+the files are wherever the previous start left them, usually in memory.  Each warm start
+reports the share of its mapped weights the page cache held (``weights_page_cache_frac``).
 
 Every warm start also reports where its time went (``weights_load_s``: loading, quantizing and
 re-laying the weights or mapping them from the cache; ``warm_restore_s``: the compiled
@@ -31,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from framework.core.page_cache import evict_tree
 
 WORKER = """
 import json, sys, time
@@ -54,6 +63,7 @@ print("RESULT" + json.dumps({"construct_s": t1 - t0, "import_s": t_import - t0,
       "weights_load_s": s.get("weights_load_s"), "weights_cache": s.get("weights_cache"),
       "warm_restore_s": s.get("warm_restore_s"), "load_s": s.get("load_s"),
       "compile_s": s.get("compile_s"), "weight_check_s": s.get("weight_check_s"),
+      "weights_page_cache_frac": s.get("weights_page_cache_frac"),
       "dynamo": dynamo_imported(), "compile_fx": inductor_imported("compile_fx")}))
 """
 
@@ -81,8 +91,13 @@ def run(model: str, cache: Path, inductor: Path, args: argparse.Namespace, tree:
 
 def _breakdown(r: dict) -> str:
     parts = [f"{k.removesuffix('_s')} {r[k]:.2f}" for k in PARTS if r.get(k) is not None]
+    held = r.get("weights_page_cache_frac")
     return ", ".join(parts) + (
-        f" [weights cache: {r['weights_cache']}]" if "weights_cache" in r else ""
+        f" [weights cache: {r['weights_cache']}"
+        + (f", {100 * held:.0f}% in the page cache" if held is not None else "")
+        + "]"
+        if "weights_cache" in r
+        else ""
     )
 
 
@@ -97,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warm-only", action="store_true")
+    p.add_argument("--evict", action="store_true", help="warm starts find their files on disk")
     p.add_argument("--trees", nargs="+", default=None)
     args = p.parse_args(argv)
     here = str(Path(__file__).resolve().parents[2])
@@ -130,6 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
                     c = run(model, cache, inductor, args, tree)
                     cold[tree].append(c["construct_s"])
                     outs[tree] = c["out"]
+                if args.evict:
+                    kept = evict_tree(Path(model), cache, inductor)  # bytes still held
+                    if kept:
+                        print(f"  (the page cache kept {kept / 1e6:.1f} MB of them)")
                 w = run(model, cache, inductor, args, tree)
                 assert w["out"] == outs[tree] and w["traces"] == 0 and w["compiles"] == 0, w
                 warm[tree].append(w["construct_s"])
@@ -141,7 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
     outs_same = len({json.dumps(o) for o in outs.values()}) <= 1
     result: dict = {"trees": {}}
     for i, tree in enumerate(trees):
-        res = {"warm_s": statistics.median(warm[tree]), "warm_all": warm[tree]}
+        res = {
+            "warm_s": statistics.median(warm[tree]),
+            "warm_all": warm[tree],
+            "evicted": bool(args.evict),
+        }
         if cold[tree]:
             res["cold_s"] = statistics.median(cold[tree])
             res["ratio"] = res["warm_s"] / res["cold_s"]

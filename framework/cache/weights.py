@@ -54,6 +54,7 @@ from framework.cache.files import file_sha256, is_environment_error, remove, tmp
 from framework.cache.key import compute_cache_key, source_factors, tp_factors
 from framework.cache.store import INDEX_FILE, ArtifactStore, CacheCorruptionWarning
 from framework.core.huge_pages import HUGE_PAGE, MADV_HUGEPAGE, madvise
+from framework.core.page_cache import file_resident_fraction
 
 logger = logging.getLogger(__name__)
 
@@ -350,6 +351,9 @@ class WeightCache:
         self.result = "miss"
         """``hit``, ``miss``, ``corrupt`` (found, failed verification, recomputed) or
         ``written`` after :meth:`save`."""
+        self.page_cache_frac: Optional[float] = None
+        """On a hit: the fraction of the file the page cache held when it was mapped
+        (:func:`framework.core.page_cache.file_resident_fraction`; None where unknown)."""
 
     @property
     def store(self) -> ArtifactStore:
@@ -369,6 +373,9 @@ class WeightCache:
         record = self.store.entries().get(ENTRY)
         if record is None:
             return None
+        # Before anything reads the file (its header check reads ahead): what the warm-up
+        # forward will find in memory rather than on disk.
+        self.page_cache_frac = file_resident_fraction(self.path)
         try:
             problem = self._problem(record)
         except (OSError, WeightFileError) as e:

@@ -38,8 +38,11 @@ class StartupStats:
     weights_cache: str = "off"
     """The processed-weights cache: ``hit`` (mapped), ``written`` (computed and saved),
     ``miss`` (computed, not saved), ``corrupt`` (a bad file dropped), ``uncacheable``, ``off``."""
+    weights_page_cache_frac: Optional[float] = None
+    """On a ``hit``: the fraction of the mapped file the page cache held at start.  Below 1,
+    the warm-up forward (``compile_s``) reads the rest from disk."""
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         """The keys ``LLM.stats`` has always reported (``compile_s`` only when it ran)."""
         out: dict[str, float] = {"load_s": self.load_s}
         if self.compile_s is not None:
@@ -50,6 +53,8 @@ class StartupStats:
         out["weight_check_s"] = self.weight_check_s
         out["weights_load_s"] = self.weights_load_s
         out["weights_cache"] = self.weights_cache
+        if self.weights_page_cache_frac is not None:
+            out["weights_page_cache_frac"] = self.weights_page_cache_frac
         return out
 
 

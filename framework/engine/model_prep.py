@@ -212,6 +212,8 @@ class PreparedModel:
     (nothing was quantized or re-laid out: not cached, the checkpoint itself is mapped)."""
     weights_path: Optional[str] = None
     load_s: float = 0.0
+    page_cache_frac: Optional[float] = None
+    """On a hit: the fraction of the mapped file the page cache held (None where unknown)."""
 
 
 def prepare_model(
@@ -324,7 +326,13 @@ def _restore(cache, got, model_dir, dtype, quantization, strict) -> Optional[Pre
     quantized = (qc, qc.compute_hash(), layers) if qc is not None else (None, None, None)
     logger.info("processed weights mapped from %s", cache.path)
     return PreparedModel(
-        model, model_config, quantized, list(meta["packed_layers"]), "hit", str(cache.path)
+        model,
+        model_config,
+        quantized,
+        list(meta["packed_layers"]),
+        "hit",
+        str(cache.path),
+        page_cache_frac=cache.page_cache_frac,
     )
 
 

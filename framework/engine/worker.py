@@ -207,6 +207,7 @@ class Worker:
         self.startup.weight_check_s = self.model.weight_check.check_s
         self.startup.weights_load_s = prepared.load_s
         self.startup.weights_cache = prepared.weights_cache
+        self.startup.weights_page_cache_frac = prepared.page_cache_frac
         self.weights_path = prepared.weights_path
         """The processed-weights file the model's tensors are mapped from (or were saved to)."""
         self.quant_config, quant_hash, self.quantized_layers = prepared.quantized

@@ -75,6 +75,20 @@ def test_exact_contender_with_other_tokens_is_reported_not_timed(monkeypatch):
     assert not prep["timed"] and prep["tokens"] == [list(range(6))]
 
 
+def test_evict_drops_the_weight_files_before_the_load(monkeypatch, tmp_path):
+    """``peers --evict``: the worker drops its contender's files from the page cache first
+    and records what the page cache held of them (its load is then the disk's)."""
+    monkeypatch.setattr(peers, "build_runner", lambda job: _FakeRunner())
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"\1" * (1 << 20))
+    kept = peers.run_job(_job("llamacpp_bf16", None, gguf=str(gguf), reps=0))
+    assert kept["page_cache_before_load"] == {"files": {"model.gguf": 1.0}, "fraction": 1.0}
+    res = peers.run_job(_job("llamacpp_bf16", None, gguf=str(gguf), reps=0, evict=True))
+    if res["page_cache_before_load"]["fraction"] != 0.0:
+        pytest.skip(f"{tmp_path}: this filesystem keeps pages after DONTNEED")
+    assert res["to_first_tokens_s"] >= res["start_s"] > 0
+
+
 def test_a_late_bf16_divergence_is_timed_and_reported_per_sequence(monkeypatch):
     """Two correct bf16 engines part where near-tied logits meet rounding: the median sequence
     decides (a misconfigured engine parts on every sequence within a step or two)."""
@@ -324,6 +338,10 @@ def test_real_peer_matches_the_projects_tokens(tmp_path, llama_checkpoint, peer)
             assert row["tokens_match"], (b, row["tokens"], data["reference"]["tiny"][b])
         assert row["timed"] and row["step_ms"] > 0
     assert torch.tensor(run["batches"]["3"]["tokens"]).shape == (3, 8)
+    # its weight files' share in the page cache before the load, and the time to first tokens
+    held = run["page_cache_before_load"]
+    assert held["files"] and 0.0 <= held["fraction"] <= 1.0
+    assert run["to_first_tokens_s"] > run["start_s"]
 
 
 def test_a_variant_runs_the_project_with_its_environment(tmp_path, llama_checkpoint):

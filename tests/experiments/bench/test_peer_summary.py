@@ -92,6 +92,30 @@ def test_ratios_within_each_round_beside_the_ratio_of_medians(data):
     assert "| tiny | 1 | project bf16 vs llama.cpp bf16 | 1.00x | 0.90x [0.82, 1.50] |" in md
 
 
+def test_start_reports_first_tokens_and_the_page_cache_share(data):
+    """The project's share is its mapped weights file's (``LLM.stats``) on a cache hit, else
+    its weight files' as the worker measured them; runs from before either was kept count
+    as absent, not as 0."""
+    for run in data["runs"]:
+        if run["round"] == 2 or run["contender"] == "project_bf16@head":
+            continue  # a run from before these were kept
+        peer = run["contender"] == "llamacpp_bf16"
+        run["to_first_tokens_s"] = run["start_s"] + 0.5
+        held = 0.5 + 0.25 * run["round"] if peer else 0.0
+        run["page_cache_before_load"] = {"files": {"w": held}, "fraction": held}
+        if not peer and run["round"] == 1:  # a hit: the mapped cache file's share counts
+            run["project_stats"] = {"weights_cache": "hit", "weights_page_cache_frac": 1.0}
+    summary = peer_summary.summarize(data)
+    ours, peer = summary["tiny/project_bf16"], summary["tiny/llamacpp_bf16"]
+    assert ours["to_first_tokens_s"]["all"] == [1.5, 2.5]
+    assert ours["page_cache_frac"]["all"] == [0.0, 1.0]
+    assert peer["page_cache_frac"]["all"] == [0.5, 0.75]
+    assert summary["tiny/project_bf16@head"]["page_cache_frac"] is None
+    text = peer_summary.markdown(data, summary, [], {})
+    assert "| tiny | project_bf16 | 2.00 | 2.00 | 0%, 100% |" in text
+    assert "| tiny | project_bf16@head | 2.00 | - | - |" in text
+
+
 def test_untimed_batches_have_no_stats_and_say_why(data):
     data["runs"].append(_run("llamacpp_q8_0", 0, {1: 1.0}, timed=False))
     summary = peer_summary.summarize(data)

@@ -24,6 +24,7 @@ from framework.cache.module_state import NotCacheable, describe, restore, snapsh
 from framework.cache.store import CacheCorruptionWarning, CacheWriteWarning
 from framework.cache.weights import map_safetensors, read_header, write_safetensors
 from framework.core.config import CompilationConfig, KernelConfig
+from framework.core.page_cache import evict
 from framework.engine.model_prep import prepare_model
 from models.loader import build_model
 from passes.registry import level_passes
@@ -90,6 +91,23 @@ def test_second_preparation_maps_the_file_the_first_wrote(ckpt, tmp_path, quant)
         assert len([k for k in f.keys() if not k.startswith("__pad")]) == len(
             {id(t) for t in tensors_of(second.model).values()}
         )
+
+
+def test_a_hit_reports_how_much_of_the_file_the_page_cache_held(ckpt, tmp_path):
+    """Measured before the mapping is touched: 0 after the file was evicted (the warm-up will
+    read it from disk), 1 once a start has touched every page."""
+    config = config_for(tmp_path / "cache")
+    first = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)
+    assert first.weights_cache == "written" and first.page_cache_frac is None
+    evict(first.weights_path)
+    evicted = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)
+    assert evicted.weights_cache == "hit"
+    if evicted.page_cache_frac != 0.0:
+        pytest.skip(f"{tmp_path}: this filesystem keeps pages after DONTNEED")
+    for t in tensors_of(evicted.model).values():  # what a warm-up forward does
+        t.float().sum()
+    touched = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)
+    assert touched.weights_cache == "hit" and touched.page_cache_frac == 1.0
 
 
 def test_changed_checkpoint_quantization_or_kernel_config_is_another_entry(ckpt, tmp_path):

@@ -49,6 +49,8 @@ def _check_warm(ckpt, compile_cache_dir, dtype, quantization=None):
     want = cold.generate(PROMPTS, NEW, ignore_eos=True)
     warm = _llm(ckpt, compile_cache_dir, dtype, quantization)
     assert warm.stats["weights_cache"] == "hit"
+    assert warm.stats["weights_page_cache_frac"] == 1.0  # the cold start just wrote it
+    assert "weights_page_cache_frac" not in cold.stats
     assert warm.stats["dynamo_traces"] == 0 and warm.stats["compile_compiles"] == 0
     assert warm.weights_path == cold.weights_path
     tensors = list(warm.model.parameters()) + list(warm.model.buffers())
