@@ -22,7 +22,7 @@ import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -159,14 +159,26 @@ def process_weights(
     return packed
 
 
+@runtime_checkable
+class RowIndependence(Protocol):
+    """What a re-laid layer's method says of its calls: ``rows_independent(module)`` is True
+    where every call, whatever its row count, computes each row with bits that do not depend
+    on the rows beside it (the small-M kernels at every row count: bf16 and int8 linears,
+    stacked experts; :class:`PackedLinearMethod`, :class:`PackedInt8LinearMethod`,
+    :class:`PackedExpertsMethod`)."""
+
+    def rows_independent(self, module: torch.nn.Module) -> bool: ...
+
+
 def rows_independent(model: torch.nn.Module, packed: list[str]) -> bool:
-    """Every re-laid layer in ``packed`` computes each row with bits that do not depend on
-    the rows beside it, at any row count (:meth:`PackedLinearMethod.rows_independent`): then
-    a step of any size gives a row the bits a decode step gives it."""
+    """Every re-laid layer in ``packed`` (linears' ``linear_method``, stacked experts'
+    ``moe_method``) computes each row with bits that do not depend on the rows beside it,
+    at any row count (:class:`RowIndependence`): then a step of any size gives a row the bits
+    a decode step gives it."""
     for name in packed:
         module = model.get_submodule(name)
-        method = getattr(module, "linear_method", None)
-        if not (isinstance(method, PackedLinearMethod) and method.rows_independent(module)):
+        method = getattr(module, "linear_method", None) or getattr(module, "moe_method", None)
+        if not (isinstance(method, RowIndependence) and method.rows_independent(module)):
             return False
     return bool(packed)
 

@@ -177,6 +177,17 @@ class PackedInt8LinearMethod:
             and isinstance(getattr(layer, "weight_scale", None), torch.Tensor)
         )
 
+    def rows_independent(self, layer: nn.Module) -> bool:
+        """Every call of ``layer`` runs the kernel, past ``max_rows`` in slices (where the
+        kernels take every row count: AVX2 without VNNI), and the activations are quantized
+        per row (W8A8) or not at all: a row's bits never depend on the rows beside it."""
+        bias = getattr(layer, "bias", None)
+        return (
+            self.max_rows > 0
+            and i8.takes_every_row_count()
+            and (bias is None or bias.dtype in i8.DTYPES)
+        )
+
     def process(self, layer: nn.Module) -> bool:
         """Re-lay ``layer.weight`` once; the layer then holds only the packed tensor, fp32
         ``weight_scale [N]`` and (W8A8) ``weight_comp [N]``.  False (layer unchanged) where the

@@ -165,6 +165,17 @@ class PackedExpertsMethod:
             and small_m.kernel_available()
         )
 
+    def rows_independent(self, experts: nn.Module) -> bool:
+        """Every expert group runs the kernel, past ``max_rows`` in slices (no oneDNN view of
+        either stack, none of this dtype here: AVX2-only CPUs), and a token's top-k outputs
+        are summed in expert order: a row's bits never depend on the rows beside it."""
+        return (
+            self.max_rows > 0
+            and getattr(experts, "w13_md", None) is None
+            and getattr(experts, "w2_md", None) is None
+            and not onednn.packs(experts.w13.dtype)
+        )
+
     def process(self, experts: nn.Module, layouts: Optional[dict] = None) -> None:
         """Re-lay ``experts.w13`` and ``experts.w2`` once; the module then holds only the
         packed stacks (and ``w13_md`` / ``w2_md``).  At most two copies of one stack exist at

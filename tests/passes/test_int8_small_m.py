@@ -292,8 +292,15 @@ def test_where_torch_has_no_fast_int8_gemm_larger_calls_run_the_kernel_in_slices
     """Where the kernels take every row count (AVX2 without VNNI, pinned here) a call past
     max_rows runs the kernel max_rows rows at a time and never unpacks the weight: W8A8 gives
     the unpacked scheme's bits, and in both schemes every row what it gives alone."""
-    monkeypatch.setattr(i8, "takes_every_row_count", lambda: True)
+    from framework.engine.model_prep import rows_independent
+
     plain, layer = _layer(scheme, 96, 64, True, max_rows=16)
+    monkeypatch.setattr(i8, "takes_every_row_count", lambda: False)  # VNNI: torch past max_rows
+    assert not layer.linear_method.rows_independent(layer)
+    monkeypatch.setattr(i8, "takes_every_row_count", lambda: True)
+    # so the engine lets a step with drafts grow past max_rows (draft_rows_limit None)
+    assert layer.linear_method.rows_independent(layer)
+    assert rows_independent(torch.nn.Sequential(layer), ["0"])
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3)).to(BF16)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
     expected = plain(x)

@@ -62,11 +62,16 @@ def test_without_onednn_bf16_large_groups_run_the_kernel_in_slices(monkeypatch):
     runs the small-M kernel max_rows rows at a time, never unpacking an expert: each token
     then gets the bits it gets in a decode step alone."""
     from framework.compat import onednn
+    from framework.engine.model_prep import rows_independent
 
     x, weights, ids, w13, w2 = make(40, 6, 2, 72, seed=7)
     m = packed(w13, w2, 4)
     alone = torch.cat([m(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(40)])
+    where_onednn_packs = m.moe_method.rows_independent(m)
+    assert where_onednn_packs is (not onednn.packs(torch.bfloat16))  # AVX2: True; else False
     monkeypatch.setattr(onednn, "packs", lambda dtype: False)
+    # so the engine lets a step with drafts grow past max_rows (draft_rows_limit None)
+    assert m.moe_method.rows_independent(m) and rows_independent(torch.nn.Sequential(m), ["0"])
     monkeypatch.setattr(small_m, "unpack", lambda *a: pytest.fail("an expert was unpacked"))
     rows, real = [], small_m.run_packed
     monkeypatch.setattr(small_m, "run_packed", lambda x2, *a: rows.append(len(x2)) or real(x2, *a))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from framework import LLM, SamplingParams
+from framework import LLM, CompilationConfig, SamplingParams
 from framework.engine.kv_cache import KVCacheSpec
 from models.config import ModelConfig
 
@@ -76,6 +76,30 @@ def test_greedy_tokens_identical_with_ngram_at_o2(tiny_checkpoint, family, compi
     llm, _ = check_identical(tiny_checkpoint(family), level=2, cache=compile_cache_dir)
     assert all(s % (1 + K) == 0 for s in llm.config.cudagraph_capture_sizes)
     assert all(s % (1 + K) == 0 for s in llm.config.compile_sizes)
+
+
+@pytest.mark.slow(reason="two int8 O2 builds of the tiny model, 10-40 s")
+def test_int8_verify_steps_past_the_kernels_max_rows_keep_greedy_tokens(
+    llama_checkpoint, compile_cache_dir
+):
+    """int8 linears with a small-M limit of 4 rows, verify steps of up to 4 x (1 + K) rows:
+    where the int8 kernels take every row count (AVX2 without VNNI) a row's bits do not depend
+    on the step's size, so steps with drafts are not held to 4 rows (``draft_rows_limit``
+    None); elsewhere they are.  Either way the greedy tokens are the plain engine's."""
+    from passes.int8_small_m import takes_every_row_count
+
+    cc = CompilationConfig(kernel_config={"int8_small_m_max_rows": 4}, progress_bar=False)
+    llm, _ = check_identical(
+        llama_checkpoint,
+        level=2,
+        cache=compile_cache_dir,
+        quantization="int8_per_token",
+        compilation_config=cc,
+        dtype="bfloat16",  # (an fp32 LM head is oneDNN's at every row count: a limit anyway)
+    )
+    methods = [getattr(m, "linear_method", None) for m in llm.model.modules()]
+    assert any(type(m).__name__ == "PackedInt8LinearMethod" for m in methods)
+    assert llm.scheduler.draft_rows_limit == (None if takes_every_row_count() else 4)
 
 
 def test_greedy_identical_with_prefix_caching(llama_checkpoint):
