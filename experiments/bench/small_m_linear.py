@@ -141,6 +141,28 @@ def _copies(bytes_per_copy: int, sweep_bytes: int) -> int:
     return max(2, -(-sweep_bytes // bytes_per_copy))
 
 
+def _random_weight(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """One seeded bf16 ``[n, k]`` weight of a benchmark's own (not an engine's)."""
+    return (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+
+
+def _int8_weights(n: int, k: int, copies: int, g: torch.Generator) -> list[tuple]:
+    """``copies`` random weights quantized per channel as ``int8_per_token`` does, each as
+    ``(w_q, scale, packed, fp32 scale [n], compensation)``: what torch's int8 paths and the
+    kernels (any revision's) take."""
+    from framework.core.quantization import QuantizationConfig
+    from passes import int8_small_m as i8
+    from passes.quant_schemes import quantize_weight
+
+    spec = QuantizationConfig.parse("int8_per_token").spec_for("layer")
+    out = []
+    for _ in range(copies):
+        w_q, scale = quantize_weight(_random_weight(n, k, g), spec.weight)
+        s = scale.reshape(-1).float().contiguous()
+        out.append((w_q, scale, i8.pack(w_q), s, i8.compensation(w_q)))
+    return out
+
+
 def _bf16_impls(n: int, k: int, copies: int, g: torch.Generator) -> dict[str, tuple]:
     from framework.compat import onednn as compat_onednn
     from passes import small_m_linear as small_m
@@ -148,8 +170,8 @@ def _bf16_impls(n: int, k: int, copies: int, g: torch.Generator) -> dict[str, tu
     ops = torch.ops.piecewise
     with_onednn = "oneDNN" in family_spec("bf16")[0]
     plain, panels, onednn = [], [], []
-    for _ in range(copies):  # this benchmark's own copies, not an engine's
-        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    for _ in range(copies):
+        w = _random_weight(n, k, g)
         plain.append(w)
         panels.append(small_m.pack(w))
         if with_onednn:
@@ -169,20 +191,10 @@ def _bf16_impls(n: int, k: int, copies: int, g: torch.Generator) -> dict[str, tu
 
 
 def _int8_impls(n: int, k: int, copies: int, g: torch.Generator, weight_only: bool) -> dict:
-    from framework.core.quantization import QuantizationConfig
-    from passes import int8_small_m as i8
     from passes.ops.scaled_mm import int8_weight_only_mm_torch
-    from passes.quant_schemes import quantize_weight
 
     ops = torch.ops.piecewise
-    spec = QuantizationConfig.parse("int8_per_token").spec_for("layer")
-    q = []
-    for _ in range(copies):
-        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
-        w_q, scale = quantize_weight(w, spec.weight)
-        s = scale.reshape(-1).float().contiguous()
-        q.append((w_q, scale, i8.pack(w_q), s, i8.compensation(w_q)))
-        del w
+    q = _int8_weights(n, k, copies, g)
     nbytes = n * k
     if weight_only:
         s_bf16 = [s.bfloat16() for _, _, _, s, _ in q]
@@ -233,20 +245,9 @@ def _ab_impls(
     current = {"bf16": small_m.load_library(), "int8": i8.load_library()}
     lib_key = "bf16" if family == "bf16" else "int8"
     if family == "bf16":
-        ws = [
-            small_m.pack((torch.randn(n, k, generator=g) * 0.05).bfloat16()) for _ in range(copies)
-        ]
+        ws = [small_m.pack(_random_weight(n, k, g)) for _ in range(copies)]
     else:
-        from framework.core.quantization import QuantizationConfig
-        from passes.quant_schemes import quantize_weight
-
-        spec = QuantizationConfig.parse("int8_per_token").spec_for("layer")
-        ws = []
-        for _ in range(copies):
-            w_q, scale = quantize_weight(
-                (torch.randn(n, k, generator=g) * 0.05).bfloat16(), spec.weight
-            )
-            ws.append((i8.pack(w_q), scale.reshape(-1).float().contiguous(), i8.compensation(w_q)))
+        ws = [(p, s, c) for _, _, p, s, c in _int8_weights(n, k, copies, g)]
 
     def make(lib: ctypes.CDLL, outs: dict) -> Callable:
         def call(x, i):
