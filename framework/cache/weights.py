@@ -54,7 +54,7 @@ from framework.cache.files import file_sha256, is_environment_error, remove, tmp
 from framework.cache.key import compute_cache_key, source_factors, tp_factors
 from framework.cache.store import INDEX_FILE, ArtifactStore, CacheCorruptionWarning
 from framework.core.huge_pages import HUGE_PAGE, MADV_HUGEPAGE, madvise
-from framework.core.page_cache import file_resident_fraction
+from framework.core.page_cache import file_resident_fraction, read_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -374,8 +374,12 @@ class WeightCache:
         if record is None:
             return None
         # Before anything reads the file (its header check reads ahead): what the warm-up
-        # forward will find in memory rather than on disk.
+        # forward will find in memory rather than on disk.  Where some of it is on disk, a
+        # thread reads it in front to back meanwhile (at the disk's sequential rate: the
+        # forward's faults alone, two threads in layer order, read at about half of it).
         self.page_cache_frac = file_resident_fraction(self.path)
+        if self.page_cache_frac is not None and self.page_cache_frac < 1.0:
+            read_ahead(self.path)
         try:
             problem = self._problem(record)
         except (OSError, WeightFileError) as e:

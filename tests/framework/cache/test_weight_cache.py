@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import struct
+import time
 import warnings
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from framework.cache.module_state import NotCacheable, describe, restore, snapsh
 from framework.cache.store import CacheCorruptionWarning, CacheWriteWarning
 from framework.cache.weights import map_safetensors, read_header, write_safetensors
 from framework.core.config import CompilationConfig, KernelConfig
-from framework.core.page_cache import evict
+from framework.core.page_cache import evict, file_resident_fraction
 from framework.engine.model_prep import prepare_model
 from models.loader import build_model
 from passes.registry import level_passes
@@ -94,8 +95,8 @@ def test_second_preparation_maps_the_file_the_first_wrote(ckpt, tmp_path, quant)
 
 
 def test_a_hit_reports_how_much_of_the_file_the_page_cache_held(ckpt, tmp_path):
-    """Measured before the mapping is touched: 0 after the file was evicted (the warm-up will
-    read it from disk), 1 once a start has touched every page."""
+    """Measured before the mapping is touched: 0 after the file was evicted (then a thread
+    reads it back in while the start goes on), 1 once a start has touched every page."""
     config = config_for(tmp_path / "cache")
     first = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)
     assert first.weights_cache == "written" and first.page_cache_frac is None
@@ -104,6 +105,13 @@ def test_a_hit_reports_how_much_of_the_file_the_page_cache_held(ckpt, tmp_path):
     assert evicted.weights_cache == "hit"
     if evicted.page_cache_frac != 0.0:
         pytest.skip(f"{tmp_path}: this filesystem keeps pages after DONTNEED")
+    # Nothing touched the mapping, yet a thread reads the file in (front to back, while the
+    # start goes on): the warm-up forward then finds it in memory.
+    deadline = time.monotonic() + 30
+    while file_resident_fraction(evicted.weights_path) < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert file_resident_fraction(evicted.weights_path) == 1.0
+    evict(first.weights_path)
     for t in tensors_of(evicted.model).values():  # what a warm-up forward does
         t.float().sum()
     touched = prepare_model(str(ckpt), torch.bfloat16, "cpu", None, config)

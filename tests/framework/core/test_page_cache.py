@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ from framework.core.page_cache import (
     evict,
     evict_tree,
     file_resident_fraction,
+    read_ahead,
     resident_fraction,
 )
 
@@ -90,3 +92,19 @@ def test_evict_tree_drops_every_file_under_folders_and_named_files(tmp_path):
     if kept:
         pytest.skip(f"{tmp_path}: this filesystem keeps pages after DONTNEED")
     assert [file_resident_fraction(f) for f in (a, deep, b, c)] == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_read_ahead_brings_the_whole_file_in_on_a_thread(data_file):
+    """Chunk by chunk (small chunks here: every one a separate request), so the whole file
+    is read, not only the first window the kernel reads ahead per call."""
+    if not _evicted(data_file):
+        pytest.skip(f"{data_file.parent}: this filesystem keeps pages after DONTNEED")
+    thread = read_ahead(data_file, chunk=4 * PAGE)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and thread.daemon
+    # the requests are queued; a page counts once its read has completed
+    deadline = time.monotonic() + 30
+    while file_resident_fraction(data_file) < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert file_resident_fraction(data_file) == 1.0
+    read_ahead(data_file.parent / "absent.bin").join(timeout=30)  # nothing to read: no error
