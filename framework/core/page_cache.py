@@ -13,8 +13,9 @@ fraction for every contender's weight files.  Where the file is not all there,
 disk's sequential rate rather than the warm-up's faults' (the 1.1B warm start from disk: median
 1.98 s against 2.70 s, ``experiments/bench/results/warm_start_1.1b_read_ahead_2026-12-07.txt``).
 
-Both functions return None where the answer is unknown (not Linux, a file that cannot be
-mapped, a refused call): an instrument, never a reason to fail a start.
+The fractions are None where the answer is unknown (not Linux, a file that cannot be mapped,
+a refused call), and the read-ahead gives up quietly: instruments and hints, never a reason
+to fail a start.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def evict(path: str | Path) -> Optional[float]:
     ``posix_fadvise(DONTNEED)``: no privileges needed; pages some process maps stay) and
     return the fraction still held, as :func:`file_resident_fraction` does.  For measuring a
     start that finds its files on disk (``--evict`` of ``experiments.bench.warm_start`` and
-    ``experiments.bench.peers``).  Some
-    filesystems (tmpfs) hold files only in the page cache and keep them."""
+    ``experiments.bench.peers``).  Some filesystems (tmpfs) hold files only in the page cache
+    and keep them."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -44,7 +44,7 @@ class StartupStats:
 
     def as_dict(self) -> dict[str, Any]:
         """The keys ``LLM.stats`` has always reported (``compile_s`` only when it ran)."""
-        out: dict[str, float] = {"load_s": self.load_s}
+        out: dict[str, Any] = {"load_s": self.load_s}
         if self.compile_s is not None:
             out["compile_s"] = self.compile_s
         out["captures"] = self.captures
