@@ -372,8 +372,8 @@ void qpanel(const QArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, int32
   alignas(32) int32_t acc[MR * kLanes];
   pw_panel::load_partials(acc, buf, MR * kLanes, first);
   const uint8_t* u = a.u + m0 * ust;
-  pw_panel::pair_tiles<MR>(i0, i1, kI8Avx2Block, pf, [&](auto g, auto v, int r, int64_t b0,
-                                                         int64_t b1, int v0, const auto& spf) {
+  pw_panel::pair_tiles<MR>(i0, i1, i1, kI8Avx2Block, pf, [&](auto g, auto v, int r, int64_t b0,
+                                                             int64_t b1, int v0, const auto& spf) {
     constexpr int G = decltype(g)::value, V = decltype(v)::value;
     qsweep<G, V>(w, u + r * ust, ust, b0, b1, v0, acc + r * kLanes, spf);
   });
@@ -541,8 +541,8 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
   alignas(32) float acc[MR * kLanes];
   pw_panel::load_partials(acc, buf, MR * kLanes, first);
   const float* x = a.x + m0 * xst;
-  pw_panel::pair_tiles<MR>(i0, i1, kI8Avx2Block, pf, [&](auto g, auto v, int r, int64_t b0,
-                                                         int64_t b1, int v0, const auto& spf) {
+  pw_panel::pair_tiles<MR>(i0, i1, i1, kI8Avx2Block, pf, [&](auto g, auto v, int r, int64_t b0,
+                                                             int64_t b1, int v0, const auto& spf) {
     constexpr int G = decltype(g)::value, V = decltype(v)::value;
     wsweep<G, V>(w, x + r * xst, xst, b0, b1, v0, acc + r * kLanes, spf);
   });

@@ -147,12 +147,15 @@ inline void load_partials(Acc* acc, const Acc* buf, int64_t n, bool first) {
 // without the driver's (one row pass over the whole panel) the sweeps of a block bring in the
 // next block; with it (`pf`, several row passes over a block of `run_panel`) they bring in
 // this pass's share of the next such block, as the AVX-512 kernels do; either way dealt out
-// over all the sweeps (SweepPrefetch).
+// over all the sweeps (SweepPrefetch).  `next`: the step, counted from the panel's first, at
+// which the bytes that follow [i0, i1) in memory begin -- i1, or past it where the kernel adds
+// steps of its own after the sweeps (the bf16 kernel's odd last k) -- so that the last block's
+// prefetches land on the next block's first bytes, not one step past them.
 template <int N>
 using Int = std::integral_constant<int, N>;
 
 template <int MR, class Sweep>
-inline void pair_tiles(int64_t i0, int64_t i1, int64_t block, const Prefetch& pf,
+inline void pair_tiles(int64_t i0, int64_t i1, int64_t next, int64_t block, const Prefetch& pf,
                        const Sweep& sweep) {
   constexpr int kSweeps = 2 * ((MR + 1) / 2);
   for (int64_t b0 = i0; b0 < i1; b0 += block) {
@@ -160,9 +163,10 @@ inline void pair_tiles(int64_t i0, int64_t i1, int64_t block, const Prefetch& pf
     if constexpr (MR == 1) {
       sweep(Int<1>{}, Int<8>{}, 0, b0, b1, 0, SweepPrefetch{});
     } else {
-      SweepPrefetch spf{block, 1, 0, kSweeps, 0};
+      // step i of this block prefetches step i + delta: the block after it in memory
+      SweepPrefetch spf{(b1 < i1 ? b1 : next) - b0, 1, 0, kSweeps, 0};
       if (pf.every) {
-        spf.delta = i1 - i0;
+        spf.delta = next - i0;
         spf.every = pf.every;
         spf.turn = (b0 - i0 + pf.phase) % pf.every;
       }

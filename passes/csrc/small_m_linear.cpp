@@ -326,11 +326,13 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
   const uint16_t* x = a.x + m0 * a.x_st;
   alignas(32) float acc[MR * kLanes];
   pw_panel::load_partials(acc, buf, MR * kLanes, first);
-  pw_panel::pair_tiles<MR>(i0, full, kAvx2Block, pf, [&](auto g, auto v, int r, int64_t b0,
-                                                           int64_t b1, int v0, const auto& spf) {
-    constexpr int G = decltype(g)::value, V = decltype(v)::value;
-    avx2_sweep<G, V>(w, x + r * a.x_st, a.x_st, b0, b1, v0, acc + r * kLanes, spf);
-  });
+  // the sweeps stop at the last whole k-pair; the bytes after this range start at i1
+  pw_panel::pair_tiles<MR>(
+      i0, full, i1, kAvx2Block, pf,
+      [&](auto g, auto v, int r, int64_t b0, int64_t b1, int v0, const auto& spf) {
+        constexpr int G = decltype(g)::value, V = decltype(v)::value;
+        avx2_sweep<G, V>(w, x + r * a.x_st, a.x_st, b0, b1, v0, acc + r * kLanes, spf);
+      });
   if ((a.k & 1) && i1 == kp) odd_k_tail<MR>(a, w, x, acc);
   if (last)
     store_rows<MR>(a, p, m0, acc);
