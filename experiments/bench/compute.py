@@ -8,7 +8,11 @@ per product).  It is the best a tuned GEMM library reaches on this machine, not 
 data-sheet peak: a kernel could beat it only by being better tuned than oneDNN at its best
 shape.  A step's compute floor is its matmul FLOPs divided by that rate
 (:func:`matmul_flops`); a step that also must stream its weights is bound by the larger of
-the two floors.
+the two floors.  :func:`step_matmul_peak` is the rate a step in a 16-bit float dtype can count
+on: the faster of ``torch.mm`` in that dtype and in float32 (a bf16 or fp16 product widened to
+float32 is exact, and that is how the project's AVX2 kernels compute: on a CPU without
+AVX512-BF16 or AMX torch's bf16 ``mm`` runs a reference loop, 1.3 GFLOP/s on the AVX2 EPYC of
+2026-12-07, which made a floor of 317 ms for a 6.6 ms verify step).
 
     python -m experiments.bench.compute [--dtype bfloat16] [--threads 2]
 """
@@ -62,6 +66,21 @@ def matmul_peak(
         "threads": torch.get_num_threads(),
         "rows": rows,
     }
+
+
+def step_matmul_peak(
+    dtype: str | torch.dtype = "bfloat16",
+    shapes: Sequence[tuple[int, int, int]] = SHAPES,
+    repeats: int = 5,
+) -> dict[str, Any]:
+    """:func:`matmul_peak` of the faster of ``dtype`` and float32 when ``dtype`` is a 16-bit
+    float (its products are exact in float32), else of ``dtype``; ``"candidates"`` holds each
+    dtype's best GFLOP/s and ``"dtype"`` the one that won."""
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    tried = [dt] + ([torch.float32] if dt in (torch.bfloat16, torch.float16) else [])
+    peaks = [matmul_peak(d, shapes=shapes, repeats=repeats) for d in tried]
+    best = max(peaks, key=lambda p: p["best_gflops"])
+    return {**best, "candidates": {p["dtype"]: p["best_gflops"] for p in peaks}}
 
 
 def _seconds(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from experiments.bench.compute import compute_floor_ms, matmul_flops, matmul_peak
+from experiments.bench.compute import compute_floor_ms, matmul_flops, step_matmul_peak
 from experiments.bench.profile_step import step_bytes
 from framework import LLM
 from framework.engine.request import Request, ScheduledChunk
@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
     )
     result: dict = {"k": args.k, "context": args.context, "dtype": args.dtype, "batches": {}}
     result["clock"] = args.clock
-    peak = matmul_peak(llm.dtype) if llm.dtype.is_floating_point else None
+    peak = step_matmul_peak(llm.dtype) if llm.dtype.is_floating_point else None
     result["matmul_peak"] = peak
     weights = weight_elements(llm)
     for b in args.batch:

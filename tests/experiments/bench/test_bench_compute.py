@@ -1,6 +1,7 @@
 """The matmul-rate probe and the compute floor the verify bench divides by: the probe reports
-the best of its rows, bad arguments are refused, and a tiny model's weight count is its
-linears and LM head from its config (the embedding table left out)."""
+the best of its rows, a 16-bit step takes the faster of its dtype and float32, bad arguments
+are refused, and a tiny model's weight count is its linears and LM head from its config (the
+embedding table left out)."""
 
 import pytest
 import torch
@@ -16,6 +17,29 @@ def test_matmul_peak_is_the_best_of_its_rows():
     assert got["best_gflops"] == max(r["best_gflops"] for r in got["rows"]) > 0
     assert got["dtype"] == "float32" and got["threads"] == torch.get_num_threads()
     assert compute.matmul_peak("bfloat16", shapes=shapes[:1], repeats=1)["dtype"] == "bfloat16"
+
+
+def test_a_16_bit_step_counts_on_the_faster_of_its_dtype_and_float32(monkeypatch):
+    """Where torch's bf16 mm is a reference loop (an AVX2 CPU) the floor comes from fp32, which
+    computes the same products exactly; where bf16 is faster (AMX) from bf16; an fp32 step
+    times fp32 alone."""
+    rates = {"bfloat16": 1.3, "float32": 150.0}
+    timed = []
+
+    def fake_peak(dtype, shapes=compute.SHAPES, repeats=5):
+        name = str(dtype).removeprefix("torch.")
+        timed.append(name)
+        return {"best_gflops": rates[name], "dtype": name, "threads": 2, "rows": []}
+
+    monkeypatch.setattr(compute, "matmul_peak", fake_peak)
+    got = compute.step_matmul_peak("bfloat16")
+    assert (got["dtype"], got["best_gflops"]) == ("float32", 150.0)
+    assert got["candidates"] == {"bfloat16": 1.3, "float32": 150.0}
+    rates["bfloat16"] = 1800.0
+    assert compute.step_matmul_peak(torch.bfloat16)["dtype"] == "bfloat16"
+    timed.clear()
+    assert compute.step_matmul_peak(torch.float32)["candidates"] == {"float32": 150.0}
+    assert timed == ["float32"]
 
 
 def test_bad_arguments_are_refused():
