@@ -3,7 +3,8 @@ contender, alternated window by window, beside what the machine gave at the same
 
     python -m experiments.bench.drift [--size 1.1b | --model-dir DIR]
         [--contenders project_bf16 llamacpp_bf16] [--windows 24] [--new-tokens 8 40]
-        [--threads 2] [--variant NAME=KEY=VALUE[,KEY=VALUE...]] [--out FILE.json]
+        [--threads 2] [--variant NAME=KEY=VALUE[,KEY=VALUE...]] [--tree NAME=PATH]
+        [--out FILE.json]
 
 The peers bench times every contender in fresh processes and finds the project's 1.1B b1
 step spread over them (max / min of 4: 1.17-1.39 on the VMs measured) where llama.cpp's stays
@@ -28,7 +29,9 @@ bench; for the project its own step timer's median too.  The machine's load per 
 ``--variant bind=OMP_PROC_BIND=true,OMP_PLACES=cores`` adds a second project process, started
 with those environment variables, to the alternation (``project_bf16@bind``): an A/B of a
 process-level setting that the machine's drift cannot bias, since both processes see the
-same minutes.
+same minutes.  ``--tree block=/path/to/worktree`` does the same for a source tree (a ``git
+worktree`` of another revision or of a change under test): its process runs that tree's
+code, kernels included (``project_bf16@block``), against this tree's in alternate windows.
 
 Reported: each series' median, min, max and spread (max / min) over the windows (with the
 project's step over its floor at the read rate probed right after it: streamed bytes / that
@@ -134,8 +137,16 @@ def serve(job: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------- the driver
 class Worker:
-    def __init__(self, job: dict[str, Any], threads: int, env_extra: dict[str, str]):
+    def __init__(
+        self,
+        job: dict[str, Any],
+        threads: int,
+        env_extra: dict[str, str],
+        tree: Optional[str] = None,
+    ):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), **env_extra)
+        if tree:  # the tree's packages first (python -m puts the working directory first)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
         self.name = job.get("name", job["contender"])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "experiments.bench.drift", "--serve", json.dumps(job)],
@@ -143,6 +154,7 @@ class Worker:
             stdout=subprocess.PIPE,
             text=True,
             env=env,
+            cwd=tree,
         )
         self.ready = self._read()
 
@@ -262,6 +274,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         metavar="NAME=KEY=VALUE[,KEY=VALUE]",
         help="one more project_bf16 process with these environment variables (repeatable)",
     )
+    p.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="one more project_bf16 process running the source tree at PATH (repeatable)",
+    )
     p.add_argument("--cache-dir", help="the project's artifact cache (default: WORK_DIR/artifacts)")
     p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "piecewise" / "peers"))
     p.add_argument("--out", help="JSON results file")
@@ -290,29 +309,36 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "level": 2,
         "cache_dir": args.cache_dir or str(work / "artifacts"),
     }
-    plan: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+    plan: list[tuple[str, dict[str, Any], dict[str, str], Optional[str]]] = []
     for c in args.contenders:
-        plan.append((c, dict(base, contender=c), {}))
+        plan.append((c, dict(base, contender=c), {}, None))
     for spec in args.variant:
         name, _, assignments = spec.partition("=")
         env = dict(kv.split("=", 1) for kv in assignments.split(",") if "=" in kv)
         if not name or not env:
             p.error(f"--variant: expected NAME=KEY=VALUE[,KEY=VALUE], got {spec!r}")
         c = f"project_bf16@{name}"
-        plan.append((c, dict(base, contender="project_bf16", name=c), env))
+        plan.append((c, dict(base, contender="project_bf16", name=c), env, None))
+    for spec in args.tree:
+        name, _, path = spec.partition("=")
+        if not name or not (Path(path) / "experiments" / "bench" / "drift.py").is_file():
+            p.error(f"--tree: expected NAME=PATH to a source tree with this bench, got {spec!r}")
+        c = f"project_bf16@{name}"
+        plan.append((c, dict(base, contender="project_bf16", name=c), {}, str(Path(path).resolve())))
     workers: dict[str, Worker] = {}
     data: dict[str, Any] = {
         "settings": {k: v for k, v in vars(args).items() if k != "serve"},
-        "env": {c: env for c, _, env in plan},
+        "env": {c: env for c, _, env, _ in plan},
+        "trees": {c: tree for c, _, _, tree in plan if tree},
         "streamed_bytes": peers.streamed_bytes(folder),
         "windows": [],
     }
     try:
-        for c, job, env in plan:
+        for c, job, env, tree in plan:
             if c.startswith("llamacpp"):
                 job["gguf"] = str(peers.ensure_gguf(folder, c.split("_", 1)[1], work))
             log(f"drift: starting {c}")
-            workers[c] = Worker(job, args.threads, env)
+            workers[c] = Worker(job, args.threads, env, tree)
             data.setdefault("load_s", {})[c] = workers[c].ready.get("load_s")
         for i in range(args.windows):
             row: dict[str, Any] = {"t": time.time()}
