@@ -35,7 +35,9 @@ code, kernels included (``project_bf16@block``), against this tree's in alternat
 
 Reported: each series' median, min, max and spread (max / min) over the windows (with the
 project's step over its floor at the read rate probed right after it: streamed bytes / that
-rate), and the Pearson correlation over the windows of the project's streaming rate (streamed bytes / step)
+rate), for every process after the first its step time over the first's window by window
+(median, min, max, and in how many windows it was faster: the A/B statistic), and the
+Pearson correlation over the windows of the project's streaming rate (streamed bytes / step)
 with its weights' read rate, with the compute rate, and with llama.cpp's step rate.  Reading:
 a spread inside one long-lived process as large as the one between fresh processes, moving
 with the weights' read rate, is the machine's memory bandwidth over time, not the process; a
@@ -200,6 +202,14 @@ def summarize(windows: list[dict[str, Any]], streamed: dict[str, int]) -> dict[s
     for name in names:
         steps = [w[name]["step_ms"] for w in windows]
         out["series"][f"{name} step ms"] = spread(steps)
+    first = names[0] if names else None
+    for other in names[1:]:  # paired by window: the A/B statistic (both saw the same minutes)
+        ratios = [w[other]["step_ms"] / w[first]["step_ms"] for w in windows]
+        out.setdefault("paired", {})[f"{other} / {first}"] = {
+            **spread(ratios),
+            "faster_windows": sum(r < 1 for r in ratios),
+            "windows": len(ratios),
+        }
     probes = [w["probe"] for w in windows if "probe" in w]
     if probes:
         out["series"]["weights read GB/s"] = spread([p["weights_read_gb_s"] for p in probes])
@@ -247,6 +257,17 @@ def markdown(data: dict[str, Any]) -> str:
             f"| {name} | {r['median']:.2f} | {r['min']:.2f} | {r['max']:.2f} | "
             f"{r['spread']:.3f} |"
         )
+    if s.get("paired"):
+        lines += [
+            "",
+            "| paired per window: step time ratio | median | min | max | windows faster |",
+            "|---|---|---|---|---|",
+        ]
+        for name, r in s["paired"].items():
+            lines.append(
+                f"| {name} | {r['median']:.3f} | {r['min']:.3f} | {r['max']:.3f} | "
+                f"{r['faster_windows']} of {r['windows']} |"
+            )
     if s["correlations"]:
         lines += ["", "| correlation over the windows | Pearson r |", "|---|---|"]
         for name, r in s["correlations"].items():

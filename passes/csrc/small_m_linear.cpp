@@ -344,21 +344,33 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
 // one_row_streams; microbenchmark on the AVX2 Zen 3, 2 threads, 2 MB pages, medians of 150:
 // four streams in chunks of two k-pairs 1.08x one stream at 32000 x 512, 1.06x at 1024 x 512,
 // 1.07x at 2816 x 512; one stream cut into chunks alone is 2% slower).  Bits as panel_pf<1>.
+// A thread's share of more than kM1BlockBytes runs as blocks of about that size, the streams
+// inside each block: four streams spread over a whole share lie megabytes apart (an LM head's
+// 16 MB share: 4 MB), and streams that far apart read slower on the same machine (a 32000 x
+// 512 weight, 2 threads: 24 -> 29-33 GB/s with blocks of 1-8 MB, the same with the streams
+// interleaved panel by panel; the kernel: 1.17-1.24x at 32000 x 512 and 32000 x 2048,
+// 1.07-1.08x at 11264 x 2048, shares under a block unchanged:
+// experiments/bench/results/small_m_avx2_blocks_2026-12-07.txt).
 constexpr int kM1Streams = 4;
 constexpr int64_t kM1Chunk = 2;
+constexpr int64_t kM1BlockBytes = int64_t(2) << 20;
 
 void run_share_m1(const Args& a, int64_t b, int64_t e) {
   const int64_t kp = (a.k + 1) / 2;
-  pw_panel::one_row_streams<float, kM1Streams>(
-      b, e, a.k / 2, kM1Chunk,
-      [&](int64_t p, int64_t i0, int64_t i1, float* acc) {
-        avx2_sweep<1, 8>(a.w + p * kp * 2 * kLanes, a.x, a.x_st, i0, i1, 0, acc,
-                         pw_panel::SweepPrefetch{});
-      },
-      [&](int64_t p, float* acc) {
-        if (a.k & 1) odd_k_tail<1>(a, a.w + p * kp * 2 * kLanes, a.x, acc);
-        store_rows<1>(a, p, 0, acc);
-      });
+  const int64_t panel_bytes = kp * 2 * kLanes * int64_t(sizeof(uint16_t));
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min((e - b) / kM1Streams, (e - b) * panel_bytes / kM1BlockBytes));
+  for (int64_t q = 0; q < blocks; ++q)
+    pw_panel::one_row_streams<float, kM1Streams>(
+        b + (e - b) * q / blocks, b + (e - b) * (q + 1) / blocks, a.k / 2, kM1Chunk,
+        [&](int64_t p, int64_t i0, int64_t i1, float* acc) {
+          avx2_sweep<1, 8>(a.w + p * kp * 2 * kLanes, a.x, a.x_st, i0, i1, 0, acc,
+                           pw_panel::SweepPrefetch{});
+        },
+        [&](int64_t p, float* acc) {
+          if (a.k & 1) odd_k_tail<1>(a, a.w + p * kp * 2 * kLanes, a.x, acc);
+          store_rows<1>(a, p, 0, acc);
+        });
 }
 
 #else  // portable: the same packed layout, plain loops

@@ -91,14 +91,17 @@ def test_each_row_is_what_the_row_alone_gives(n, k):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
-    "n,k", [(320, 99), (453, 333), (2 * 64, 64), (32000, 512), (65, 3), (192, 1), (1408, 1025)]
+    "n,k",
+    [(320, 99), (453, 333), (2 * 64, 64), (32000, 512), (65, 3), (192, 1), (1408, 1025)]
+    + [(4800, 1025)],
 )
 def test_one_row_over_two_panels_at_once_gives_the_rows_bits(n, k, threads):
     """M = 1 reads several panels side by side (AVX-512: two a thread; AVX2: four parts of a
     thread's share, two k-pairs at a time); each output keeps its order, so the row is bit
     for bit what the same row gives beside another (M = 2, one pass of two rows over one
     panel at a time).  Panel counts even and odd per thread, fewer panels than streams (1, 2
-    and 3 panels), K odd and K = 1 (no whole k-pair), bias, the LM head."""
+    and 3 panels), K odd and K = 1 (no whole k-pair), bias, the LM head; on AVX2 shares over
+    2 MB run in blocks (32000 x 512: 8 or 16 blocks; 4800 x 1025: 2 or 4 of 18-19 panels)."""
     x, w, b = make(2, n, k, True, seed=5)
     packed = small_m.pack(w)
     before = torch.get_num_threads()
