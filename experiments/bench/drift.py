@@ -234,9 +234,7 @@ def summarize(windows: list[dict[str, Any]], streamed: dict[str, int]) -> dict[s
                         rate, o
                     )
                     continue
-                out["correlations"][f"{other} step rate ~ weights read rate"] = correlation(
-                    o, read
-                )
+                out["correlations"][f"{other} step rate ~ weights read rate"] = correlation(o, read)
                 out["correlations"][f"{other} step rate ~ compute rate"] = correlation(o, comp)
                 out["correlations"][f"{project} step rate ~ {other} step rate"] = correlation(
                     rate, o
@@ -254,8 +252,7 @@ def markdown(data: dict[str, Any]) -> str:
     ]
     for name, r in s["series"].items():
         lines.append(
-            f"| {name} | {r['median']:.2f} | {r['min']:.2f} | {r['max']:.2f} | "
-            f"{r['spread']:.3f} |"
+            f"| {name} | {r['median']:.2f} | {r['min']:.2f} | {r['max']:.2f} | {r['spread']:.3f} |"
         )
     if s.get("paired"):
         lines += [
@@ -345,7 +342,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if not name or not (Path(path) / "experiments" / "bench" / "drift.py").is_file():
             p.error(f"--tree: expected NAME=PATH to a source tree with this bench, got {spec!r}")
         c = f"project_bf16@{name}"
-        plan.append((c, dict(base, contender="project_bf16", name=c), {}, str(Path(path).resolve())))
+        job = dict(base, contender="project_bf16", name=c)
+        plan.append((c, job, {}, str(Path(path).resolve())))
     workers: dict[str, Worker] = {}
     data: dict[str, Any] = {
         "settings": {k: v for k, v in vars(args).items() if k != "serve"},

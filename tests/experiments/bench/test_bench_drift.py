@@ -39,8 +39,13 @@ def test_summary_spreads_and_correlations():
     paired = out["paired"]["project_bf16@b / project_bf16"]
     assert paired["median"] == pytest.approx((60 / 50 + 61 / 80) / 2)  # ratios 0.6 .. 1.5
     assert (paired["faster_windows"], paired["windows"]) == (2, 4)
-    md = drift.markdown({"settings": {"size": "t", "threads": 1, "new_tokens": [2, 4]},
-                         "windows": windows, "summary": out})
+    md = drift.markdown(
+        {
+            "settings": {"size": "t", "threads": 1, "new_tokens": [2, 4]},
+            "windows": windows,
+            "summary": out,
+        }
+    )
     assert "| project_bf16 step ms | 65.00 | 40.00 | 100.00 | 2.500 |" in md
     assert "| project_bf16@b / project_bf16 | 0.981 | 0.600 | 1.500 | 2 of 4 |" in md
 
