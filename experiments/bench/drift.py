@@ -300,7 +300,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         help="one more project_bf16 process running the source tree at PATH (repeatable)",
     )
     p.add_argument("--cache-dir", help="the project's artifact cache (default: WORK_DIR/artifacts)")
-    p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "piecewise" / "peers"))
+    p.add_argument(
+        "--work-dir", help="the peers bench's models, GGUF files, artifacts (default: its own)"
+    )
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
     if args.serve:
@@ -314,7 +316,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         p.error(f"--new-tokens: need 0 < SHORT < LONG, got {short} {long_}")
     folder = Path(args.model_dir) if args.model_dir else peers.model_dir(args.size)
     config = json.loads((folder / "config.json").read_text())
-    work = Path(args.work_dir)
+    if args.work_dir:
+        work = Path(args.work_dir)
+    else:  # the peers bench's work folder, so both share the GGUF files and the artifacts
+        from models.tiny import default_cache_root
+
+        work = default_cache_root().parent / "peers"
     base = {
         "size": args.size,
         "model_dir": str(folder),
