@@ -89,10 +89,17 @@ def _probe(runner: Any, threads: int) -> dict[str, float]:
     model = runner.llm.model
     tensors = list(model.parameters()) + list(model.buffers())
     row = bandwidth.read_tensors(tensors, threads=threads, repeats=3, method="plain")
+    from experiments.bench.process_facts import smaps_rollup
+
+    backing = smaps_rollup()
     return {
         "weights_read_gb_s": row["best_gb_s"],
         "weights_read_bytes": row["bytes"],
         "compute_gflop_s": _compute_rate(threads),
+        # how much of the process's memory is in 2 MB pages just then (khugepaged collapses
+        # mappings over minutes; a fresh process may start with few)
+        "file_pmd_mapped_mb": backing.get("FilePmdMapped", 0) / 2**20,
+        "anon_huge_mb": backing.get("AnonHugePages", 0) / 2**20,
     }
 
 

@@ -68,5 +68,6 @@ def test_windows_alternate_two_project_processes(llama_checkpoint, compile_cache
         for name in ("project_bf16", "project_bf16@one"):
             assert w[name]["tokens_same"] and w[name]["step_ms"] > 0
         assert w["probe"]["weights_read_gb_s"] > 0 and w["probe"]["compute_gflop_s"] > 0
+        assert w["probe"]["file_pmd_mapped_mb"] >= 0 and w["probe"]["anon_huge_mb"] >= 0
     assert out["summary"]["series"]["project_bf16@one step ms"]["spread"] >= 1.0
     assert (tmp_path / "d.json").exists()
