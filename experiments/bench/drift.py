@@ -187,12 +187,15 @@ class Worker:
         self.proc.wait(timeout=120)
 
 
-def spread(values: list[float]) -> dict[str, float]:
+def spread(values: list[float]) -> dict[str, Optional[float]]:
+    """Median, min, max and max / min (None where a value is not positive: a window whose
+    t(long) - t(short) the machine's noise outweighed, possible with few new tokens)."""
+    lo = min(values)
     return {
         "median": statistics.median(values),
-        "min": min(values),
+        "min": lo,
         "max": max(values),
-        "spread": max(values) / min(values),
+        "spread": max(values) / lo if lo > 0 else None,
     }
 
 
@@ -258,9 +261,8 @@ def markdown(data: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in s["series"].items():
-        lines.append(
-            f"| {name} | {r['median']:.2f} | {r['min']:.2f} | {r['max']:.2f} | {r['spread']:.3f} |"
-        )
+        ratio = "-" if r["spread"] is None else f"{r['spread']:.3f}"
+        lines.append(f"| {name} | {r['median']:.2f} | {r['min']:.2f} | {r['max']:.2f} | {ratio} |")
     if s.get("paired"):
         lines += [
             "",
