@@ -85,12 +85,11 @@ def _compute_rate(threads: int, reps: int = 200) -> float:
 
 def _probe(runner: Any, threads: int) -> dict[str, float]:
     from experiments.bench import bandwidth
+    from experiments.bench.process_facts import smaps_rollup
 
     model = runner.llm.model
     tensors = list(model.parameters()) + list(model.buffers())
     row = bandwidth.read_tensors(tensors, threads=threads, repeats=3, method="plain")
-    from experiments.bench.process_facts import smaps_rollup
-
     backing = smaps_rollup()
     return {
         "weights_read_gb_s": row["best_gb_s"],
@@ -266,7 +265,7 @@ def markdown(data: dict[str, Any]) -> str:
     if s.get("paired"):
         lines += [
             "",
-            "| paired per window: step time ratio | median | min | max | windows faster |",
+            "| paired per window: step time ratio | median | min | max | numerator faster in |",
             "|---|---|---|---|---|",
         ]
         for name, r in s["paired"].items():

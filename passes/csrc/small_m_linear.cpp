@@ -348,8 +348,8 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
 // inside each block: four streams spread over a whole share lie megabytes apart (an LM head's
 // 16 MB share: 4 MB), and streams that far apart read slower on the same machine (a 32000 x
 // 512 weight, 2 threads: 24 -> 29-33 GB/s with blocks of 1-8 MB, the same with the streams
-// interleaved panel by panel; the kernel: 1.17-1.24x at 32000 x 512 and 32000 x 2048,
-// 1.07-1.08x at 11264 x 2048, shares under a block unchanged:
+// interleaved panel by panel; the kernel: 1.17-1.24x at 32000 x 512 and 32000 x 2048 in three
+// runs, the other shapes within the runs' +-10% noise, shares under a block unchanged:
 // experiments/bench/results/small_m_avx2_blocks_2026-12-07.txt).
 constexpr int kM1Streams = 4;
 constexpr int64_t kM1Chunk = 2;
