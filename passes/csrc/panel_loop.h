@@ -141,8 +141,9 @@ inline void load_partials(Acc* acc, const Acc* buf, int64_t n, bool first) {
 
 // The tiles of the AVX2 kernels (16 vector registers): one row sweeps the whole panel (8
 // vectors of 8 lanes, left to the hardware prefetchers: one stream); more rows go over k-blocks
-// of `block` steps held in L1, in pairs over half panels (2 x 4 accumulators), an odd last row
-// alone.  `sweep(Int<G>{}, Int<V>{}, r, b0, b1, v0, spf)` runs rows [r, r + G) over steps
+// of `block` steps held in L1, in register tiles of G rows x V vectors (`row_tiles`; the int8
+// kernels' `pair_tiles`: pairs over half panels, 2 x 4 accumulators, an odd last row alone).
+// `sweep(Int<G>{}, Int<V>{}, r, b0, b1, v0, spf)` runs rows [r, r + G) over steps
 // [b0, b1) and lanes [8 v0, 8 (v0 + V)) (a kernel passes a generic lambda).  Prefetch:
 // without the driver's (one row pass over the whole panel) the sweeps of a block bring in the
 // next block; with it (`pf`, several row passes over a block of `run_panel`) they bring in
@@ -154,10 +155,28 @@ inline void load_partials(Acc* acc, const Acc* buf, int64_t n, bool first) {
 template <int N>
 using Int = std::integral_constant<int, N>;
 
-template <int MR, class Sweep>
-inline void pair_tiles(int64_t i0, int64_t i1, int64_t next, int64_t block, const Prefetch& pf,
-                       const Sweep& sweep) {
-  constexpr int kSweeps = 2 * ((MR + 1) / 2);
+// The sweeps of one k-block in the order `row_tiles` runs them: rows in groups of G (the last
+// group the rows left), each group over the panel's 8 vectors in runs of V (the last run the
+// vectors left), the lane runs inner.
+template <int MR, int G, int V, int R = 0, int V0 = 0, class Sweep>
+inline void tile_sweeps(int64_t b0, int64_t b1, SweepPrefetch& spf, const Sweep& sweep) {
+  if constexpr (R < MR) {
+    constexpr int g = G < MR - R ? G : MR - R, v = V < 8 - V0 ? V : 8 - V0;
+    sweep(Int<g>{}, Int<v>{}, R, b0, b1, V0, spf);
+    ++spf.sweep;
+    if constexpr (V0 + v < 8)
+      tile_sweeps<MR, G, V, R, V0 + v>(b0, b1, spf, sweep);
+    else
+      tile_sweeps<MR, G, V, R + g, 0>(b0, b1, spf, sweep);
+  }
+}
+
+// MR rows over k-steps [i0, i1) in tiles of G rows x V vectors (G x V accumulators), k-block
+// by k-block; one row alone sweeps the whole panel with no prefetch of its own.
+template <int MR, int G, int V, class Sweep>
+inline void row_tiles(int64_t i0, int64_t i1, int64_t next, int64_t block, const Prefetch& pf,
+                      const Sweep& sweep) {
+  constexpr int kSweeps = ((MR + G - 1) / G) * ((8 + V - 1) / V);
   for (int64_t b0 = i0; b0 < i1; b0 += block) {
     const int64_t b1 = std::min(i1, b0 + block);
     if constexpr (MR == 1) {
@@ -170,14 +189,16 @@ inline void pair_tiles(int64_t i0, int64_t i1, int64_t next, int64_t block, cons
         spf.every = pf.every;
         spf.turn = (b0 - i0 + pf.phase) % pf.every;
       }
-      for (int r = 0; r + 1 < MR; r += 2)
-        for (int h = 0; h < 2; ++h, ++spf.sweep)
-          sweep(Int<2>{}, Int<4>{}, r, b0, b1, 4 * h, spf);
-      if constexpr (MR % 2)
-        for (int h = 0; h < 2; ++h, ++spf.sweep)
-          sweep(Int<1>{}, Int<4>{}, MR - 1, b0, b1, 4 * h, spf);
+      tile_sweeps<MR, G, V>(b0, b1, spf, sweep);
     }
   }
+}
+
+// Rows in pairs over half panels (2 x 4 accumulators), an odd last row alone (the int8 kernels).
+template <int MR, class Sweep>
+inline void pair_tiles(int64_t i0, int64_t i1, int64_t next, int64_t block, const Prefetch& pf,
+                       const Sweep& sweep) {
+  row_tiles<MR, 2, 4>(i0, i1, next, block, pf, sweep);
 }
 
 // One row (a batch-1 decode step) over panels [b, e) of 64 outputs, for a kernel whose single-row

@@ -66,6 +66,7 @@ struct Args {
   int64_t out_st;
   int64_t n;
   int64_t k;
+  const float* xf = nullptr;  // AVX2, two rows or more: x widened to fp32 (row stride k)
 };
 
 // The epilogue of the panels whose partial sums end in memory (AVX2, portable): rows
@@ -261,10 +262,11 @@ inline void run_share(const Args& a, int64_t b, int64_t e) {
 // W[j][2i+1]) as two bf16, so one 256-bit load is 8 outputs' k-pair, widened exactly to fp32
 // by a shift (even k) and a mask (odd k); each output takes two FMAs per k-pair, even k first.
 // Sixteen ymm registers: one row sweeps the whole 64-lane panel (8 accumulators); more rows go
-// in groups of two over half panels (2 x 4 accumulators), over k-blocks of kAvx2Block pairs
-// (16 KB) that stay in L1 while every group and half runs over them, the partial sums waiting
-// in `acc` (on the stack); the sweeps of a block share out the prefetch of the weight bytes
-// that come next (csrc/panel_loop.h, pair_tiles).  Each output sees the same operations in the
+// in register tiles (kTileG / kTileV below: pairs over half panels, or 4-5 rows over quarter
+// panels on x widened once per call), over k-blocks of kAvx2Block pairs (16 KB) that stay in
+// L1 while every tile runs over them, the partial sums waiting in `acc` (on the stack); the
+// sweeps of a block share out the prefetch of the weight bytes that come next
+// (csrc/panel_loop.h, row_tiles).  Each output sees the same operations in the
 // same order whatever MR, the grouping or the blocking, so a row's bits never depend on the
 // rows beside it.
 constexpr int64_t kAvx2Block = 64;
@@ -305,6 +307,69 @@ inline void avx2_sweep(const uint16_t* w, const uint16_t* x, int64_t x_st, int64
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_rows + r * kLanes + 8 * (v0 + v), acc[r][v]);
 }
 
+// Rows [r0, r0 + G) over k-pairs [i0, i1), lanes [8 v0, 8 (v0 + V)), x already widened (xf, row
+// stride xf_st): the V weight vectors of a k-pair are widened once for all G rows, and each
+// x[r][k] is one broadcast load (the bf16-x sweep above widens the pair per row).  The same
+// FMAs in the same order.  The loops over rows and vectors are unrolled before GCC's scalar
+// replacement runs (`GCC unroll`), else it leaves the accumulators in memory for tiles of
+// four rows or more and stores every one of them on every k-pair.
+template <int G, int V>
+inline void avx2_sweep_f(const uint16_t* w, const float* xf, int64_t xf_st, int64_t i0,
+                         int64_t i1, int v0, float* acc_rows, const pw_panel::SweepPrefetch& spf) {
+  pw_panel::SweepPrefetcher pf(spf, w, 2 * kLanes * sizeof(uint16_t));
+  __m256 acc[G][V];
+  _Pragma("GCC unroll 8") for (int r = 0; r < G; ++r)
+    _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
+      acc[r][v] = _mm256_loadu_ps(acc_rows + r * kLanes + 8 * (v0 + v));
+  const __m256i hi = _mm256_set1_epi32(int32_t(0xffff0000u));
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint16_t* wi = w + i * 2 * kLanes + 16 * v0;
+    const float* xi = xf + 2 * i;
+    pf.at(i);
+    __m256 w0[V], w1[V];
+    _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + 16 * v));
+      w0[v] = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+      w1[v] = _mm256_castsi256_ps(_mm256_and_si256(wv, hi));
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < G; ++r) {
+      const __m256 x0 = _mm256_broadcast_ss(xi + r * xf_st);
+      _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
+        acc[r][v] = _mm256_fmadd_ps(x0, w0[v], acc[r][v]);
+      const __m256 x1 = _mm256_broadcast_ss(xi + r * xf_st + 1);
+      _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
+        acc[r][v] = _mm256_fmadd_ps(x1, w1[v], acc[r][v]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < G; ++r)
+    _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
+      _mm256_storeu_ps(acc_rows + r * kLanes + 8 * (v0 + v), acc[r][v]);
+}
+
+// x[0, k) widened to fp32 (exact: a bf16 is the top half of its float).
+inline void widen_row(const uint16_t* x, int64_t k, float* out) {
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + j));
+    const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+    _mm256_storeu_ps(out + j, _mm256_castsi256_ps(wide));
+  }
+  for (; j < k; ++j) out[j] = bf16_to_f32(x[j]);
+}
+
+// The register tile of a pass of MR rows (index MR): whether it runs on x widened to fp32
+// (avx2_sweep_f), and its G rows x V vectors.  Passes of 4 and 5 rows take every row at once
+// over quarter panels on widened x (4 x 2 and 5 x 2 accumulators, the weight widened once for
+// all rows); 2, 3 and 6 rows keep the pairs over half panels: a 2- or 3-row wide tile holds too
+// few accumulators for the FMA latency and a 6-row one (12 + 4 widened weights) spills.
+// `small_m_linear --baseline 4dcb724 --kernels bf16 --models tiny --rows 2 3 4 5 6 8`, AVX2
+// Zen 3, three runs: M = 5 1.10x, 1.12x, 1.10x (geometric mean over the five shapes), M = 4
+// 1.03-1.06x; wide tiles at 2, 3 and 6 rows measured 0.67-1.06x
+// (experiments/bench/results/small_m_avx2_wide_tiles_2026-12-07.txt).
+constexpr bool kTileWide[kMaxRows + 1] = {false, false, false, false, true, true, false};
+constexpr int kTileG[kMaxRows + 1] = {1, 1, 2, 2, 4, 5, 2};
+constexpr int kTileV[kMaxRows + 1] = {8, 8, 4, 4, 2, 2, 4};
+
 // The last k of an odd K alone (its partner in the packed weight is zero), for MR rows of the
 // panel at w (kp k-pairs): the final operation of every output.
 template <int MR>
@@ -327,11 +392,14 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
   alignas(32) float acc[MR * kLanes];
   pw_panel::load_partials(acc, buf, MR * kLanes, first);
   // the sweeps stop at the last whole k-pair; the bytes after this range start at i1
-  pw_panel::pair_tiles<MR>(
+  pw_panel::row_tiles<MR, kTileG[MR], kTileV[MR]>(
       i0, full, i1, kAvx2Block, pf,
       [&](auto g, auto v, int r, int64_t b0, int64_t b1, int v0, const auto& spf) {
         constexpr int G = decltype(g)::value, V = decltype(v)::value;
-        avx2_sweep<G, V>(w, x + r * a.x_st, a.x_st, b0, b1, v0, acc + r * kLanes, spf);
+        if constexpr (kTileWide[MR])  // run_share widened x for every pass of two rows or more
+          avx2_sweep_f<G, V>(w, a.xf + (m0 + r) * a.k, a.k, b0, b1, v0, acc + r * kLanes, spf);
+        else
+          avx2_sweep<G, V>(w, x + r * a.x_st, a.x_st, b0, b1, v0, acc + r * kLanes, spf);
       });
   if ((a.k & 1) && i1 == kp) odd_k_tail<MR>(a, w, x, acc);
   if (last)
@@ -406,16 +474,6 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
 
 #endif
 
-// The pass without prefetching (the signature callers of this file have used).
-template <int MR>
-void panel(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float* buf, bool first,
-           bool last) {
-  panel_pf<MR>(a, p, m0, i0, i1, buf, first, last, pw_panel::Prefetch{});
-}
-
-using PanelFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, float*, bool, bool);
-constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,   panel<1>, panel<2>, panel<3>,
-                                           panel<4>, panel<5>, panel<6>};
 using PanelPfFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, float*, bool, bool,
                            const pw_panel::Prefetch&);
 constexpr PanelPfFn kPanelsPf[kMaxRows + 1] = {nullptr,      panel_pf<1>, panel_pf<2>,
@@ -451,6 +509,19 @@ void run_share(const Args& a, int64_t b, int64_t e) {
     run_share_m1(a, b, e);
     return;
   }
+  // this thread's copy of x widened to fp32 (exact) where a pass takes a wide tile, the
+  // buffer kept for the thread's next calls
+  Args wide = a;
+  const pw_panel::RowPasses rp(a.m);
+  if (kTileWide[rp.rows(0)] || kTileWide[rp.rows(rp.passes - 1)]) {
+    thread_local std::vector<float> xf;
+    xf.resize(static_cast<size_t>(a.m * a.k));
+    for (int64_t r = 0; r < a.m; ++r) widen_row(a.x + r * a.x_st, a.k, xf.data() + r * a.k);
+    wide.xf = xf.data();
+  }
+  const Args& pass = wide;
+#else
+  const Args& pass = a;
 #endif
 #if defined(PW_AVX512BF16)
   if (a.m == 1) {
@@ -461,7 +532,7 @@ void run_share(const Args& a, int64_t b, int64_t e) {
   }
 #endif
   std::vector<float> buf;
-  for (int64_t p = b; p < e; ++p) run_panel(a, p, buf);
+  for (int64_t p = b; p < e; ++p) run_panel(pass, p, buf);
 }
 
 // The greedy epilogue's output: per row, the column of the first maximum of the stored (bf16)
