@@ -12,7 +12,8 @@ the two floors.  :func:`step_matmul_peak` is the rate a step in a 16-bit float d
 on: the faster of ``torch.mm`` in that dtype and in float32 (a bf16 or fp16 product widened to
 float32 is exact, and that is how the project's AVX2 kernels compute: on a CPU without
 AVX512-BF16 or AMX torch's bf16 ``mm`` runs a reference loop, 1.3 GFLOP/s on the AVX2 EPYC of
-2026-12-07, which made a floor of 317 ms for a 6.6 ms verify step).
+2026-12-07, which made a floor of 317 ms for a 6.6 ms verify step; one small product screens
+it out before the full run, which took minutes there).
 
     python -m experiments.bench.compute [--dtype bfloat16] [--threads 2]
 """
@@ -68,6 +69,14 @@ def matmul_peak(
     }
 
 
+SCREEN: tuple[int, int, int] = (128, 512, 512)
+"""(M, K, N) of the one product that screens a 16-bit dtype before its full run."""
+SCREEN_RATIO = 4.0
+"""A 16-bit dtype whose screen runs under float32's best rate / SCREEN_RATIO is not timed
+further: a reference loop (torch's bf16 ``mm`` without AVX512-BF16 or AMX: 1.3 GFLOP/s
+against float32's 150-170 on the AVX2 EPYC) took minutes over :data:`SHAPES` and cannot win."""
+
+
 def step_matmul_peak(
     dtype: str | torch.dtype = "bfloat16",
     shapes: Sequence[tuple[int, int, int]] = SHAPES,
@@ -75,12 +84,24 @@ def step_matmul_peak(
 ) -> dict[str, Any]:
     """:func:`matmul_peak` of the faster of ``dtype`` and float32 when ``dtype`` is a 16-bit
     float (its products are exact in float32), else of ``dtype``; ``"candidates"`` holds each
-    dtype's best GFLOP/s and ``"dtype"`` the one that won."""
+    dtype's best GFLOP/s and ``"dtype"`` the one that won.  float32 runs first; the 16-bit
+    dtype then times :data:`SCREEN` once, and only a screen within :data:`SCREEN_RATIO` of
+    float32's rate goes on to ``shapes`` (``"screened"``: the dtypes stopped at the screen)."""
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    tried = [dt] + ([torch.float32] if dt in (torch.bfloat16, torch.float16) else [])
-    peaks = [matmul_peak(d, shapes=shapes, repeats=repeats) for d in tried]
-    best = max(peaks, key=lambda p: p["best_gflops"])
-    return {**best, "candidates": {p["dtype"]: p["best_gflops"] for p in peaks}}
+    if dt not in (torch.bfloat16, torch.float16):
+        peak = matmul_peak(dt, shapes=shapes, repeats=repeats)
+        return {**peak, "candidates": {peak["dtype"]: peak["best_gflops"]}, "screened": []}
+    fp32 = matmul_peak(torch.float32, shapes=shapes, repeats=repeats)
+    half = matmul_peak(dt, shapes=(SCREEN,), repeats=1)
+    screened = half["best_gflops"] * SCREEN_RATIO < fp32["best_gflops"]
+    if not screened:
+        half = matmul_peak(dt, shapes=shapes, repeats=repeats)
+    best = max((half, fp32), key=lambda p: p["best_gflops"])
+    return {
+        **best,
+        "candidates": {p["dtype"]: p["best_gflops"] for p in (half, fp32)},
+        "screened": [half["dtype"]] if screened else [],
+    }
 
 
 def _seconds(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -155,22 +155,6 @@ inline void load_partials(Acc* acc, const Acc* buf, int64_t n, bool first) {
 template <int N>
 using Int = std::integral_constant<int, N>;
 
-// The sweeps of one k-block in the order `row_tiles` runs them: rows in groups of G (the last
-// group the rows left), each group over the panel's 8 vectors in runs of V (the last run the
-// vectors left), the lane runs inner.
-template <int MR, int G, int V, int R = 0, int V0 = 0, class Sweep>
-inline void tile_sweeps(int64_t b0, int64_t b1, SweepPrefetch& spf, const Sweep& sweep) {
-  if constexpr (R < MR) {
-    constexpr int g = G < MR - R ? G : MR - R, v = V < 8 - V0 ? V : 8 - V0;
-    sweep(Int<g>{}, Int<v>{}, R, b0, b1, V0, spf);
-    ++spf.sweep;
-    if constexpr (V0 + v < 8)
-      tile_sweeps<MR, G, V, R, V0 + v>(b0, b1, spf, sweep);
-    else
-      tile_sweeps<MR, G, V, R + g, 0>(b0, b1, spf, sweep);
-  }
-}
-
 // MR rows over k-steps [i0, i1) in tiles of G rows x V vectors (G x V accumulators), k-block
 // by k-block; one row alone sweeps the whole panel with no prefetch of its own.
 template <int MR, int G, int V, class Sweep>
@@ -189,7 +173,19 @@ inline void row_tiles(int64_t i0, int64_t i1, int64_t next, int64_t block, const
         spf.every = pf.every;
         spf.turn = (b0 - i0 + pf.phase) % pf.every;
       }
-      tile_sweeps<MR, G, V>(b0, b1, spf, sweep);
+      // rows in groups of G (the last group the rows left), each over the panel's 8 vectors
+      // in runs of V (the last run the vectors left); loops, not unrolled, over the full
+      // groups and runs, so each tile shape's sweep is inlined once
+      constexpr int kFullG = MR / G, kRestG = MR % G, kFullV = 8 / V, kRestV = 8 % V;
+      auto group = [&](auto g, int r) {
+        for (int c = 0; c < kFullV; ++c, ++spf.sweep) sweep(g, Int<V>{}, r, b0, b1, c * V, spf);
+        if constexpr (kRestV > 0) {
+          sweep(g, Int<kRestV>{}, r, b0, b1, kFullV * V, spf);
+          ++spf.sweep;
+        }
+      };
+      for (int r = 0; r < kFullG * G; r += G) group(Int<G>{}, r);
+      if constexpr (kRestG > 0) group(Int<kRestG>{}, kFullG * G);
     }
   }
 }

@@ -21,25 +21,36 @@ def test_matmul_peak_is_the_best_of_its_rows():
 
 def test_a_16_bit_step_counts_on_the_faster_of_its_dtype_and_float32(monkeypatch):
     """Where torch's bf16 mm is a reference loop (an AVX2 CPU) the floor comes from fp32, which
-    computes the same products exactly; where bf16 is faster (AMX) from bf16; an fp32 step
-    times fp32 alone."""
+    computes the same products exactly, and bf16 stops at its screen; where bf16 is faster
+    (AMX) from bf16; an fp32 step times fp32 alone."""
     rates = {"bfloat16": 1.3, "float32": 150.0}
     timed = []
 
     def fake_peak(dtype, shapes=compute.SHAPES, repeats=5):
         name = str(dtype).removeprefix("torch.")
-        timed.append(name)
+        timed.append((name, tuple(shapes)))
         return {"best_gflops": rates[name], "dtype": name, "threads": 2, "rows": []}
 
     monkeypatch.setattr(compute, "matmul_peak", fake_peak)
     got = compute.step_matmul_peak("bfloat16")
     assert (got["dtype"], got["best_gflops"]) == ("float32", 150.0)
     assert got["candidates"] == {"bfloat16": 1.3, "float32": 150.0}
+    # the reference loop is stopped at its one-product screen, not timed over every shape
+    assert timed == [("float32", compute.SHAPES), ("bfloat16", (compute.SCREEN,))]
+    assert got["screened"] == ["bfloat16"]
     rates["bfloat16"] = 1800.0
-    assert compute.step_matmul_peak(torch.bfloat16)["dtype"] == "bfloat16"
+    timed.clear()
+    got = compute.step_matmul_peak(torch.bfloat16)
+    assert got["dtype"] == "bfloat16" and got["screened"] == []
+    assert [t[1] for t in timed] == [compute.SHAPES, (compute.SCREEN,), compute.SHAPES]
+    # just under the ratio: screened out; at it: timed in full
+    rates["bfloat16"] = 150.0 / compute.SCREEN_RATIO * 0.99
+    assert compute.step_matmul_peak(torch.bfloat16)["screened"] == ["bfloat16"]
+    rates["bfloat16"] = 150.0 / compute.SCREEN_RATIO
+    assert compute.step_matmul_peak(torch.bfloat16)["screened"] == []
     timed.clear()
     assert compute.step_matmul_peak(torch.float32)["candidates"] == {"float32": 150.0}
-    assert timed == ["float32"]
+    assert timed == [("float32", compute.SHAPES)]
 
 
 def test_bad_arguments_are_refused():
