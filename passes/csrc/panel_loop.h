@@ -111,8 +111,8 @@ struct RowPasses {
 // Every row pass of panel p over k-steps [0, ksteps).
 template <class Acc, class Panel>
 inline void run_panel(int64_t m, int64_t ksteps, int64_t block, int64_t lanes, int64_t p,
-                      std::vector<Acc>& buf, const Panel& panel) {
-  const RowPasses rp(m);
+                      std::vector<Acc>& buf, const Panel& panel, int64_t most = kMaxTileRows) {
+  const RowPasses rp(m, most);
   if (rp.passes == 1) {
     panel(p, int64_t{0}, m, int64_t{0}, ksteps, static_cast<Acc*>(nullptr), true, true,
           Prefetch{});

@@ -480,6 +480,25 @@ constexpr PanelPfFn kPanelsPf[kMaxRows + 1] = {nullptr,      panel_pf<1>, panel_
                                                panel_pf<3>, panel_pf<4>, panel_pf<5>,
                                                panel_pf<6>};
 
+// The most rows a pass takes (pw_panel::RowPasses balances the passes): 6, or on AVX2 5 where
+// that puts more rows in passes of 5 (the wide tile; 4-row passes measured no faster than the
+// pairs): 24 -> 5 5 5 5 4 rather than 6 6 6 6, 40 -> eight of 5 rather than 6 x 5 + 5 5; 16
+// stays 6 5 5 (not 4 4 4 4), 8 stays 4 4.
+inline int64_t pass_rows(int64_t m) {
+#if defined(PW_AVX2)
+  auto in_fives = [m](int64_t most) {
+    const pw_panel::RowPasses rp(m, most);
+    int64_t rows = 0;
+    for (int64_t j = 0; j < rp.passes; ++j) rows += rp.rows(j) == 5 ? 5 : 0;
+    return rows;
+  };
+  return in_fives(5) > in_fives(kMaxRows) ? 5 : kMaxRows;
+#else
+  (void)m;
+  return kMaxRows;
+#endif
+}
+
 // A pass of rows over k-pairs of a panel, for the shared driver (csrc/panel_loop.h).
 struct PanelPass {
   const Args& a;
@@ -492,7 +511,8 @@ struct PanelPass {
 // One panel, all rows (rows in balanced passes of <= 6 over k-blocks held in L1/L2: the
 // weight is read from memory once whatever M is).
 void run_panel(const Args& a, int64_t p, std::vector<float>& buf) {
-  pw_panel::run_panel<float>(a.m, (a.k + 1) / 2, kBlockPairs, kLanes, p, buf, PanelPass{a});
+  pw_panel::run_panel<float>(a.m, (a.k + 1) / 2, kBlockPairs, kLanes, p, buf, PanelPass{a},
+                             pass_rows(a.m));
 }
 
 // This thread's share of the panels, [b, e), every row.  One row (a batch-1 decode step) reads
@@ -512,7 +532,7 @@ void run_share(const Args& a, int64_t b, int64_t e) {
   // this thread's copy of x widened to fp32 (exact) where a pass takes a wide tile, the
   // buffer kept for the thread's next calls
   Args wide = a;
-  const pw_panel::RowPasses rp(a.m);
+  const pw_panel::RowPasses rp(a.m, pass_rows(a.m));
   if (kTileWide[rp.rows(0)] || kTileWide[rp.rows(rp.passes - 1)]) {
     thread_local std::vector<float> xf;
     xf.resize(static_cast<size_t>(a.m * a.k));
@@ -559,7 +579,8 @@ inline void fold(int64_t& idx, float& val, int64_t i, float v) {
 void run(const Args& a, const Greedy* g = nullptr) {
   const int64_t panels = (a.n + kLanes - 1) / kLanes;
   const bool parallel =
-      panels > 1 && a.n * a.k * 2 * pw_panel::RowPasses(a.m).passes >= kParallelMinBytes;
+      panels > 1 &&
+      a.n * a.k * 2 * pw_panel::RowPasses(a.m, pass_rows(a.m)).passes >= kParallelMinBytes;
 #ifdef _OPENMP
   const int64_t slots = parallel ? omp_get_max_threads() : 1;
 #else

@@ -83,11 +83,11 @@ def test_each_row_is_what_the_row_alone_gives(n, k):
     unchanged from the first kernel, so M <= 16 gives the bits it always gave.  K = 4096 and
     1025 take several k-blocks (256 pairs each), 1025 with the odd last k.  On AVX2 passes of
     4 and 5 rows take the tiles on x widened to fp32 (4 and 5 alone, 7 = 4 + 3, 16 = 6 + 5 +
-    5), the others the bf16-x pair tiles."""
+    5, 24 = 5 x 4 + 4, 40 = 8 x 5), the others the bf16-x pair tiles."""
     x, w, b = make(MAX_TESTED, n, k, True, seed=3)
     packed = small_m.pack(w)
     alone = torch.cat([small_m.run_packed(x[r : r + 1], packed, b, n) for r in range(len(x))])
-    for m in (4, 5, 7, 16, 31, MAX_TESTED):
+    for m in (4, 5, 7, 16, 24, 31, 40, MAX_TESTED):
         assert torch.equal(small_m.run_packed(x[:m], packed, b, n), alone[:m]), m
 
 
