@@ -263,13 +263,17 @@ inline void run_share(const Args& a, int64_t b, int64_t e) {
 // by a shift (even k) and a mask (odd k); each output takes two FMAs per k-pair, even k first.
 // Sixteen ymm registers: one row sweeps the whole 64-lane panel (8 accumulators); more rows go
 // in register tiles (kTileG / kTileV below: pairs over half panels, or 4-5 rows over quarter
-// panels on x widened once per call), over k-blocks of kAvx2Block pairs (16 KB) that stay in
+// panels on x widened once per call), over k-blocks of kAvx2Block pairs (8 KB) that stay in
 // L1 while every tile runs over them, the partial sums waiting in `acc` (on the stack); the
 // sweeps of a block share out the prefetch of the weight bytes that come next
 // (csrc/panel_loop.h, row_tiles).  Each output sees the same operations in the
 // same order whatever MR, the grouping or the blocking, so a row's bits never depend on the
 // rows beside it.
-constexpr int64_t kAvx2Block = 64;
+// 8 KB blocks: against 16 KB 1.01-1.07x at 2-40 rows (geometric means over the tiny and 1.1B
+// shapes, same bits; 4 KB lost 6-row passes 0.84x, 32 KB every M 0.91x; the int8 kernels'
+// 16 KB blocks gained nothing at 8 KB: experiments/bench/results/
+// small_m_avx2_wide_tiles_2026-12-07.txt, run 4).
+constexpr int64_t kAvx2Block = 32;
 
 inline void widen_pair(const uint16_t* x, __m256& x0, __m256& x1) {
   int32_t pair;
