@@ -366,10 +366,10 @@ inline void widen_row(const uint16_t* x, int64_t k, float* out) {
 // over quarter panels on widened x (4 x 2 and 5 x 2 accumulators, the weight widened once for
 // all rows); 2, 3 and 6 rows keep the pairs over half panels: a 2- or 3-row wide tile holds too
 // few accumulators for the FMA latency and a 6-row one (12 + 4 widened weights) spills.
-// `small_m_linear --baseline 4dcb724 --kernels bf16 --models tiny --rows 2 3 4 5 6 8`, AVX2
-// Zen 3, three runs: M = 5 1.10x, 1.12x, 1.10x (geometric mean over the five shapes), M = 4
-// 1.03-1.06x; wide tiles at 2, 3 and 6 rows measured 0.67-1.06x
-// (experiments/bench/results/small_m_avx2_wide_tiles_2026-12-07.txt).
+// `small_m_linear --baseline 4dcb724 --kernels bf16 --models tiny 1.1b`, AVX2 Zen 3, three
+// runs: M = 5 1.16x, 1.08x, 1.11x (geometric means over the ten shapes), M = 4 1.00-1.05x;
+// wide tiles at 2, 3 and 6 rows measured 0.67-1.06x (tiny shapes; all in
+// experiments/bench/results/small_m_avx2_wide_tiles_2026-12-07.txt).
 constexpr bool kTileWide[kMaxRows + 1] = {false, false, false, false, true, true, false};
 constexpr int kTileG[kMaxRows + 1] = {1, 1, 2, 2, 4, 5, 2};
 constexpr int kTileV[kMaxRows + 1] = {8, 8, 4, 4, 2, 2, 4};
@@ -400,7 +400,7 @@ void panel_pf(const Args& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, floa
       i0, full, i1, kAvx2Block, pf,
       [&](auto g, auto v, int r, int64_t b0, int64_t b1, int v0, const auto& spf) {
         constexpr int G = decltype(g)::value, V = decltype(v)::value;
-        if constexpr (kTileWide[MR])  // run_share widened x for every pass of two rows or more
+        if constexpr (kTileWide[MR])  // run_share widened x: a pass takes a wide tile
           avx2_sweep_f<G, V>(w, a.xf + (m0 + r) * a.k, a.k, b0, b1, v0, acc + r * kLanes, spf);
         else
           avx2_sweep<G, V>(w, x + r * a.x_st, a.x_st, b0, b1, v0, acc + r * kLanes, spf);
