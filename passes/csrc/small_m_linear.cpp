@@ -66,7 +66,10 @@ struct Args {
   int64_t out_st;
   int64_t n;
   int64_t k;
-  const float* xf = nullptr;  // AVX2, two rows or more: x widened to fp32 (row stride k)
+  // set once per call by `run` (prepare_passes): the most rows a pass takes, and on AVX2,
+  // where a pass takes a wide tile, x widened to fp32 (row stride k)
+  int64_t most = pw_panel::kMaxTileRows;
+  const float* xf = nullptr;
 };
 
 // The epilogue of the panels whose partial sums end in memory (AVX2, portable): rows
@@ -516,7 +519,7 @@ struct PanelPass {
 // weight is read from memory once whatever M is).
 void run_panel(const Args& a, int64_t p, std::vector<float>& buf) {
   pw_panel::run_panel<float>(a.m, (a.k + 1) / 2, kBlockPairs, kLanes, p, buf, PanelPass{a},
-                             pass_rows(a.m));
+                             a.most);
 }
 
 // This thread's share of the panels, [b, e), every row.  One row (a batch-1 decode step) reads
@@ -533,19 +536,6 @@ void run_share(const Args& a, int64_t b, int64_t e) {
     run_share_m1(a, b, e);
     return;
   }
-  // this thread's copy of x widened to fp32 (exact) where a pass takes a wide tile, the
-  // buffer kept for the thread's next calls
-  Args wide = a;
-  const pw_panel::RowPasses rp(a.m, pass_rows(a.m));
-  if (kTileWide[rp.rows(0)] || kTileWide[rp.rows(rp.passes - 1)]) {
-    thread_local std::vector<float> xf;
-    xf.resize(static_cast<size_t>(a.m * a.k));
-    for (int64_t r = 0; r < a.m; ++r) widen_row(a.x + r * a.x_st, a.k, xf.data() + r * a.k);
-    wide.xf = xf.data();
-  }
-  const Args& pass = wide;
-#else
-  const Args& pass = a;
 #endif
 #if defined(PW_AVX512BF16)
   if (a.m == 1) {
@@ -556,7 +546,7 @@ void run_share(const Args& a, int64_t b, int64_t e) {
   }
 #endif
   std::vector<float> buf;
-  for (int64_t p = b; p < e; ++p) run_panel(pass, p, buf);
+  for (int64_t p = b; p < e; ++p) run_panel(a, p, buf);
 }
 
 // The greedy epilogue's output: per row, the column of the first maximum of the stored (bf16)
@@ -580,11 +570,30 @@ inline void fold(int64_t& idx, float& val, int64_t i, float v) {
 // [P t / nt, P (t + 1) / nt)).  With `g`, each thread then scans the columns it has just
 // stored, while they are in its cache, and the calling thread folds the threads' ranges in
 // column order: what the sampler's pass over the whole rows gives, without reading them again.
-void run(const Args& a, const Greedy* g = nullptr) {
+// The per-call settings of `a` every thread reads: the pass size and, on AVX2 where a pass of
+// that size takes a wide tile, x widened to fp32 once (exact), in the calling thread's buffer
+// (kept for its next calls; the team only reads it).
+Args prepare_passes(const Args& in) {
+  Args a = in;
+  a.most = pass_rows(a.m);
+#if defined(PW_AVX2)
+  const pw_panel::RowPasses rp(a.m, a.most);
+  if (a.m > 1 && (kTileWide[rp.rows(0)] || kTileWide[rp.rows(rp.passes - 1)])) {
+    thread_local std::vector<float> xf;
+    xf.resize(static_cast<size_t>(a.m * a.k));
+    for (int64_t r = 0; r < a.m; ++r) widen_row(a.x + r * a.x_st, a.k, xf.data() + r * a.k);
+    a.xf = xf.data();
+  }
+#endif
+  return a;
+}
+
+void run(const Args& call, const Greedy* g = nullptr) {
+  const Args a = prepare_passes(call);
   const int64_t panels = (a.n + kLanes - 1) / kLanes;
   const bool parallel =
       panels > 1 &&
-      a.n * a.k * 2 * pw_panel::RowPasses(a.m, pass_rows(a.m)).passes >= kParallelMinBytes;
+      a.n * a.k * 2 * pw_panel::RowPasses(a.m, a.most).passes >= kParallelMinBytes;
 #ifdef _OPENMP
   const int64_t slots = parallel ? omp_get_max_threads() : 1;
 #else
