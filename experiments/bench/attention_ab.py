@@ -33,8 +33,11 @@ from framework.core.native_build import NativeLibrary
 AB_CASES = (
     Case("decode b8 ctx 128", (128,) * 8, (1,) * 8),
     Case("decode b32 ctx 128", (128,) * 32, (1,) * 32),
+    Case("verify 1+4 b1 ctx 128", (133,), (5,)),
+    Case("verify 1+4 b8 ctx 128", (133,) * 8, (5,) * 8),
 ) + CASES
-"""The attention bench's cases and the short-context batched decode of the peers bench."""
+"""The attention bench's cases, the short-context batched decode of the peers bench and the
+verify step of speculative decoding (5 query tokens a request)."""
 
 SOURCE = "backends/attention/csrc/cpu_paged_attention.cpp"
 
