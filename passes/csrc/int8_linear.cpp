@@ -333,16 +333,14 @@ constexpr int64_t kI8Avx2Block = 64;
 template <int G, int V>
 inline void qsweep(const int8_t* w, const uint8_t* u, int64_t ust, int64_t i0, int64_t i1,
                    int v0, int32_t* acc_rows, const pw_panel::SweepPrefetch& spf) {
-  pw_panel::SweepPrefetcher pf(spf, w, kQuad * kLanes);
   __m256i acc[G][V];
   for (int r = 0; r < G; ++r)
     for (int v = 0; v < V; ++v)
       acc[r][v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc_rows + r * kLanes +
                                                                        8 * (v0 + v)));
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(int8_t(0x80));
-  for (int64_t i = i0; i < i1; ++i) {
+  pw_panel::sweep_steps(spf, w, kQuad * kLanes, i0, i1, [&](int64_t i) {
     const int8_t* wi = w + i * kQuad * kLanes + 32 * v0;
-    pf.at(i);
     __m256i q[G];
     for (int r = 0; r < G; ++r) {
       int32_t quad;
@@ -357,7 +355,7 @@ inline void qsweep(const int8_t* w, const uint8_t* u, int64_t ust, int64_t i0, i
         acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(p16, ones));
       }
     }
-  }
+  });
   for (int r = 0; r < G; ++r)
     for (int v = 0; v < V; ++v)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc_rows + r * kLanes + 8 * (v0 + v)),
@@ -506,13 +504,11 @@ void wpanel(const WArgs& a, int64_t p, int64_t m0, int64_t i0, int64_t i1, float
 template <int G, int V>
 inline void wsweep(const int8_t* w, const float* x, int64_t xst, int64_t i0, int64_t i1, int v0,
                    float* acc_rows, const pw_panel::SweepPrefetch& spf) {
-  pw_panel::SweepPrefetcher pf(spf, w, kQuad * kLanes);
   __m256 acc[G][V];
   for (int r = 0; r < G; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_loadu_ps(acc_rows + r * kLanes + 8 * (v0 + v));
-  for (int64_t i = i0; i < i1; ++i) {
+  pw_panel::sweep_steps(spf, w, kQuad * kLanes, i0, i1, [&](int64_t i) {
     const int8_t* wi = w + i * kQuad * kLanes + 32 * v0;
-    pf.at(i);
     for (int v = 0; v < V; ++v) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + 32 * v));
       const __m256 f0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(wv, 24), 24));
@@ -528,7 +524,7 @@ inline void wsweep(const int8_t* w, const float* x, int64_t xst, int64_t i0, int
         acc[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 3), f3, s);
       }
     }
-  }
+  });
   for (int r = 0; r < G; ++r)
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_rows + r * kLanes + 8 * (v0 + v), acc[r][v]);
 }

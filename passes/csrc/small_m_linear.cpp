@@ -290,14 +290,12 @@ inline void widen_pair(const uint16_t* x, __m256& x0, __m256& x1) {
 template <int G, int V>
 inline void avx2_sweep(const uint16_t* w, const uint16_t* x, int64_t x_st, int64_t i0,
                        int64_t i1, int v0, float* acc_rows, const pw_panel::SweepPrefetch& spf) {
-  pw_panel::SweepPrefetcher pf(spf, w, 2 * kLanes * sizeof(uint16_t));
   __m256 acc[G][V];
   for (int r = 0; r < G; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_loadu_ps(acc_rows + r * kLanes + 8 * (v0 + v));
   const __m256i hi = _mm256_set1_epi32(int32_t(0xffff0000u));
-  for (int64_t i = i0; i < i1; ++i) {
+  pw_panel::sweep_steps(spf, w, 2 * kLanes * sizeof(uint16_t), i0, i1, [&](int64_t i) {
     const uint16_t* wi = w + i * 2 * kLanes + 16 * v0;
-    pf.at(i);
     __m256 xa[G], xb[G];
     for (int r = 0; r < G; ++r) widen_pair(x + r * x_st + 2 * i, xa[r], xb[r]);
     for (int v = 0; v < V; ++v) {
@@ -309,7 +307,7 @@ inline void avx2_sweep(const uint16_t* w, const uint16_t* x, int64_t x_st, int64
         acc[r][v] = _mm256_fmadd_ps(xb[r], w1, acc[r][v]);
       }
     }
-  }
+  });
   for (int r = 0; r < G; ++r)
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_rows + r * kLanes + 8 * (v0 + v), acc[r][v]);
 }
@@ -323,16 +321,14 @@ inline void avx2_sweep(const uint16_t* w, const uint16_t* x, int64_t x_st, int64
 template <int G, int V>
 inline void avx2_sweep_f(const uint16_t* w, const float* xf, int64_t xf_st, int64_t i0,
                          int64_t i1, int v0, float* acc_rows, const pw_panel::SweepPrefetch& spf) {
-  pw_panel::SweepPrefetcher pf(spf, w, 2 * kLanes * sizeof(uint16_t));
   __m256 acc[G][V];
   _Pragma("GCC unroll 8") for (int r = 0; r < G; ++r)
     _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
       acc[r][v] = _mm256_loadu_ps(acc_rows + r * kLanes + 8 * (v0 + v));
   const __m256i hi = _mm256_set1_epi32(int32_t(0xffff0000u));
-  for (int64_t i = i0; i < i1; ++i) {
+  pw_panel::sweep_steps<true>(spf, w, 2 * kLanes * sizeof(uint16_t), i0, i1, [&](int64_t i) {
     const uint16_t* wi = w + i * 2 * kLanes + 16 * v0;
     const float* xi = xf + 2 * i;
-    pf.at(i);
     __m256 w0[V], w1[V];
     _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + 16 * v));
@@ -347,7 +343,7 @@ inline void avx2_sweep_f(const uint16_t* w, const float* xf, int64_t xf_st, int6
       _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
         acc[r][v] = _mm256_fmadd_ps(x1, w1[v], acc[r][v]);
     }
-  }
+  });
   _Pragma("GCC unroll 8") for (int r = 0; r < G; ++r)
     _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
       _mm256_storeu_ps(acc_rows + r * kLanes + 8 * (v0 + v), acc[r][v]);
