@@ -89,12 +89,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
         args.model_dir = str(ensure_tiny_model())
     trees = [str(Path(t).resolve()) for t in args.trees]
-    caches = {t: tempfile.mkdtemp(prefix="pw_ab_") for t in trees}
     samples: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
-    for r in range(args.rounds):
-        for t in trees if r % 2 == 0 else trees[::-1]:
-            samples[t].append(_run(t, args, caches[t]))
-            print(f"# round {r + 1} {t}: {json.dumps(samples[t][-1]['decode_ms'])}", flush=True)
+    # Per-tree artifact caches, removed at the end: with a 1.1B model each holds ~2.2 GB of
+    # packed weights, and runs that left them behind filled the disk, after which the tree
+    # whose cache could not be written ran slower (a bias of the runs, not of the trees).
+    with tempfile.TemporaryDirectory(prefix="pw_ab_") as root:
+        caches = {t: str(Path(root) / f"tree{i}") for i, t in enumerate(trees)}
+        for r in range(args.rounds):
+            for t in trees if r % 2 == 0 else trees[::-1]:
+                samples[t].append(_run(t, args, caches[t]))
+                decode = json.dumps(samples[t][-1]["decode_ms"])
+                print(f"# round {r + 1} {t}: {decode}", flush=True)
     a, b = trees
     same = all(x["tokens"] == samples[a][0]["tokens"] for t in trees for x in samples[t])
     rows = []
