@@ -470,3 +470,29 @@ def test_the_int8_head_variant_is_judged_against_q8_0_by_the_same_targets():
     assert plain["want"] == head["want"] == ">= 1.1x"
     rows = {r["ratio"]: r["speedup"] for r in bench_peers.ratios(summary, ["tiny"], [1])}
     assert rows["project int8 (LM head int8, as q8_0) vs llama.cpp q8_0"] == pytest.approx(1.2)
+
+
+def test_the_peak_rss_target_names_the_batch_it_was_read_after():
+    """The 1.1B peak-RSS target reads ``VmHWM`` after the run's first batch: a b8-only run is
+    labelled b8, not b1; a run without that reading falls back to the end-of-run figure."""
+    from experiments.bench import targets
+
+    models = {"1.1b": {"checkpoint_bytes": 2_200_000_000}}
+
+    def row(batches, first):
+        r = {"batches": {str(b): {"stats": None} for b in batches}}
+        r["rss_peak_bytes"] = {"median": 2.9e9}
+        r["rss_peak_first_batch_bytes"] = {"median": 2.5e9} if first else None
+        return r
+
+    def rss_targets(batches, first):
+        summary = {"1.1b/project_bf16": row(batches, first)}
+        return [x for x in targets.peer_targets(summary, {}, models) if "RSS" in x["target"]]
+
+    (b8,) = rss_targets([8], True)
+    assert "(GB, b8;" in b8["target"] and b8["got"] == pytest.approx(2.5) and b8["met"]
+    (b1,) = rss_targets([8, 1], True)
+    assert "(GB, b1;" in b1["target"]
+    (end,) = rss_targets([1], False)
+    assert "(GB, end of run;" in end["target"]
+    assert end["got"] == pytest.approx(2.9) and not end["met"]
