@@ -112,7 +112,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTens
   return fallback.call(x, w, md, bias, n, k, max_rows);
 }
 
-// --- bf16 LM head with the greedy epilogue: packed_linear_greedy ----------------------------------
+// --- bf16 LM head with the greedy epilogue: packed_linear_greedy -------------------------------
 
 // (logits [rows, n], index [rows] int64, maximum [rows] float32): the small-M kernel's greedy
 // entry where it applies (each thread scans the outputs it stored), else packed_linear and one
@@ -148,10 +148,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_linear_greedy(
   float* vp = val.data_ptr<float>();
 #pragma omp parallel for schedule(static) if (rows > 1 && rows * n >= (1 << 16))
   for (int64_t r = 0; r < rows; ++r) {
-    if (bf16)
-      pw_argmax::row_argmax(static_cast<const uint16_t*>(out.data_ptr()) + r * n, n, ip + r, vp + r);
-    else
+    if (bf16) {
+      const auto* row = static_cast<const uint16_t*>(out.data_ptr()) + r * n;
+      pw_argmax::row_argmax(row, n, ip + r, vp + r);
+    } else {
       pw_argmax::row_argmax(out.data_ptr<float>() + r * n, n, ip + r, vp + r);
+    }
   }
   return {out, idx, val};
 }

@@ -317,7 +317,8 @@ inline void block_scores(const float* __restrict q, int rows, const float* __res
               t0 = _mm256_fmadd_ps(qv[x], _mm256_loadu_ps(kr + 8 * x), t0);
               t1 = _mm256_fmadd_ps(qv[x + 1], _mm256_loadu_ps(kr + 8 * x + 8), t1);
             }
-            if constexpr (V % 2) t0 = _mm256_fmadd_ps(qv[V - 1], _mm256_loadu_ps(kr + 8 * (V - 1)), t0);
+            if constexpr (V % 2)
+              t0 = _mm256_fmadd_ps(qv[V - 1], _mm256_loadu_ps(kr + 8 * (V - 1)), t0);
           }
           accs[j] = _mm256_add_ps(t0, t1);
         }
@@ -417,11 +418,13 @@ inline void prefetch_block(const Args& a, const Item& it, const T* kc, const T* 
   if (id < 0 || id >= a.num_blocks) return;
   const int64_t nbase = static_cast<int64_t>(id) * a.block_size;
   const int64_t d = a.d;
-  for (int64_t j = 0; j < a.block_size; ++j)
+  for (int64_t j = 0; j < a.block_size; ++j) {
+    const int64_t row = ((nbase + j) * a.hkv + it.head) * d;
     for (int64_t x = 0; x < d * static_cast<int64_t>(sizeof(T)); x += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(kc + ((nbase + j) * a.hkv + it.head) * d) + x);
-      __builtin_prefetch(reinterpret_cast<const char*>(vc + ((nbase + j) * a.hkv + it.head) * d) + x);
+      __builtin_prefetch(reinterpret_cast<const char*>(kc + row) + x);
+      __builtin_prefetch(reinterpret_cast<const char*>(vc + row) + x);
     }
+  }
 }
 
 // The keys an item's tile reads: its first query's window start .. its last query's position
@@ -682,7 +685,8 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
       if (m_new > m[r]) {
         const float alpha = exp_neg(m[r] - m_new);
         const __m512 av = _mm512_set1_ps(alpha);
-        for (int x = 0; x < d; x += 16) _mm512_storeu_ps(ar + x, _mm512_mul_ps(av, _mm512_loadu_ps(ar + x)));
+        for (int x = 0; x < d; x += 16)
+          _mm512_storeu_ps(ar + x, _mm512_mul_ps(av, _mm512_loadu_ps(ar + x)));
         l[r] *= alpha;
         m[r] = m_new;
       }

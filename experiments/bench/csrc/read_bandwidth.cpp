@@ -1,5 +1,6 @@
-// Memory read-bandwidth probe (see experiments/bench/bandwidth.py for the contract): how fast can this
-// machine stream a buffer much larger than the last-level cache, at a given thread count?
+// Memory read-bandwidth probe (see experiments/bench/bandwidth.py for the contract): how fast
+// can this machine stream a buffer much larger than the last-level cache, at a given thread
+// count?
 //
 // The buffer is mmap'ed here (anonymous, private), advised MADV_HUGEPAGE (transparent 2 MB
 // pages) or MADV_NOHUGEPAGE (4 KB pages) as asked, and first touched by the same threads, in the
@@ -63,7 +64,8 @@ uint64_t read_share(const char* base, int64_t bytes) {
     }
   }
   __m512i t = _mm512_setzero_si512();
-  for (int s = 0; s < kStreams; ++s) t = _mm512_add_epi64(t, _mm512_add_epi64(acc[s][0], acc[s][1]));
+  for (int s = 0; s < kStreams; ++s)
+    t = _mm512_add_epi64(t, _mm512_add_epi64(acc[s][0], acc[s][1]));
   return static_cast<uint64_t>(_mm512_reduce_add_epi64(t));
 }
 #else

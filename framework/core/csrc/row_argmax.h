@@ -77,7 +77,8 @@ void row_argmax(const T* x, int64_t n, int64_t* idx, float* val) {
       const __mmask16 more = _mm512_cmp_ps_mask(v, best[k], _CMP_GT_OQ);
       best[k] = _mm512_mask_mov_ps(best[k], more, v);
       col[k] = _mm512_mask_mov_epi32(
-          col[k], more, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(j0 + k * kLanes))));
+          col[k], more,
+          _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(j0 + k * kLanes))));
     }
   }
   for (int64_t j0 = full, k = 0; j0 < n; j0 += kLanes, ++k) {  // the tail, set by set
