@@ -21,12 +21,13 @@ directly, no sort).  Per expert hit, gate-up and down each run
 * the small-M kernel (:func:`passes.small_m_linear.run_packed`) on that expert's panels for a
   group of at most ``max_rows`` rows (decode: only the top-k experts' bytes are streamed);
 * oneDNN on the same bytes for a larger group (prefill), where oneDNN's blocked layout is the
-  panel layout (bf16 on AVX512-BF16 with the reduction dimension a multiple of 32: checked
-  once per shape at packing, then ``w13_md`` / ``w2_md`` hold oneDNN's descriptor);
-* where oneDNN lays out no bf16 at all (AVX2-only CPUs, whose torch bf16 GEMM is slow too)
-  the small-M kernel, ``max_rows`` rows at a time;
-* otherwise ``F.linear`` on that one expert's weight unpacked for the call (correct, slower:
-  one expert's copy at a time, never the whole stack).
+  panel layout (bf16 on AVX512-BF16 without AMX, the reduction dimension a multiple of 32:
+  checked once per shape at packing, then ``w13_md`` / ``w2_md`` hold oneDNN's descriptor);
+* everywhere else (AMX CPUs, whose oneDNN lays bf16 out otherwise; other K; AVX2-only CPUs)
+  the small-M kernel, ``max_rows`` rows at a time.  Unpacking the expert's weight for each
+  call and running ``F.linear`` on it, as this op did before, cost 2.8x the slices on a
+  512-row group of the bench model's gate-up on an AMX Xeon (450 against 164 µs; oneDNN on
+  the plain weight 158 µs: ``results/moe_prefill_slices_2026-12-07.md``).
 
 Registration: :func:`framework.core.ops.define_op`, the Python body below as the op's
 ``CompositeExplicitAutograd`` kernel; :func:`passes.native_ops.load` (called by
@@ -57,12 +58,14 @@ NAME = "piecewise::fused_moe_packed"
 
 def _linear(x2: Tensor, w: Tensor, md: Optional[Tensor], n: int, k: int, max_rows: int) -> Tensor:
     """``x2 [M, k] @ W.T`` for one expert's panels ``w`` of ``W [n, k]``."""
-    if x2.shape[0] <= max_rows or (md is None and not onednn.packs(x2.dtype)):
-        # past max_rows with no oneDNN bf16 here (AVX2-only CPUs), where torch's bf16 GEMM has
-        # no fast path either: the kernel, max_rows rows at a time (as the dense linears there)
-        return in_row_slices(lambda xs: small_m.run_packed(xs, w, None, n), x2, max_rows)
-    out = onednn.linear(x2, w, md, None, n, k) if md is not None else None
-    return out if out is not None else F.linear(x2, small_m.unpack(w, n, k))
+    if md is not None and x2.shape[0] > max_rows:
+        out = onednn.linear(x2, w, md, None, n, k)
+        if out is not None:
+            return out
+        return F.linear(x2, small_m.unpack(w, n, k))  # oneDNN refused its own descriptor
+    # a decode group, or a larger one with no oneDNN view of the panels: the kernel, max_rows
+    # rows at a time (never the expert unpacked per call: see the module docstring)
+    return in_row_slices(lambda xs: small_m.run_packed(xs, w, None, n), x2, max_rows)
 
 
 def fused_moe_packed_cpu(
@@ -167,13 +170,13 @@ class PackedExpertsMethod:
 
     def rows_independent(self, experts: nn.Module) -> bool:
         """Every expert group runs the kernel, past ``max_rows`` in slices (no oneDNN view of
-        either stack, none of this dtype here: AVX2-only CPUs), and a token's top-k outputs
-        are summed in expert order: a row's bits never depend on the rows beside it."""
+        either stack: AMX and AVX2-only CPUs, and K not a multiple of 32), and a token's
+        top-k outputs are summed in expert order: a row's bits never depend on the rows
+        beside it."""
         return (
             self.max_rows > 0
             and getattr(experts, "w13_md", None) is None
             and getattr(experts, "w2_md", None) is None
-            and not onednn.packs(experts.w13.dtype)
         )
 
     def process(self, experts: nn.Module, layouts: Optional[dict] = None) -> None:

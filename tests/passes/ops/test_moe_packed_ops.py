@@ -1,6 +1,6 @@
 """piecewise::fused_moe_packed: the routed experts on weights re-laid out once for the small-M
 kernel (bf16, CPU) against the per-expert oracle, at decode and prefill sizes (the small-M
-kernel, oneDNN on the same bytes, the per-call unpack); the direct (decode) grouping equals
+kernel, oneDNN on the same bytes, the kernel in slices); the direct (decode) grouping equals
 the sorted one bit for bit; opcheck; a symbolic trace; at batch 1 only the chosen experts
 are read; and the re-layout holds each stack once."""
 
@@ -44,7 +44,7 @@ BF16 = dict(atol=2e-2, rtol=2e-2)
         (8, 8, 2, 96, 16),  # decode b8
         (5, 6, 3, 72, 16),
         (40, 8, 2, 96, 16),  # sorted path, groups above max_rows: oneDNN on the panels
-        (40, 6, 2, 72, 16),  # w2's K = 72: no oneDNN layout, unpacked per call
+        (40, 6, 2, 72, 16),  # w2's K = 72: no oneDNN layout, the kernel in slices
         (9, 6, 2, 72, 2),  # small max_rows: both kinds of group in one call
     ],
 )
@@ -57,19 +57,19 @@ def test_matches_the_oracle(t, experts, k, inter, max_rows):
     torch.testing.assert_close(got, fused_moe_grouped(x, weights, ids, w13, w2), **BF16)
 
 
-def test_without_onednn_bf16_large_groups_run_the_kernel_in_slices(monkeypatch):
-    """Where oneDNN lays out no bf16 (AVX2-only CPUs; pinned here) a group above max_rows
-    runs the small-M kernel max_rows rows at a time, never unpacking an expert: each token
-    then gets the bits it gets in a decode step alone."""
+def test_without_a_onednn_view_large_groups_run_the_kernel_in_slices(monkeypatch):
+    """Where oneDNN does not read the panels (AMX and AVX2-only CPUs, K not a multiple of 32;
+    pinned here by a probe that finds no layout) a group above max_rows runs the small-M
+    kernel max_rows rows at a time, never unpacking an expert: each token then gets the bits
+    it gets in a decode step alone, and the method says so."""
     from framework.compat import onednn
     from framework.engine.model_prep import rows_independent
 
+    monkeypatch.setattr(onednn, "reorder", lambda w: None)  # no oneDNN view of any stack
     x, weights, ids, w13, w2 = make(40, 6, 2, 72, seed=7)
     m = packed(w13, w2, 4)
+    assert m.w13_md is None and m.w2_md is None
     alone = torch.cat([m(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(40)])
-    where_onednn_packs = m.moe_method.rows_independent(m)
-    assert where_onednn_packs is (not onednn.packs(torch.bfloat16))  # AVX2: True; else False
-    monkeypatch.setattr(onednn, "packs", lambda dtype: False)
     # so the engine lets a step with drafts grow past max_rows (draft_rows_limit None)
     assert m.moe_method.rows_independent(m) and rows_independent(torch.nn.Sequential(m), ["0"])
     monkeypatch.setattr(small_m, "unpack", lambda *a: pytest.fail("an expert was unpacked"))
@@ -81,6 +81,16 @@ def test_without_onednn_bf16_large_groups_run_the_kernel_in_slices(monkeypatch):
     assert max(rows) == 4 and sum(rows) == 2 * 40 * 2  # gate-up and down, 80 (token, expert) rows
     assert torch.equal(got, alone)
     torch.testing.assert_close(got, fused_moe_reference(x, weights, ids, w13, w2), **BF16)
+    assert torch.equal(m(x, weights, ids), alone)  # the layer's op (C++ where it is built)
+
+
+def test_a_stack_onednn_reads_keeps_rows_dependent(monkeypatch):
+    """With a oneDNN view of a stack, a group above max_rows runs oneDNN (whose bits for a row
+    can depend on the rows beside it): the method must not claim row independence."""
+    x, weights, ids, w13, w2 = make(8, 6, 2, 72, seed=3)
+    m = packed(w13, w2, 4)
+    m.w13_md = torch.zeros(1)  # stands for a descriptor: only its presence is read here
+    assert not m.moe_method.rows_independent(m)
 
 
 def test_fp32_routing_weights_with_bf16_experts():
