@@ -17,7 +17,9 @@ activations quantised in its prologue; more rows run the reference path on the u
 weight (``dynamic_per_token_quant`` + ``torch._int_mm`` + epilogue; weight-only: the existing
 ``int8_weight_only_mm``).  Both give the same result for W8A8, bit for bit.  Where torch's int8
 GEMMs have no fast path (AVX2 without VNNI: :func:`passes.int8_small_m.takes_every_row_count`)
-larger calls run the kernel too, ``max_rows`` rows at a time, as bf16 does there.
+larger calls run the kernel too, ``max_rows`` rows at a time, as bf16 does there; on AMX the
+W8A8 kernel takes larger calls whole (its tile path is a GEMM:
+:func:`passes.int8_small_m.w8a8_takes_every_row_count`).
 
 Quant fusions: the activation quantisation of a packed layer lives inside its op at every
 row count (the graph is traced once, for every size), so the graph holds no
@@ -51,10 +53,12 @@ from passes.ops.scaled_mm import _epilogue, int8_weight_only_mm_torch
 from passes.quant_schemes import Int8DynamicPerToken, Int8WeightOnly
 
 
-def _kernel_rows(x2: Tensor, bias: Optional[Tensor], max_rows: int) -> int:
-    """Rows per kernel call for this call (``max_rows``: one call up to it, slices past it
-    where the kernels take every row count, :func:`passes.int8_small_m.
-    takes_every_row_count`: AVX2 without VNNI), or 0 for torch's path."""
+def _kernel_rows(x2: Tensor, bias: Optional[Tensor], max_rows: int, one_call: bool = False) -> int:
+    """Rows per kernel call for this call (``max_rows``: one call up to it; past it the whole
+    call at once where ``one_call`` (:func:`passes.int8_small_m.w8a8_takes_every_row_count`:
+    W8A8 on AMX), else slices of ``max_rows`` where the kernels take every row count
+    (:func:`passes.int8_small_m.takes_every_row_count`: AVX2 without VNNI)), or 0 for
+    torch's path."""
     if not (
         max_rows > 0
         and x2.dtype in i8.DTYPES
@@ -62,7 +66,11 @@ def _kernel_rows(x2: Tensor, bias: Optional[Tensor], max_rows: int) -> int:
         and i8.kernel_available()
     ):
         return 0
-    return max_rows if x2.shape[0] <= max_rows or i8.takes_every_row_count() else 0
+    if x2.shape[0] <= max_rows:
+        return max_rows
+    if one_call:
+        return x2.shape[0]
+    return max_rows if i8.takes_every_row_count() else 0
 
 
 def int8_packed_linear_impl(
@@ -77,7 +85,7 @@ def int8_packed_linear_impl(
 ) -> Tensor:
     n, k = out_features, in_features
     x2 = x.reshape(-1, k)
-    step = _kernel_rows(x2, bias, max_rows)
+    step = _kernel_rows(x2, bias, max_rows, i8.w8a8_takes_every_row_count())
     if step:
         out = in_row_slices(lambda xs: i8.run_packed(xs, w, w_scale, w_comp, bias, n), x2, step)
     else:

@@ -267,6 +267,7 @@ def test_small_m_calls_run_in_cpp_and_larger_ones_in_python(monkeypatch):
     which unpacks the weight for _int_mm (where torch has a fast int8 GEMM: pinned here)."""
     assert torch._C._dispatch_has_kernel_for_dispatch_key("piecewise::int8_packed_linear", "CPU")
     monkeypatch.setattr(i8, "takes_every_row_count", lambda: False)
+    monkeypatch.setattr(i8, "w8a8_takes_every_row_count", lambda: False)  # not AMX: pinned
     plain, layer = _layer("int8_per_token", 96, 64, True)
     x = torch.randn(i8.DEFAULT_MAX_ROWS + 1, 64).to(BF16)
     expected = plain(x)
@@ -295,6 +296,7 @@ def test_where_torch_has_no_fast_int8_gemm_larger_calls_run_the_kernel_in_slices
     from framework.engine.model_prep import rows_independent
 
     plain, layer = _layer(scheme, 96, 64, True, max_rows=16)
+    monkeypatch.setattr(i8, "w8a8_takes_every_row_count", lambda: False)  # not AMX: pinned
     monkeypatch.setattr(i8, "takes_every_row_count", lambda: False)  # VNNI: torch past max_rows
     assert not layer.linear_method.rows_independent(layer)
     monkeypatch.setattr(i8, "takes_every_row_count", lambda: True)
@@ -320,6 +322,31 @@ def test_where_torch_has_no_fast_int8_gemm_larger_calls_run_the_kernel_in_slices
         torch.testing.assert_close(got, expected, atol=3e-2, rtol=2e-2)
     else:
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("rows", [17, 40, 300])
+def test_on_amx_w8a8_calls_past_max_rows_run_the_kernel_in_one_call(monkeypatch, rows):
+    """Where the W8A8 kernel runs on AMX tiles (pinned here; the AVX2 slices pinned off) a
+    call past max_rows runs the kernel once for all its rows and never unpacks the weight:
+    the unpacked scheme's bits, and every row what it gives alone.  The weight-only op keeps
+    torch's path there (its kernel has no tile path)."""
+    monkeypatch.setattr(i8, "takes_every_row_count", lambda: False)
+    monkeypatch.setattr(i8, "w8a8_takes_every_row_count", lambda: True)
+    plain, layer = _layer("int8_per_token", 96, 64, True, max_rows=16)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(BF16)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+    expected = plain(x)
+    calls, real_run, real_unpack = [], i8.run_packed, i8.unpack
+    monkeypatch.setattr(i8, "run_packed", lambda x2, *a: calls.append(len(x2)) or real_run(x2, *a))
+    monkeypatch.setattr(i8, "unpack", lambda *a: pytest.fail("the weight was unpacked"))
+    got = torch.ops.piecewise.int8_packed_linear_python.default(*_args(layer, x))
+    assert calls == [rows]
+    assert torch.equal(got, expected) and torch.equal(got, alone)
+    _, wo = _layer("int8_per_channel_weight_only", 96, 64, True, max_rows=16)
+    unpacked = []
+    monkeypatch.setattr(i8, "unpack", lambda *a: unpacked.append(1) or real_unpack(*a))
+    torch.ops.piecewise.int8_wo_packed_linear_python.default(*_args(wo, x))
+    assert unpacked == [1]
 
 
 def test_model_prep_packs_the_int8_layers(llama_checkpoint):
