@@ -148,7 +148,7 @@ def w8a8_takes_every_row_count() -> bool:
     (``piecewise::int8_packed_linear`` past ``max_rows``): on AMX its tile path is a GEMM that
     streams each panel once for all the call's rows, where torch's path unpacks the weight
     for the call and runs ``_int_mm``.  On an AMX Xeon (``experiments/bench/results/``
-    ``int8_amx_past_max_rows_2026-12-07.md``) 3.7-9.5x faster at 128-2048 rows of the tiny
+    ``int8_amx_past_max_rows_2026-12-07.md``) 3.7-9.1x faster at 128-2048 rows of the tiny
     and 1.1B shapes, and 1.3-1.6x faster than the same kernel 64 rows at a time; the same
     bits (W8A8 sums are exact integers).  The weight-only kernel has no tile path: it stays
     on torch's path past ``max_rows`` there (the kernel in slices measured 0.3-1.7x)."""
