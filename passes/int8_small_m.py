@@ -151,7 +151,7 @@ def w8a8_takes_every_row_count() -> bool:
     ``int8_amx_past_max_rows_2026-12-07.md``) 3.7-9.1x faster at 128-2048 rows of the tiny
     and 1.1B shapes, and 1.3-1.6x faster than the same kernel 64 rows at a time; the same
     bits (W8A8 sums are exact integers).  The weight-only kernel has no tile path: it stays
-    on torch's path past ``max_rows`` there (the kernel in slices measured 0.3-1.7x)."""
+    on torch's path past ``max_rows`` there (the kernel in slices measured 0.2-1.7x)."""
     return kernel_available() and isa() in W8A8_ONE_CALL_ISAS
 
 
