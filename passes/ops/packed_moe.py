@@ -25,7 +25,7 @@ directly, no sort).  Per expert hit, gate-up and down each run
   checked once per shape at packing, then ``w13_md`` / ``w2_md`` hold oneDNN's descriptor);
 * everywhere else (AMX CPUs, whose oneDNN lays bf16 out otherwise; other K; AVX2-only CPUs)
   the small-M kernel, ``max_rows`` rows at a time.  Unpacking the expert's weight for each
-  call and running ``F.linear`` on it, as this op did before, cost 2.8x the slices on a
+  call and running ``F.linear`` on it, as this op did before, cost 2.7x the slices on a
   512-row group of the bench model's gate-up on an AMX Xeon (450 against 164 µs; oneDNN on
   the plain weight 158 µs: ``results/moe_prefill_slices_2026-12-07.md``).
 
