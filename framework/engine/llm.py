@@ -48,6 +48,24 @@ from framework.engine.worker import Worker
 logger = logging.getLogger(__name__)
 
 
+def draft_rows_warning(limit: Optional[int], max_num_seqs: int, k: int) -> Optional[str]:
+    """The start-up line where steps with drafts are held to ``limit`` tokens
+    (``Scheduler.draft_rows_limit``) and a full batch's verify step, ``max_num_seqs x (1 + k)``
+    tokens, does not fit: then only some of the decoding requests get drafts in a step, and
+    none once ``max_num_seqs`` requests decode past ``limit - k``.  None where nothing is
+    held back."""
+    if limit is None or k <= 0 or limit >= max_num_seqs * (1 + k):
+        return None
+    fit = max(0, (limit - max_num_seqs) // k)
+    return (
+        f"speculative decoding: steps with drafts are held to {limit} tokens (the re-laid "
+        f"linears' small-M limit, KernelConfig.small_m_max_rows / int8_small_m_max_rows: "
+        f"past it a row's bits could depend on the batch), so with {max_num_seqs} requests "
+        f"decoding only {fit} of them get drafts in a step; a full verify step needs "
+        f"{max_num_seqs * (1 + k)} tokens (raise the limit or lower max_num_seqs)"
+    )
+
+
 class LLM:
     """A model, its compiled forward, a paged KV cache and a scheduler.
 
@@ -139,6 +157,11 @@ class LLM:
                 if hasattr(worker, name):
                     setattr(self, name, getattr(worker, name))
             self.spec = self._speculation(spec_config, worker, cache_dir, seed, block_size)
+            limit = self._draft_rows_limit(worker)
+            k = spec_config.num_speculative_tokens if self.spec is not None else 0
+            note = draft_rows_warning(limit, max_num_seqs, k)
+            if note is not None:
+                logger.warning("!!! %s", note)
             self.scheduler = Scheduler(
                 worker.block_manager,
                 block_size=block_size,
@@ -146,7 +169,7 @@ class LLM:
                 max_num_tokens=worker.config.max_num_tokens,
                 max_model_len=max_model_len,
                 on_release=self.spec.release if self.spec is not None else None,
-                draft_rows_limit=self._draft_rows_limit(worker),
+                draft_rows_limit=limit,
             )
             self.engine = EngineCore(
                 executor,

@@ -402,3 +402,18 @@ def test_a_proposer_out_of_vocabulary_is_named(llama_checkpoint, plugin_proposer
     with pytest.raises(RuntimeError, match="draft token 261 for request 0 is not a token id"):
         llm.generate([[1, 2, 3]], 4, ignore_eos=True)
     assert llm.block_manager.num_free == llm.block_manager.num_usable
+
+
+def test_a_draft_rows_limit_below_a_full_verify_step_is_said_at_start_up():
+    """Steps with drafts held to a limit below max_num_seqs x (1 + k) tokens leave some
+    decoding requests without drafts (all of them once max_num_seqs reaches limit - k): the
+    start-up line says so with the numbers; nothing is said where nothing is held back."""
+    from framework.engine.llm import draft_rows_warning
+
+    assert draft_rows_warning(None, 8, 4) is None  # every row count on the kernel
+    assert draft_rows_warning(64, 8, 4) is None  # 40 tokens fit
+    assert draft_rows_warning(8, 4, 0) is None  # no speculation
+    note = draft_rows_warning(8, 4, 3)
+    assert note is not None and "held to 8 tokens" in note and "only 1 of them" in note
+    assert "needs 16 tokens" in note and "small_m_max_rows" in note
+    assert "only 0 of them" in draft_rows_warning(4, 4, 3)
