@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 def draft_rows_warning(limit: Optional[int], max_num_seqs: int, k: int) -> Optional[str]:
     """The start-up line where steps with drafts are held to ``limit`` tokens
     (``Scheduler.draft_rows_limit``) and a full batch's verify step, ``max_num_seqs x (1 + k)``
-    tokens, does not fit: then only some of the decoding requests get drafts in a step, and
-    none once ``max_num_seqs`` requests decode past ``limit - k``.  None where nothing is
-    held back."""
+    tokens, does not fit: then with every sequence decoding only ``(limit - max_num_seqs) //
+    k`` of them get drafts in a step (none where ``max_num_seqs > limit - k``).  None where
+    nothing is held back."""
     if limit is None or k <= 0 or limit >= max_num_seqs * (1 + k):
         return None
     fit = max(0, (limit - max_num_seqs) // k)

@@ -80,7 +80,7 @@ def test_greedy_tokens_identical_with_ngram_at_o2(tiny_checkpoint, family, compi
 
 @pytest.mark.slow(reason="two int8 O2 builds of the tiny model, 10-40 s")
 def test_int8_verify_steps_past_the_kernels_max_rows_keep_greedy_tokens(
-    llama_checkpoint, compile_cache_dir
+    llama_checkpoint, compile_cache_dir, caplog
 ):
     """int8 linears with a small-M limit of 8 rows, verify steps of up to 4 x (1 + K) = 16
     rows: where the int8 kernels take every row count (AVX2 without VNNI) a row's bits do not
@@ -102,6 +102,9 @@ def test_int8_verify_steps_past_the_kernels_max_rows_keep_greedy_tokens(
     methods = [getattr(m, "linear_method", None) for m in llm.model.modules()]
     assert any(type(m).__name__ == "PackedInt8LinearMethod" for m in methods)
     assert llm.scheduler.draft_rows_limit == (None if takes_every_row_count() else 8)
+    # 4 sequences x (1 + K) = 16 tokens do not fit a limit of 8: the start-up line says so
+    said = [r.getMessage() for r in caplog.records if "held to 8 tokens" in r.getMessage()]
+    assert len(said) == (0 if takes_every_row_count() else 1), said
 
 
 def test_greedy_identical_with_prefix_caching(llama_checkpoint):
