@@ -12,13 +12,22 @@ checked; row m gives the bonus token when every draft is accepted.
   min-p exactly as :func:`framework.engine.sampler.process_logits` applies them).  Draft
   ``d_j`` drawn from ``q_j`` is accepted with probability ``min(1, p_j(d)/q_j(d))``; on the
   first rejection a token is drawn from ``norm(max(p_j - q_j, 0))`` and the step ends.  For a
-  deterministic draft (n-gram lookup, a greedy draft model) ``q_j`` is one-hot: accept with
-  probability ``p_j(d)``, else draw from p_j without d.  Every kept token then has the
+  deterministic draft (n-gram lookup; any proposer that gives no q) ``q_j`` is one-hot: accept
+  with probability ``p_j(d)``, else draw from p_j without d.  Every kept token then has the
   target's distribution (Leviathan et al. 2023, Chen et al. 2023).
 
 Randomness is the sampler's counter-based noise: output index ``i`` of a request draws its
-race noise from ``(seed, i)`` and its acceptance uniform from ``(seed, i + ACCEPT_STREAM)``, so a
-seeded request gets the same tokens whatever else is in the batch, and after a preemption.
+race noise from ``(seed, i)``, as the plain sampler does.  A one-hot draft is checked against
+that draw itself (:func:`one_hot_accepts`): the target draws its token ``t`` at index ``i``
+exactly as it would without speculation, and the draft is accepted when ``t == d``.  That is
+the rule above with one coupling of its randomness: ``P(t == d) = p(d)``, and on a rejection
+``t`` is distributed as p without d, renormalised.  So the kept tokens never depend on the
+drafts: a seeded request gets the same tokens whatever the batch, after a preemption, with
+or without drafts at any position (a step whose drafts were held back, k changed).  A draft
+drawn from q (a sampling draft model) takes ``min(1, p/q)`` against a uniform from
+``(seed, i + ACCEPT_STREAM)`` and the residual race; its tokens are reproducible for the same
+drafts (the draft's own noise is keyed by the seed too), but a step that gives a request fewer
+drafts (``draft_rows_limit``, a full draft cache) changes the draws after it.
 Penalties and logprobs are refused with speculation (``framework.engine.spec.decoder``).
 """
 
@@ -38,8 +47,15 @@ the index itself): the two never collide for outputs shorter than 2**31 tokens."
 
 
 def accept_probability(p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
-    """``min(1, p(d) / q(d))`` per draft row (one-hot q: ``q(d) = 1``, so ``p(d)``)."""
+    """``min(1, p(d) / q(d))`` per row of a draft drawn from q (a one-hot draft is checked by
+    :func:`one_hot_accepts` instead)."""
     return (p_draft / q_draft).clamp(max=1.0)
+
+
+def one_hot_accepts(draw: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """A one-hot draft's acceptance: the target's own draw at its index is the draft (an
+    event of probability ``p(d)``; on a rejection the draw is the kept token)."""
+    return draw == draft
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -132,14 +148,16 @@ class RejectionSampler:
         tok = torch.tensor(draft_tok, dtype=torch.int64, device=dev)
         has_draft = tok >= 0
         safe_tok = tok.clamp_min(0)
+        # q rows of the sampled drafts; a one-hot draft's row stays zero (its residual race is
+        # the plain draw from p, against which one_hot_accepts checks it)
         q = torch.zeros(m, vocab, dtype=p.dtype, device=dev)
+        one_hot = torch.zeros(m, dtype=torch.bool, device=dev)
         at = 0
         for i in which:
             nd = len(drafts[i])
             qi = draft_probs[i] if draft_probs is not None else None
             if qi is None:
-                if nd:
-                    q[at + torch.arange(nd, device=dev), safe_tok[at : at + nd]] = 1.0
+                one_hot[at : at + nd] = True
             else:
                 if tuple(qi.shape) != (nd, vocab):
                     raise ValueError(
@@ -155,10 +173,11 @@ class RejectionSampler:
         u = uniform_noise(seeds_t, steps_t + ACCEPT_STREAM, vocab, safe_tok[:, None])[:, 0]
         # q(d) = 0 would mean a draft its own distribution could not produce: reject it.
         prob = torch.where(q_d > 0, accept_probability(p_d, q_d.clamp_min(1e-30)), 0.0)
-        acc = (u < prob) & has_draft
         noise = uniform_noise(seeds_t, steps_t, vocab)
         race = residual(p, q) / -noise.log()
-        got = race.argmax(dim=-1).tolist()
+        draw = race.argmax(dim=-1)
+        acc = torch.where(one_hot, one_hot_accepts(draw, tok), u < prob) & has_draft
+        got = draw.tolist()
         acc_l = acc.tolist()
         drawn, accepted = {}, {}
         at = 0

@@ -87,18 +87,43 @@ def test_one_hot_rule_keeps_the_target_distribution_and_always_accept_fails(monk
     spec = np.bincount(_spec_first_tokens(n, draft), minlength=V)
     assert chi_square_p(ref, spec) > 1e-3
     # A wrong rule (always accept the draft) is detected.
-    monkeypatch.setattr(rejection, "accept_probability", lambda p, q: torch.ones_like(p))
+    monkeypatch.setattr(rejection, "one_hot_accepts", lambda draw, d: torch.ones_like(draw > 0))
     wrong = np.bincount(_spec_first_tokens(n, draft), minlength=V)
     assert chi_square_p(ref, wrong) < 1e-6
-    # So is "resample from p instead of the residual".
+    # So is "accept with probability p(d) by a uniform of its own, else keep the target's
+    # draw": right acceptance rate, but a rejection can keep the draft itself.
     monkeypatch.undo()
-    monkeypatch.setattr(rejection, "residual", lambda p, q: p)
+    coin = torch.Generator().manual_seed(5)
+    monkeypatch.setattr(
+        rejection,
+        "one_hot_accepts",
+        lambda draw, d: torch.rand(draw.shape, generator=coin) < float(p[draft]),
+    )
     wrong = np.bincount(_spec_first_tokens(n, draft), minlength=V)
     assert chi_square_p(ref, wrong) < 1e-6
 
 
-def test_draft_distribution_rule_keeps_the_target_distribution():
-    """A sampled draft (q not one-hot): accept with min(1, p/q), else norm(max(p - q, 0))."""
+def test_one_hot_drafts_never_change_a_seeded_requests_tokens():
+    """A one-hot draft is checked against the target's own draw at its index: the kept tokens
+    are the plain sampler's draws, token for token, whatever drafts (or none) were offered."""
+    x = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
+    for seed in range(40):
+        plain = []
+        for j in range(5):  # the plain sampler's draws at output indices 0..4
+            r = req(seed, PARAMS, output=plain)
+            plain.append(Sampler()(x[j : j + 1].clone(), [r])[0][0])
+        for drafts in ([], plain[:4], plain[:2] + [(plain[2] + 1) % V, 0], [(plain[0] + 3) % V]):
+            got = RejectionSampler()(x[: len(drafts) + 1].clone(), [req(seed, PARAMS)], [drafts])
+            kept = got[0]
+            assert kept == plain[: len(kept)], (seed, drafts, kept, plain)
+            assert len(kept) == 1 + next(
+                (j for j, d in enumerate(drafts) if d != plain[j]), len(drafts)
+            )
+
+
+def test_draft_distribution_rule_keeps_the_target_distribution(monkeypatch):
+    """A sampled draft (q not one-hot): accept with min(1, p/q), else norm(max(p - q, 0));
+    always accepting, or drawing from p instead of the residual, is detected."""
     n = 4000
     x = _target_logits()
     q = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(9)), -1)
@@ -106,10 +131,19 @@ def test_draft_distribution_rule_keeps_the_target_distribution():
     drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
     logits = x.expand(2 * n, V).clone()
     reqs = [req(s, PARAMS) for s in range(n)]
-    got = RejectionSampler()(logits, reqs, [[d] for d in drafts], [q[None]] * n)
-    spec = np.bincount([t[0] for t in got], minlength=V)
+
+    def first_tokens():
+        got = RejectionSampler()(logits, reqs, [[d] for d in drafts], [q[None]] * n)
+        return np.bincount([t[0] for t in got], minlength=V)
+
     plain = Sampler()(x.expand(n, V).clone(), [req(s + 10**6, PARAMS) for s in range(n)])[0]
-    assert chi_square_p(np.bincount(plain, minlength=V), spec) > 1e-3
+    ref = np.bincount(plain, minlength=V)
+    assert chi_square_p(ref, first_tokens()) > 1e-3
+    monkeypatch.setattr(rejection, "accept_probability", lambda p, q: torch.ones_like(p))
+    assert chi_square_p(ref, first_tokens()) < 1e-6
+    monkeypatch.undo()
+    monkeypatch.setattr(rejection, "residual", lambda p, q: p)
+    assert chi_square_p(ref, first_tokens()) < 1e-6
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
