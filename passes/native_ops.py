@@ -10,6 +10,10 @@ on a graph's call of the op goes from the dispatcher straight into C++ -- no Pyt
 ctypes marshalling; calls the kernels do not take (more rows than the call's ``max_rows``,
 other dtypes or layouts) are handed to the op's Python twin ``piecewise::<op>_python``.
 
+Where this Python's headers are installed the library is also a Python module whose functions
+are the same C++ kernels; :func:`load` registers them as the ops' direct calls
+(``framework.core.ops.direct_call``), which the lean pieces call without the dispatcher.
+
 The registration is process-wide (like the ops themselves), and changes no result: the C++
 kernel computes what the Python body computes.  The engine's model preparation calls
 :func:`load` when it re-lays a weight for a kernel; where the library cannot be built (no
@@ -23,6 +27,7 @@ import ctypes
 import functools
 
 from framework.core.native_build import TorchOpLibrary
+from framework.core.ops import set_direct_call
 from passes.int8_small_m import CSRC
 
 LIBRARY = TorchOpLibrary(
@@ -30,6 +35,7 @@ LIBRARY = TorchOpLibrary(
     CSRC / "torch_ops.cpp",
     portable_env="PIECEWISE_NATIVE_OPS_PORTABLE",
     extra_flags=("-ffp-contract=off",),
+    python_module="piecewise_ops",
     depends=(
         CSRC / "small_m_linear.cpp",
         CSRC / "int8_linear.cpp",
@@ -60,7 +66,13 @@ def load() -> bool:
     import passes.ops.packed_linear  # noqa: F401
     import passes.ops.packed_moe  # noqa: F401
 
-    return LIBRARY.register("the linear ops run their Python bodies")
+    if not LIBRARY.register("the linear ops run their Python bodies"):
+        return False
+    module = LIBRARY.python_module()
+    if module is not None:  # the same kernels, callable without the dispatcher
+        for op in OPS:
+            set_direct_call(f"piecewise::{op}", getattr(module, op))
+    return True
 
 
 def loaded() -> bool:

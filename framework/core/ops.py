@@ -19,6 +19,11 @@ hot path (attention runs once per layer per step) custom_op's Python wrapper cos
 call against ~3 µs for a Library kernel (measured side by side, torch 2.13 CPU). Outputs never
 alias inputs (write into a mutated ``out`` argument instead).
 
+``set_direct_call(qualname, fn)`` / ``direct_call(qualname)``: an op whose CPU kernel is also a
+function of a native Python module (``passes/native_ops.py``) can be called without the
+dispatcher; the lean pieces do (``backends/piecewise/inductor_lean.py``), a decode step's
+dozens of linear calls ~1.5 µs cheaper each.
+
 ``with override_kernel(qualname, device, fn):`` swaps one device's kernel for the calls made
 in that block, in that thread (or asyncio task) only: compiled graphs called inside it use the
 new kernel, and another engine or thread running at the same time does not see it.  The first
@@ -133,6 +138,8 @@ _OVERRIDES: contextvars.ContextVar[dict[tuple[str, str], Callable]] = contextvar
 each ``override_kernel`` block sets a new dict and restores the old one)."""
 _TRAMPOLINES: set[tuple[str, str]] = set()
 """(qualname, device) whose registered kernel is a trampoline reading :data:`_OVERRIDES`."""
+_DIRECT: dict[str, Callable] = {}
+"""qualname -> its CPU kernel as a plain Python callable (:func:`set_direct_call`)."""
 
 
 def _trampoline(qualname: str, device: str, ref: KernelRef) -> Callable:
@@ -179,6 +186,36 @@ def override_kernel(qualname: str, device: str, kernel: KernelRef) -> Iterator[N
         yield
     finally:
         _OVERRIDES.reset(token)
+
+
+def set_direct_call(qualname: str, fn: Callable) -> None:
+    """Register ``fn`` as ``qualname``'s CPU kernel callable from Python without the
+    dispatcher (a native op library's Python module function: the function the op's CPU
+    dispatch key runs).  Process-wide, like the kernel it mirrors."""
+    _split(qualname)
+    with _REGISTRY_LOCK:
+        _DIRECT[qualname] = fn
+
+
+def direct_call(qualname: str) -> Optional[Callable]:
+    """A callable running ``qualname``'s registered direct kernel (:func:`set_direct_call`),
+    or None where there is none.  Only for what a lean piece calls at run time: CPU tensors,
+    no autograd, no fake tensors or dispatch modes.  While any :func:`override_kernel` block
+    is active in the calling context it goes through the dispatcher, so an override is never
+    bypassed.  Saves the dispatcher's boxing of the arguments: ~2.4 -> ~0.9 µs a call."""
+    fn = _DIRECT.get(qualname)
+    if fn is None:
+        return None
+    name = _split(qualname)
+    overrides = _OVERRIDES
+
+    def call(*args):
+        if overrides.get():
+            return getattr(torch.ops.piecewise, name).default(*args)
+        return fn(*args)
+
+    call.__name__ = f"direct_{_split(qualname)}"
+    return call
 
 
 def registered_kernels() -> dict[str, dict[str, str]]:

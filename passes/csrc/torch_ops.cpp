@@ -230,6 +230,22 @@ TORCH_LIBRARY_IMPL(piecewise, CPU, m) {
   m.impl("int8_wo_packed_linear", TORCH_FN(int8_wo_packed_linear));
 }
 
+// The same kernels as a Python module (built where this Python's headers are installed:
+// framework/core/native_build.py's TorchOpLibrary, python_module): a lean piece calls them
+// directly, without the dispatcher's boxing of every argument (framework/core/ops.py,
+// direct calls).  Each is the function the CPU dispatch key runs.
+#ifdef PW_PYTHON_MODULE
+#include <torch/extension.h>
+
+PYBIND11_MODULE(PW_PYTHON_MODULE, m) {
+  m.def("packed_linear", &packed_linear);
+  m.def("packed_linear_greedy", &packed_linear_greedy);
+  m.def("int8_packed_linear", &int8_packed_linear);
+  m.def("int8_wo_packed_linear", &int8_wo_packed_linear);
+  m.def("fused_moe_packed", &pw_moe::fused_moe_packed);
+}
+#endif
+
 extern "C" {
 // Which instruction sets the kernels of this build use (for logs and benchmarks).
 const char* piecewise_torch_ops_isa() {

@@ -31,14 +31,15 @@ output never aliases an input) and passes ``opcheck``.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from framework.compat import onednn
-from framework.core.ops import define_op
+from framework.core.ops import define_op, direct_call
 from passes import native_ops
 from passes import small_m_linear as small_m
 
@@ -155,6 +156,13 @@ packed_linear_greedy = define_op("piecewise::packed_linear_greedy", fake=_greedy
 kernel (``csrc/torch_ops.cpp``) runs the small-M kernel's greedy epilogue, each thread
 scanning the logits it has just stored; the Python body is :func:`packed_linear` and
 :func:`first_argmax`."""
+
+
+@functools.lru_cache(maxsize=1)
+def _greedy_call() -> Callable:
+    """The greedy head's op, as a direct call where the native library has one (asked once
+    the library is loaded: ``PackedLinearMethod.apply_greedy`` checks that first)."""
+    return direct_call("piecewise::packed_linear_greedy") or packed_linear_greedy
 
 
 def _release_weight(layer: nn.Module) -> None:
@@ -278,7 +286,7 @@ class PackedLinearMethod:
         the caller computes the logits and the argmax apart, as fast as this would)."""
         if self.layout != "panel" or x.dim() != 2 or not native_ops.loaded():
             return None
-        return packed_linear_greedy(
+        return _greedy_call()(
             x,
             layer.weight,
             layer.weight_md,

@@ -145,3 +145,41 @@ def test_packed_linear_greedy_rows_of_minus_inf_and_opcheck():
         torch.ops.piecewise.packed_linear_greedy.default,
         (x, fine.weight, fine.weight_md, fine.bias, n, k, 16),
     )
+
+
+def _direct(op):
+    from framework.core.ops import direct_call
+
+    call = direct_call(f"piecewise::{op}")
+    if call is None:
+        pytest.skip("the op library was built without its Python module (no Python headers)")
+    return call
+
+
+def test_the_library_is_a_python_module_whose_functions_are_the_cpp_kernels():
+    """Where this Python's headers are installed, every op's C++ CPU kernel is also a
+    function of the library's Python module, registered as the op's direct call: same bits as
+    the dispatcher's call, kernel rows and the rows it hands to the Python twin alike."""
+    import sysconfig
+    from pathlib import Path
+
+    if (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        module = native_ops.LIBRARY.python_module()
+        assert module is not None
+        assert all(callable(getattr(module, op)) for op in native_ops.OPS)
+    layer = _layer(96, 64, max_rows=16)
+    call = _direct("packed_linear")
+    for rows in (1, 5, 40):  # 40 > max_rows: the twin's path
+        x = torch.randn(rows, 64).to(BF16)
+        args = (x, layer.weight, layer.weight_md, layer.bias, 96, 64, 16)
+        assert torch.equal(_bits(call(*args)), _bits(torch.ops.piecewise.packed_linear(*args)))
+    head = _head(torch.randn(1000, 64).to(BF16), 16)
+    x = torch.randn(3, 64).to(BF16)
+    args = (x, head.weight, head.weight_md, None, 1000, 64, 16)
+    got, want = (
+        _direct("packed_linear_greedy")(*args),
+        torch.ops.piecewise.packed_linear_greedy(*args),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(TypeError, match=r"x \(torch.float32\) and w \(torch.bfloat16\) differ"):
+        call(x.float(), layer.weight, None, None, 96, 64, 16)

@@ -189,3 +189,30 @@ def test_threads_overriding_one_op_at_once_install_one_trampoline(monkeypatch):
         t.join()
     assert installs == [key]
     assert seen == {i: [float(i)] for i in range(4)}
+
+
+def test_direct_call_runs_the_registered_kernel_and_yields_to_an_override(monkeypatch):
+    """An op's direct call runs the function registered for it, without the dispatcher; inside
+    an override_kernel block (of any op) it goes through the dispatcher, so the override
+    still applies; an op without one has none."""
+    assert core_ops.direct_call("piecewise::silu_and_mul") is None
+    seen = []
+
+    def direct(out, x):
+        seen.append("direct")
+        out.fill_(3)
+
+    monkeypatch.setitem(core_ops._DIRECT, "piecewise::silu_and_mul", direct)
+    call = core_ops.direct_call("piecewise::silu_and_mul")
+    x, out = torch.randn(2, 8), torch.empty(2, 4)
+    call(out, x)
+    assert seen == ["direct"] and (out == 3).all()
+
+    def sevens(o, t):
+        o.fill_(7)
+
+    with core_ops.override_kernel("piecewise::silu_and_mul", "cpu", sevens):
+        call(out, x)
+    assert seen == ["direct"] and (out == 7).all()
+    with pytest.raises(ValueError, match="op name must look like"):
+        core_ops.set_direct_call("silu_and_mul", direct)

@@ -1,0 +1,57 @@
+"""The lean form's direct op calls (backends/piecewise/inductor_lean.py, bind_direct_calls): a
+piece's calls of ops that have a direct call (framework/core/ops.py) skip the dispatcher,
+the others keep it, and the piece computes the same bits either way."""
+
+import pytest
+import torch
+
+from backends.piecewise.compiler import CompileRange, make_compiler
+from backends.piecewise.inductor_lean import bind_direct_calls
+from framework.core import ops as core_ops
+
+SOURCE = """def call(self, args):
+    a = torch.ops.piecewise.packed_linear.default(x, w, None, None, 8, 8, 64)
+    b = torch.ops.piecewise.rms_norm.default(y)
+    return torch.ops.piecewise.packed_linear.default(a, w, None, None, 8, 8, 64)
+"""
+
+
+def test_only_ops_with_a_direct_call_are_renamed(monkeypatch):
+    monkeypatch.setattr(core_ops, "_DIRECT", {})  # whatever other tests registered
+    body, direct = bind_direct_calls(SOURCE)
+    assert body == SOURCE and direct == {}  # nothing registered: unchanged
+    monkeypatch.setitem(core_ops._DIRECT, "piecewise::packed_linear", lambda *a: a)
+    body, direct = bind_direct_calls(SOURCE)
+    assert body.count("_pw_direct_packed_linear(") == 2
+    assert "torch.ops.piecewise.rms_norm.default(y)" in body
+    assert list(direct) == ["_pw_direct_packed_linear"]
+    assert direct["_pw_direct_packed_linear"](1, 2) == (1, 2)
+
+
+def test_a_compiled_piece_calls_the_packed_linear_kernel_directly(tmp_path):
+    """A piece with a packed linear (the layer's op in the graph): its lean module binds the
+    op's direct call where the native library has one, and gives the dispatcher's bits."""
+    from passes import native_ops
+    from passes import small_m_linear as small_m
+
+    if not (small_m.kernel_available() and native_ops.load()):
+        pytest.skip("the C++ op library does not build here")
+    if core_ops.direct_call("piecewise::packed_linear") is None:
+        pytest.skip("the op library was built without its Python module")
+    w = small_m.pack(torch.randn(96, 64).to(torch.bfloat16))
+
+    def f(x, w):
+        y = torch.ops.piecewise.packed_linear.default(x, w, None, None, 96, 64, 64)
+        return (torch.relu(y) * 2,)
+
+    gm = torch.fx.symbolic_trace(f)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    compiler = make_compiler("inductor")
+    compiled, save = compiler.compile(gm, [x, w], CompileRange(4, 4))
+    assert compiled.direct_calls == ["_pw_direct_packed_linear"]
+    want = f(x, w)[0]
+    assert torch.equal(compiled(x, w)[0], want)
+    save(tmp_path / "piece.bin")
+    loaded = compiler.load(tmp_path / "piece.bin")
+    assert loaded.direct_calls == ["_pw_direct_packed_linear"]
+    assert torch.equal(loaded(x, w)[0], want)
