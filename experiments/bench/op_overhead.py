@@ -14,6 +14,9 @@ the spread (min-max of the rounds):
 * ``int8 python`` / ``int8 C++``: ``int8_packed_linear_python`` / ``int8_packed_linear``;
 * ``int8 _int_mm ops``: the unpacked ``int8_per_token`` path (``dynamic_per_token_quant`` +
   ``int8_scaled_mm`` ops), what an int8 linear ran before the int8 kernel;
+* ``bf16 C++ direct`` / ``int8 C++ direct``: the same C++ kernels called as functions of the
+  op library's Python module (``framework.core.ops.direct_call``: what a lean piece calls),
+  where the library was built with one;
 * ``ctypes only``: :func:`passes.small_m_linear.run_packed` called directly (no op dispatch);
 * ``aten.add``: one small torch op, for scale.
 """
@@ -39,6 +42,7 @@ def variants(n: int, k: int, m: int) -> dict:
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     x = torch.randn(m, k, generator=g).bfloat16()
     packed = small_m.pack(w)
+    from framework.core.ops import direct_call
     from framework.core.quantization import QuantizationConfig
 
     spec = QuantizationConfig.parse("int8_per_token").spec_for("layer")
@@ -53,7 +57,7 @@ def variants(n: int, k: int, m: int) -> dict:
         ops.dynamic_per_token_quant(x_q, x, s)
         return ops.int8_scaled_mm(x_q, s, w_q.t(), scale, None, x.dtype)
 
-    return {
+    out = {
         "bf16 python": lambda: ops.packed_linear_python(x, packed, None, None, n, k, rows),
         "bf16 C++": lambda: ops.packed_linear(x, packed, None, None, n, k, rows),
         "int8 python": lambda: ops.int8_packed_linear_python(x, w8, s8, comp, None, n, k, rows),
@@ -62,6 +66,14 @@ def variants(n: int, k: int, m: int) -> dict:
         "ctypes only": lambda: small_m.run_packed(x, packed, None, n),
         "aten.add": lambda: torch.add(x, x),
     }
+    bf16, int8 = (
+        direct_call("piecewise::packed_linear"),
+        direct_call("piecewise::int8_packed_linear"),
+    )
+    if bf16 is not None and int8 is not None:  # the library's Python module (Python headers)
+        out["bf16 C++ direct"] = lambda: bf16(x, packed, None, None, n, k, rows)
+        out["int8 C++ direct"] = lambda: int8(x, w8, s8, comp, None, n, k, rows)
+    return out
 
 
 def run(n: int, k: int, m: int, calls: int, rounds: int) -> dict[str, list[float]]:
@@ -108,6 +120,11 @@ def main(argv=None) -> dict[str, float]:
         f"{med['int8 python'] - med['int8 C++']:.2f} µs per int8 call; the int8 kernel op vs "
         f"the unpacked int8 ops: {med['int8 _int_mm ops'] / med['int8 C++']:.1f}x"
     )
+    if "bf16 C++ direct" in med:
+        print(
+            f"# a direct call saves {med['bf16 C++'] - med['bf16 C++ direct']:.2f} µs per bf16 "
+            f"call, {med['int8 C++'] - med['int8 C++ direct']:.2f} µs per int8 call"
+        )
     return med
 
 
