@@ -187,7 +187,8 @@ class LLM:
         kernels whose rows do not depend on the rows beside them): the limit of steps with
         drafts (``Scheduler.draft_rows_limit``).  None where no linear was re-laid, or where
         every re-laid layer runs its kernel at any row count (AVX2-only CPUs: bf16 and int8
-        linears, bf16 experts; :func:`~framework.engine.model_prep.rows_independent`)."""
+        linears, bf16 experts; AMX: W8A8 int8 linears, and bf16 ones without a oneDNN view;
+        :func:`~framework.engine.model_prep.rows_independent`)."""
         packed = worker.packed_layers
         if not packed or rows_independent(worker.model, packed):
             return None

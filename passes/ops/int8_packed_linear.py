@@ -186,15 +186,16 @@ class PackedInt8LinearMethod:
         )
 
     def rows_independent(self, layer: nn.Module) -> bool:
-        """Every call of ``layer`` runs the kernel, past ``max_rows`` in slices (where the
-        kernels take every row count: AVX2 without VNNI), and the activations are quantized
-        per row (W8A8) or not at all: a row's bits never depend on the rows beside it."""
+        """Every call of ``layer`` runs the kernel -- past ``max_rows`` in slices where the
+        kernels take every row count (AVX2 without VNNI), or W8A8 in one call where its tile
+        path does (AMX: :func:`passes.int8_small_m.w8a8_takes_every_row_count`) -- and the
+        activations are quantized per row (W8A8) or not at all: a row's bits never depend on
+        the rows beside it."""
         bias = getattr(layer, "bias", None)
-        return (
-            self.max_rows > 0
-            and i8.takes_every_row_count()
-            and (bias is None or bias.dtype in i8.DTYPES)
+        every_count = i8.takes_every_row_count() or (
+            not self.weight_only and i8.w8a8_takes_every_row_count()
         )
+        return self.max_rows > 0 and every_count and (bias is None or bias.dtype in i8.DTYPES)
 
     def process(self, layer: nn.Module) -> bool:
         """Re-lay ``layer.weight`` once; the layer then holds only the packed tensor, fp32

@@ -299,6 +299,10 @@ def test_where_torch_has_no_fast_int8_gemm_larger_calls_run_the_kernel_in_slices
     monkeypatch.setattr(i8, "w8a8_takes_every_row_count", lambda: False)  # not AMX: pinned
     monkeypatch.setattr(i8, "takes_every_row_count", lambda: False)  # VNNI: torch past max_rows
     assert not layer.linear_method.rows_independent(layer)
+    # W8A8's tile path in one call (AMX): its rows are independent, weight-only's are not
+    monkeypatch.setattr(i8, "w8a8_takes_every_row_count", lambda: True)
+    assert layer.linear_method.rows_independent(layer) == (not layer.linear_method.weight_only)
+    monkeypatch.setattr(i8, "w8a8_takes_every_row_count", lambda: False)
     monkeypatch.setattr(i8, "takes_every_row_count", lambda: True)
     # so the engine lets a step with drafts grow past max_rows (draft_rows_limit None)
     assert layer.linear_method.rows_independent(layer)

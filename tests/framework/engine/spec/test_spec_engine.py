@@ -83,12 +83,14 @@ def test_int8_verify_steps_past_the_kernels_max_rows_keep_greedy_tokens(
     llama_checkpoint, compile_cache_dir, caplog
 ):
     """int8 linears with a small-M limit of 8 rows, verify steps of up to 4 x (1 + K) = 16
-    rows: where the int8 kernels take every row count (AVX2 without VNNI) a row's bits do not
-    depend on the step's size, so steps with drafts are not held to 8 rows
-    (``draft_rows_limit`` None); elsewhere they are, and 4 decoding requests leave room for
-    one request's drafts a step (a limit of 4 left none: no draft was ever verified there).
-    Either way the greedy tokens are the plain engine's."""
-    from passes.int8_small_m import takes_every_row_count
+    rows: where the int8 kernels take every row count (AVX2 without VNNI: in slices; AMX:
+    W8A8 in one call) a row's bits do not depend on the step's size, so steps with drafts are
+    not held to 8 rows (``draft_rows_limit`` None); elsewhere they are, and 4 decoding
+    requests leave room for one request's drafts a step (a limit of 4 left none: no draft was
+    ever verified there).  Either way the greedy tokens are the plain engine's."""
+    from passes.int8_small_m import takes_every_row_count, w8a8_takes_every_row_count
+
+    every_count = takes_every_row_count() or w8a8_takes_every_row_count()
 
     cc = CompilationConfig(kernel_config={"int8_small_m_max_rows": 8}, progress_bar=False)
     llm, _ = check_identical(
@@ -101,10 +103,10 @@ def test_int8_verify_steps_past_the_kernels_max_rows_keep_greedy_tokens(
     )
     methods = [getattr(m, "linear_method", None) for m in llm.model.modules()]
     assert any(type(m).__name__ == "PackedInt8LinearMethod" for m in methods)
-    assert llm.scheduler.draft_rows_limit == (None if takes_every_row_count() else 8)
+    assert llm.scheduler.draft_rows_limit == (None if every_count else 8)
     # 4 sequences x (1 + K) = 16 tokens do not fit a limit of 8: the start-up line says so
     said = [r.getMessage() for r in caplog.records if "held to 8 tokens" in r.getMessage()]
-    assert len(said) == (0 if takes_every_row_count() else 1), said
+    assert len(said) == (0 if every_count else 1), said
 
 
 def test_greedy_identical_with_prefix_caching(llama_checkpoint):
