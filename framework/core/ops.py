@@ -202,16 +202,17 @@ def direct_call(qualname: str) -> Optional[Callable]:
     or None where there is none.  Only for what a lean piece calls at run time: CPU tensors,
     no autograd, no fake tensors or dispatch modes.  While any :func:`override_kernel` block
     is active in the calling context it goes through the dispatcher, so an override is never
-    bypassed.  Saves the dispatcher's boxing of the arguments: ~2.4 -> ~0.9 µs a call."""
+    bypassed; so does a call with keyword arguments.  Saves the dispatcher's boxing of the
+    arguments: ~2.6 -> ~1.5 µs a call on a 64x64 linear."""
     fn = _DIRECT.get(qualname)
     if fn is None:
         return None
     name = _split(qualname)
     overrides = _OVERRIDES
 
-    def call(*args):
-        if overrides.get():
-            return getattr(torch.ops.piecewise, name).default(*args)
+    def call(*args, **kwargs):
+        if kwargs or overrides.get():  # (the module functions take positional arguments)
+            return getattr(torch.ops.piecewise, name).default(*args, **kwargs)
         return fn(*args)
 
     call.__name__ = f"direct_{_split(qualname)}"

@@ -214,5 +214,7 @@ def test_direct_call_runs_the_registered_kernel_and_yields_to_an_override(monkey
     with core_ops.override_kernel("piecewise::silu_and_mul", "cpu", sevens):
         call(out, x)
     assert seen == ["direct"] and (out == 7).all()
+    call(out=out, x=x)  # keyword arguments: the dispatcher's call (the registered kernel)
+    assert seen == ["direct"] and not (out == 3).all()
     with pytest.raises(ValueError, match="op name must look like"):
         core_ops.set_direct_call("silu_and_mul", direct)
