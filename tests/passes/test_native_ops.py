@@ -183,3 +183,32 @@ def test_the_library_is_a_python_module_whose_functions_are_the_cpp_kernels():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(TypeError, match=r"x \(torch.float32\) and w \(torch.bfloat16\) differ"):
         call(x.float(), layer.weight, None, None, 96, 64, 16)
+
+
+def test_a_build_failing_with_its_python_module_registers_the_kernels_without_it(
+    monkeypatch, caplog
+):
+    """The Python module is optional: where the build with it fails, the library is built
+    (here: found) without it, one warning, and the ops keep their C++ kernels."""
+    from framework.core.native_build import KernelBuildError, TorchOpLibrary
+
+    lib = TorchOpLibrary(
+        "piecewise_ops",
+        native_ops.LIBRARY.source,
+        portable_env="PIECEWISE_NATIVE_OPS_PORTABLE",
+        python_module="piecewise_ops",
+    )
+    if not lib._binds_python():
+        pytest.skip("no Python headers here: the library never binds its module")
+    built = native_ops.LIBRARY.library_path()
+
+    def library_path(portable=None):
+        if lib._binds_python():
+            raise KernelBuildError("pybind11 does not build here (simulated)")
+        return built
+
+    monkeypatch.setattr(lib, "library_path", library_path)
+    with caplog.at_level("WARNING"):
+        assert lib.register("the Python bodies run")
+    assert lib.python_module() is None
+    assert any("without its Python module" in r.getMessage() for r in caplog.records)
