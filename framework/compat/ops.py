@@ -51,6 +51,23 @@ auto_functionalized_v2 = _attr(
 get_mutable_args = _attr("torch._higher_order_ops.auto_functionalize", "get_mutable_args")
 
 
+# torch._C (torch 2.11, 2.13): the depth of this thread's Python dispatch-mode stack and
+# whether the profiler records ops.  Optional: where either is missing, dispatch_observed()
+# says True and callers keep the dispatcher.
+_DISPATCH_STACK_LEN = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_PROFILER_ENABLED = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+
+
+def dispatch_observed() -> bool:
+    """Whether something watches this thread's op calls through the dispatcher: a Python
+    dispatch mode (fake tensors, the CUDA-graph emulation's capture, an op counter) or the
+    profiler.  A call that skips the dispatcher would be hidden from them, so it must not
+    (``framework.core.ops.direct_call``).  True where this torch cannot tell."""
+    if _DISPATCH_STACK_LEN is None or _PROFILER_ENABLED is None:
+        return True
+    return _DISPATCH_STACK_LEN() > 0 or _PROFILER_ENABLED()
+
+
 # Underscore aten ops (torch 2.11, 2.13) that graphs contain and passes match by identity.
 LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 """What ``Tensor.item()`` dispatches to: a read of a device value on the host."""

@@ -218,3 +218,34 @@ def test_direct_call_runs_the_registered_kernel_and_yields_to_an_override(monkey
     assert seen == ["direct"] and not (out == 3).all()
     with pytest.raises(ValueError, match="op name must look like"):
         core_ops.set_direct_call("silu_and_mul", direct)
+
+
+def test_direct_call_yields_to_dispatch_modes_and_the_profiler(monkeypatch):
+    """A dispatch mode or the profiler watching the thread sees every call: the direct call
+    goes through the dispatcher then (the registered kernel runs, the mode sees the op)."""
+    from framework.compat.ops import TorchDispatchMode, dispatch_observed
+
+    seen = []
+    monkeypatch.setitem(
+        core_ops._DIRECT, "piecewise::silu_and_mul", lambda out, x: seen.append("direct")
+    )
+    call = core_ops.direct_call("piecewise::silu_and_mul")
+    x, out = torch.randn(2, 8), torch.empty(2, 4)
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    assert not dispatch_observed()
+    with Ops():
+        assert dispatch_observed()
+        call(out, x)
+    assert seen == ["piecewise.silu_and_mul.default"]
+    with torch.profiler.profile() as prof:
+        assert dispatch_observed()
+        call(out, x)
+    assert "direct" not in seen
+    assert any(e.name == "piecewise::silu_and_mul" for e in prof.events())
+    call(out, x)
+    assert seen[-1] == "direct"
