@@ -131,10 +131,16 @@ def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     module = types.ModuleType(f"piecewise_lean_{digest}")
     module.__dict__["__piecewise_async_compile__"] = compiler
+    exec(compile(source, f"<piecewise lean module {digest}>", "exec"), module.__dict__)
+    call = module.__dict__["call"]
     body, direct = bind_direct_calls(source)
-    module.__dict__.update(direct)
-    exec(compile(body, f"<piecewise lean module {digest}>", "exec"), module.__dict__)
-    graph = LeanGraph(module.__dict__["call"])
+    if direct:  # a second copy of the module, its op calls bound to the kernels
+        fast = types.ModuleType(f"piecewise_lean_{digest}_direct")
+        fast.__dict__["__piecewise_async_compile__"] = compiler
+        fast.__dict__.update(direct)
+        exec(compile(body, f"<piecewise lean module {digest} direct>", "exec"), fast.__dict__)
+        call = _either(fast.__dict__["call"], call)
+    graph = LeanGraph(call)
 
     def run(*args: Any) -> Any:
         return graph(list(args))
@@ -145,26 +151,39 @@ def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
     return run
 
 
-_OP_CALL = re.compile(r"\btorch\.ops\.piecewise\.(\w+)\.default\(")
+def _either(direct: Callable, plain: Callable) -> Callable:
+    """The piece's call: its direct-call copy unless, for this call, an override or a watcher
+    (dispatch mode, profiler) needs every op to go through the dispatcher
+    (``framework.core.ops.direct_calls_allowed``, checked once a piece call)."""
+    allowed = core_ops.direct_calls_allowed
+
+    def call(args: list) -> Any:
+        return (direct if allowed() else plain)(args)
+
+    return call
+
+
+_OP_CALL = re.compile(r"\btorch\.ops\.piecewise\.(\w+)\.default\(([^()=]*)\)")
+"""An op call with plain positional arguments (names, literals: how Inductor writes them)."""
 
 
 def bind_direct_calls(source: str) -> tuple[str, dict[str, Callable]]:
-    """The module's ``torch.ops.piecewise.<op>.default(...)`` calls of ops with a direct call
-    (``framework.core.ops.direct_call``: their C++ CPU kernel as a Python module function)
-    renamed to module globals bound to it, and those globals.  A piece is CPU-only and runs
-    real tensors, which is what a direct call takes; the dispatcher's boxing of each call's
-    arguments is what it saves (a decode step's linears: ~1.1 µs a call).  Ops without one
-    keep the dispatcher."""
+    """The module's ``torch.ops.piecewise.<op>.default(...)`` calls of ops with a direct
+    kernel (``framework.core.ops.direct_kernel``: the op's C++ CPU kernel as a Python module
+    function), with plain positional arguments, renamed to module globals bound to it; and
+    those globals.  A piece is CPU-only and runs real tensors, which is what the kernel
+    takes; the dispatcher's boxing of each call's arguments is what it saves (a decode
+    step's linears: ~1.2 µs a call).  Other calls keep the dispatcher."""
     direct: dict[str, Callable] = {}
 
     def sub(m: re.Match) -> str:
         name = f"_pw_direct_{m.group(1)}"  # no leading "__": `call` is a method
         if name not in direct:
-            fn = core_ops.direct_call(f"piecewise::{m.group(1)}")
+            fn = core_ops.direct_kernel(f"piecewise::{m.group(1)}")
             if fn is None:
                 return m.group(0)
             direct[name] = fn
-        return f"{name}("
+        return f"{name}({m.group(2)})"
 
     return _OP_CALL.sub(sub, source), direct
 

@@ -197,6 +197,21 @@ def set_direct_call(qualname: str, fn: Callable) -> None:
         _DIRECT[qualname] = fn
 
 
+def direct_kernel(qualname: str) -> Optional[Callable]:
+    """``qualname``'s registered direct kernel itself (:func:`set_direct_call`), or None: for
+    callers that check :func:`direct_calls_allowed` once for a batch of calls (a lean piece
+    does, per piece call) and pass positional arguments only."""
+    return _DIRECT.get(qualname)
+
+
+def direct_calls_allowed() -> bool:
+    """False while an :func:`override_kernel` block is active in the calling context or a
+    Python dispatch mode or the profiler watches the thread
+    (``framework.compat.ops.dispatch_observed``): then every op call must go through the
+    dispatcher, which the override rebinds and the watchers see."""
+    return not _OVERRIDES.get() and not dispatch_observed()
+
+
 def direct_call(qualname: str) -> Optional[Callable]:
     """A callable running ``qualname``'s registered direct kernel (:func:`set_direct_call`),
     or None where there is none.  Only for what a lean piece calls at run time: CPU tensors,
@@ -209,12 +224,10 @@ def direct_call(qualname: str) -> Optional[Callable]:
     if fn is None:
         return None
     name = _split(qualname)
-    overrides = _OVERRIDES
-    observed = dispatch_observed
+    allowed = direct_calls_allowed
 
     def call(*args, **kwargs):
-        # (the module functions take positional arguments)
-        if kwargs or overrides.get() or observed():
+        if kwargs or not allowed():  # (the module functions take positional arguments)
             return getattr(torch.ops.piecewise, name).default(*args, **kwargs)
         return fn(*args)
 

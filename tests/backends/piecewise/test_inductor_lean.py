@@ -12,6 +12,8 @@ from framework.core import ops as core_ops
 SOURCE = """def call(self, args):
     a = torch.ops.piecewise.packed_linear.default(x, w, None, None, 8, 8, 64)
     b = torch.ops.piecewise.rms_norm.default(y)
+    c = torch.ops.piecewise.packed_linear.default(reinterpret_tensor(a, (8, 8)), w, None)
+    d = torch.ops.piecewise.packed_linear.default(a, w, md=None)
     return torch.ops.piecewise.packed_linear.default(a, w, None, None, 8, 8, 64)
 """
 
@@ -23,21 +25,35 @@ def test_only_ops_with_a_direct_call_are_renamed(monkeypatch):
     monkeypatch.setitem(core_ops._DIRECT, "piecewise::packed_linear", lambda *a: a)
     body, direct = bind_direct_calls(SOURCE)
     assert body.count("_pw_direct_packed_linear(") == 2
+    assert "_pw_direct_packed_linear(x, w, None, None, 8, 8, 64)" in body
     assert "torch.ops.piecewise.rms_norm.default(y)" in body
+    # a call whose arguments are not plain positional ones keeps the dispatcher
+    assert "torch.ops.piecewise.packed_linear.default(reinterpret_tensor(a, (8, 8))" in body
+    assert "torch.ops.piecewise.packed_linear.default(a, w, md=None)" in body
     assert list(direct) == ["_pw_direct_packed_linear"]
     assert direct["_pw_direct_packed_linear"](1, 2) == (1, 2)
 
 
-def test_a_compiled_piece_calls_the_packed_linear_kernel_directly(tmp_path):
+def test_a_compiled_piece_calls_the_packed_linear_kernel_directly(tmp_path, monkeypatch):
     """A piece with a packed linear (the layer's op in the graph): its lean module binds the
-    op's direct call where the native library has one, and gives the dispatcher's bits."""
+    op's kernel where the native library has one and gives the dispatcher's bits; under the
+    profiler (or an override, a dispatch mode) the piece's calls go through the dispatcher,
+    which records them."""
     from passes import native_ops
     from passes import small_m_linear as small_m
 
     if not (small_m.kernel_available() and native_ops.load()):
         pytest.skip("the C++ op library does not build here")
-    if core_ops.direct_call("piecewise::packed_linear") is None:
+    kernel = core_ops.direct_kernel("piecewise::packed_linear")
+    if kernel is None:
         pytest.skip("the op library was built without its Python module")
+    calls = []
+
+    def counted(*args):
+        calls.append(len(args))
+        return kernel(*args)
+
+    monkeypatch.setitem(core_ops._DIRECT, "piecewise::packed_linear", counted)
     w = small_m.pack(torch.randn(96, 64).to(torch.bfloat16))
 
     def f(x, w):
@@ -54,4 +70,10 @@ def test_a_compiled_piece_calls_the_packed_linear_kernel_directly(tmp_path):
     save(tmp_path / "piece.bin")
     loaded = compiler.load(tmp_path / "piece.bin")
     assert loaded.direct_calls == ["_pw_direct_packed_linear"]
+    calls.clear()
     assert torch.equal(loaded(x, w)[0], want)
+    assert calls == [7]
+    with torch.profiler.profile() as prof:
+        assert torch.equal(loaded(x, w)[0], want)
+    assert calls == [7]  # not the direct kernel: the dispatcher's call, recorded
+    assert any(e.name == "piecewise::packed_linear" for e in prof.events())
