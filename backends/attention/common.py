@@ -15,7 +15,7 @@ import torch
 from framework.core.attention_metadata import AttentionMetadata
 from framework.core.cudagraph_mode import AttentionCGSupport  # noqa: F401  (backends set it)
 from framework.core.forward_context import get_forward_context
-from framework.core.ops import define_op
+from framework.core.ops import define_op, set_direct_call
 from framework.core.registry import Registry
 
 
@@ -98,3 +98,6 @@ attention_op = define_op(
     schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) out, str layer_name, float scale, "
     "int sliding_window) -> ()",
 )(attention)
+# The op's one kernel is this Python body: the split module may call it without the
+# dispatcher (backends/piecewise/split.py: bind_direct_splitting_ops).
+set_direct_call("piecewise::attention", attention)

@@ -32,6 +32,7 @@ from backends.piecewise.protocols import PieceGraphPass, PieceStore
 from backends.piecewise.runtime import PiecewiseRuntime, RangeEntry
 from backends.piecewise.split import (
     PieceInfo,
+    bind_direct_splitting_ops,
     graph_hash,
     inline_splitting_ops,
     module_code,
@@ -146,6 +147,7 @@ class PiecewiseBackend:
         except NotSerializable as e:
             logger.info("split graph not serializable (%s): warm starts will re-trace", e)
         inline_splitting_ops(split)  # after the program is saved: it keeps the submodules
+        bind_direct_splitting_ops(split)
         return split
 
     def _build_piece(
@@ -296,6 +298,7 @@ class PiecewiseBackend:
                 modules[name] = self._register(info, runtime)
             split = graph_from_json(program["graph"], modules)
             inline_splitting_ops(split)
+            bind_direct_splitting_ops(split)
             for name, rng in loaded:
                 self._piece_done(name, rng, "loaded")
         except (KeyError, ValueError, TypeError, AttributeError) as e:

@@ -77,3 +77,47 @@ def test_a_submodule_with_two_calls_stays():
     sub.recompile()
     assert inline_splitting_ops(split) == 0
     assert sum(n.op == "call_module" for n in split.graph.nodes) == 3
+
+
+def test_a_splitting_op_with_a_direct_kernel_is_called_without_the_dispatcher(monkeypatch):
+    """``bind_direct_splitting_ops``: an inlined op with a direct kernel runs it from the split
+    module's own code, same results; under an override, a dispatch mode or the profiler the
+    call goes through the dispatcher (they see the op)."""
+    from backends.piecewise.split import bind_direct_splitting_ops
+    from framework.compat.ops import TorchDispatchMode
+    from framework.core import ops as core_ops
+
+    split = _split()
+    x, w, out = _args()
+    want = split(x, w, out.clone())
+    inline_splitting_ops(split)
+    assert bind_direct_splitting_ops(split) == 0  # no direct kernel: nothing bound
+    calls = []
+
+    def direct(o, t, weight, eps):
+        calls.append("direct")
+        RMS.default(o, t, weight, eps)
+
+    monkeypatch.setitem(core_ops._DIRECT, "piecewise::rms_norm", direct)
+    assert bind_direct_splitting_ops(split) == 1
+    assert "direct_piecewise_rms_norm(" in split.code
+    torch.testing.assert_close(split(x, w, out.clone()), want, rtol=0, atol=0)
+    assert calls == ["direct"]
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        torch.testing.assert_close(split(x, w, out.clone()), want, rtol=0, atol=0)
+    assert calls == ["direct"] and seen.count("piecewise.rms_norm.default") == 1
+
+    def zeros(o, t, weight, eps):
+        o.zero_()
+
+    with core_ops.override_kernel("piecewise::rms_norm", "cpu", zeros):
+        got = split(x, w, out.clone())
+    assert calls == ["direct"] and torch.equal(got, torch.ones_like(got))  # zeros + 1
