@@ -103,33 +103,24 @@ def inline_splitting_ops(split: fx.GraphModule) -> int:
 def bind_direct_splitting_ops(split: fx.GraphModule) -> int:
     """After :func:`inline_splitting_ops`: an inlined op with a direct kernel
     (``framework.core.ops.direct_kernel``; the attention op's is its Python body) is called
-    through a switch that runs the kernel without the dispatcher -- ~1.4 µs a call saved, once
-    a layer a step -- unless, for that call, an override, a dispatch mode or the profiler needs
-    the dispatcher (``framework.core.ops.direct_calls_allowed``: the graph emulation's capture
-    and ``profile_step`` keep seeing the op).  Calls with keyword arguments keep the
-    dispatcher.  Returns how many calls are bound."""
+    through its switch (``framework.core.ops.direct_call``), which runs the kernel without
+    the dispatcher -- ~1.4 µs a call saved, once a layer a step -- unless, for that call, an
+    override, a dispatch mode or the profiler needs the dispatcher
+    (``framework.core.ops.direct_calls_allowed``: the graph emulation's capture and
+    ``profile_step`` keep seeing the op).  Calls with keyword arguments keep the dispatcher.
+    Returns how many calls are bound."""
     count = 0
     for node in split.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, OpOverload) or node.kwargs:
             continue
-        fn = core_ops.direct_kernel(node.target._schema.name)
-        if fn is not None:
-            node.target = _direct_switch(node.target, fn)
+        switch = core_ops.direct_call(op_name(node.target) or "")
+        if switch is not None:
+            switch.op = node.target  # type: ignore[attr-defined]  (what it stands for)
+            node.target = switch
             count += 1
     if count:
         split.recompile()
     return count
-
-
-def _direct_switch(op: Any, fn: Any) -> Any:
-    allowed = core_ops.direct_calls_allowed
-
-    def call(*args: Any) -> Any:
-        return fn(*args) if allowed() else op(*args)
-
-    call.__name__ = call.__qualname__ = "direct_" + op._schema.name.replace("::", "_")
-    call.op = op  # type: ignore[attr-defined]  (what it stands for, for tools and tests)
-    return call
 
 
 def _lone_op_call(sub: fx.GraphModule, num_args: int) -> Optional[tuple[fx.Node, list[fx.Node]]]:

@@ -256,9 +256,9 @@ class TorchOpLibrary(NativeLibrary):
     :meth:`python_module` imports it from the loaded file.  Its functions call the op kernels
     directly: a 64x64 bf16 linear from Python ~1.4 µs a call (~1.7 with ``direct_call``'s
     checks) against ~2.6-2.8 µs through the dispatcher (``experiments.bench.op_overhead``),
-    which a lean piece's dozens of op calls a
-    decode step pay.  Where the build with the module fails, or the module does not import,
-    the library goes on without it (one warning): the kernels are what matters."""
+    which a lean piece's dozens of op calls a decode step pay.  Where the build with the
+    module fails, or the module does not import, the library goes on without it (one
+    warning): the kernels are what matters."""
 
     def __init__(
         self,

@@ -231,7 +231,7 @@ def direct_call(qualname: str) -> Optional[Callable]:
             return getattr(torch.ops.piecewise, name).default(*args, **kwargs)
         return fn(*args)
 
-    call.__name__ = f"direct_{_split(qualname)}"
+    call.__name__ = call.__qualname__ = f"direct_{name}"
     return call
 
 
