@@ -166,11 +166,23 @@ class ParallelLMHead(Linear):
         self.vocab_size, self.vocab_start, self.real_rows = vocab_size, start, real
         self.tp = get_tp_state()  # the state this layer was built with: its collectives' group
         self.tp_size = self.tp.world_size
+        self._greedy_checked: object = None
+        self._greedy: Optional[GreedyLinearMethod] = None
 
     def load_slice(self, attr: str, block: Optional[int]) -> Optional[LoadSlice]:
         if self.tp_size == 1:
             return None
         return LoadSlice(0, self.vocab_start, self.real_rows, self.vocab_size)
+
+    def _greedy_method(self) -> Optional[GreedyLinearMethod]:
+        """The linear method if it has a greedy kernel.  An ``isinstance`` against a Protocol
+        walks the Protocol's members (a few µs): checked once per installed method, not once
+        per decode step."""
+        method = self.linear_method
+        if method is not self._greedy_checked:
+            self._greedy_checked = method
+            self._greedy = method if isinstance(method, GreedyLinearMethod) else None
+        return self._greedy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)  # [N, Vp / world]
@@ -183,7 +195,5 @@ class ParallelLMHead(Linear):
     ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(logits [N, V], first-maximum index [N], maximum [N]) from one kernel call, or None
         (sharded vocabulary, or a linear method without a greedy kernel)."""
-        method = self.linear_method
-        if self.tp_size != 1 or not isinstance(method, GreedyLinearMethod):
-            return None
-        return method.apply_greedy(self, x)
+        method = self._greedy_method() if self.tp_size == 1 else None
+        return None if method is None else method.apply_greedy(self, x)

@@ -26,14 +26,15 @@ CUDA-graph support: NEVER (a CPU kernel; FULL graphs come from the Triton backen
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 
 from backends.attention.common import AttentionBackend, AttentionCGSupport, register_backend
 from backends.attention.cpu_paged_build import load_library, load_op
 from framework.core.attention_metadata import AttentionMetadata
-from framework.core.ops import define_op
+from framework.core.ops import define_op, direct_call
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {
@@ -219,10 +220,18 @@ def paged_attention(
         md.seq_lens, md.num_reqs, md.num_actual_tokens, scale, sliding_window,
     )  # fmt: skip
     if library is None:
-        load_op()
-        cpu_paged_attention(*args)
+        _op_call()(*args)
     else:
         call_kernel(*args, library=library)
+
+
+@functools.lru_cache(maxsize=1)
+def _op_call() -> Callable[..., None]:
+    """What :func:`paged_attention` calls: the op's C++ kernel without the dispatcher where
+    its library has a Python module (``framework.core.ops.direct_call``: the dispatcher still
+    takes the calls while an override, a dispatch mode or the profiler watches), else the op."""
+    load_op()
+    return direct_call("piecewise::cpu_paged_attention") or cpu_paged_attention
 
 
 @register_backend("cpu_paged")

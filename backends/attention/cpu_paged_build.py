@@ -6,8 +6,11 @@ portable fallback, cached under ``$PIECEWISE_CACHE_DIR/kernels``) in two forms:
   Python body, other builds of the kernel (``experiments.bench.attention_ab``) and tests;
 * a torch op library (:data:`OP_LIBRARY`, :func:`load_op`, ``csrc/cpu_paged_op.cpp``): the
   C++ CPU kernel of ``piecewise::cpu_paged_attention``, which the attention backend calls, so
-  a layer's call goes from the dispatcher straight into C++ (checks included).  It compiles
-  torch's headers once per machine and torch version (tens of seconds on 2 cores, cached).
+  a layer's call goes from the dispatcher straight into C++ (checks included); where this
+  Python's headers are installed it is also a Python module whose function is that kernel,
+  which the backend calls without the dispatcher (``framework.core.ops.direct_call``).  It
+  compiles torch's headers once per machine and torch version (tens of seconds on 2 cores,
+  cached).
 
 ``PIECEWISE_CPU_PAGED_PORTABLE=1`` forces the portable build of both.
 """
@@ -19,6 +22,7 @@ import functools
 from pathlib import Path
 
 from framework.core.native_build import KernelBuildError, NativeLibrary, TorchOpLibrary, compiler
+from framework.core.ops import set_direct_call
 
 __all__ = [
     "LIBRARY",
@@ -65,6 +69,7 @@ OP_LIBRARY = TorchOpLibrary(
     "cpu_paged_op",
     CSRC / "cpu_paged_op.cpp",
     portable_env="PIECEWISE_CPU_PAGED_PORTABLE",
+    python_module="cpu_paged_op",
     depends=(
         CSRC / "cpu_paged_attention.cpp",
         CSRC.parents[2] / "framework" / "core" / "csrc" / "dtype_name.h",
@@ -89,6 +94,11 @@ def load_op() -> bool:
     the op's Python body (the same checks, the kernel through ctypes) then runs."""
     import backends.attention.cpu_paged  # noqa: F401  (the op is defined before its kernel)
 
-    return OP_LIBRARY.register(
+    if not OP_LIBRARY.register(
         "piecewise::cpu_paged_attention's Python body calls the kernel through ctypes"
-    )
+    ):
+        return False
+    module = OP_LIBRARY.python_module()
+    if module is not None:  # the same kernel, callable without the dispatcher
+        set_direct_call("piecewise::cpu_paged_attention", module.cpu_paged_attention)
+    return True

@@ -163,29 +163,51 @@ def _either(direct: Callable, plain: Callable) -> Callable:
     return call
 
 
-_OP_CALL = re.compile(r"\btorch\.ops\.piecewise\.(\w+)\.default\(([^()=]*)\)")
-"""An op call with plain positional arguments (names, literals: how Inductor writes them)."""
+_OP_CALL = re.compile(r"\btorch\.ops\.piecewise\.(\w+)\.default\(")
+"""The start of an op call; :func:`_call_arguments` finds where its arguments end."""
+
+
+def _call_arguments(source: str, start: int) -> Optional[int]:
+    """The index of the ``)`` closing the call whose arguments begin at ``start``, if they are
+    positional expressions (names, literals, nested calls and tuples such as Inductor's
+    ``reinterpret_tensor(buf, (s0, 512), (512, 1), 0)``); None for keyword arguments, strings
+    or an unbalanced call."""
+    depth = 0
+    for i in range(start, len(source)):
+        ch = source[i]
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            if depth == 0:
+                return i
+            depth -= 1
+        elif ch in "=\"'\n{":
+            return None  # keywords, strings, a call over several lines, dicts: the dispatcher
+    return None
 
 
 def bind_direct_calls(source: str) -> tuple[str, dict[str, Callable]]:
     """The module's ``torch.ops.piecewise.<op>.default(...)`` calls of ops with a direct
     kernel (``framework.core.ops.direct_kernel``: the op's C++ CPU kernel as a Python module
-    function), with plain positional arguments, renamed to module globals bound to it; and
+    function), with positional arguments only, renamed to module globals bound to it; and
     those globals.  A piece is CPU-only and runs real tensors, which is what the kernel
     takes; the dispatcher's boxing of each call's arguments is what it saves (a decode
     step's linears: ~1.2 µs a call).  Other calls keep the dispatcher."""
     direct: dict[str, Callable] = {}
-
-    def sub(m: re.Match) -> str:
+    out, at = [], 0
+    for m in _OP_CALL.finditer(source):
+        if _call_arguments(source, m.end()) is None:
+            continue
         name = f"_pw_direct_{m.group(1)}"  # no leading "__": `call` is a method
         if name not in direct:
             fn = core_ops.direct_kernel(f"piecewise::{m.group(1)}")
             if fn is None:
-                return m.group(0)
+                continue
             direct[name] = fn
-        return f"{name}({m.group(2)})"
-
-    return _OP_CALL.sub(sub, source), direct
+        out += [source[at : m.start()], name, "("]
+        at = m.end()
+    out.append(source[at:])
+    return "".join(out), direct
 
 
 def code_digest(source: str) -> str:

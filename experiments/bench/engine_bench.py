@@ -18,6 +18,7 @@ def add_engine_args(p: argparse.ArgumentParser, batch: list[int]) -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", help="artifact cache root (default: the user cache)")
+    p.add_argument("--quantization", help="e.g. int8_per_token (default: none)")
 
 
 def build_llm(args: argparse.Namespace):
@@ -30,6 +31,7 @@ def build_llm(args: argparse.Namespace):
     llm = LLM(
         path,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_num_seqs=max(args.batch),
         max_model_len=args.prompt_len + args.steps + 16,
         compilation_config=CompilationConfig(

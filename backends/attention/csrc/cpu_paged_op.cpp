@@ -127,3 +127,14 @@ void cpu_paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at::
 TORCH_LIBRARY_IMPL(piecewise, CPU, m) {
   m.impl("cpu_paged_attention", &cpu_paged_attention_op);
 }
+
+// Built with PW_PYTHON_MODULE (TorchOpLibrary's python_module): the same kernel as a Python
+// module function, which the attention backend calls without the dispatcher
+// (framework/core/ops.py set_direct_call / direct_call).
+#ifdef PW_PYTHON_MODULE
+#include <torch/extension.h>
+
+PYBIND11_MODULE(PW_PYTHON_MODULE, m) {
+  m.def("cpu_paged_attention", &cpu_paged_attention_op);
+}
+#endif

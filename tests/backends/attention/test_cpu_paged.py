@@ -232,6 +232,41 @@ def test_the_ops_cpp_kernel_is_the_ctypes_kernel_bit_for_bit(dtype):
     assert torch.equal(out, ref_out)  # the 3 padding rows too: each path zeroes them
 
 
+def test_the_backend_calls_the_ops_kernel_without_the_dispatcher(monkeypatch):
+    """Where the op library is also a Python module, the backend calls its kernel function
+    (framework.core.ops.direct_call) and gets the op's bits; under the profiler the call goes
+    through the dispatcher, which records it."""
+    from backends.attention import cpu_paged
+    from backends.attention.cpu_paged_build import load_op
+    from framework.core import ops as core_ops
+
+    assert load_op(), "the op library builds here"
+    kernel = core_ops.direct_kernel("piecewise::cpu_paged_attention")
+    if kernel is None:
+        pytest.skip("the op library was built without its Python module")
+    calls = []
+
+    def counted(*args):
+        calls.append(len(args))
+        return kernel(*args)
+
+    step = make_step([37, 70, 5, 200], [37, 20, 1, 1], 8, 2, 64, 16, torch.bfloat16, pad=3)
+    want = run("cpu_paged", *step, 0.125, 24, library=load_library())
+    monkeypatch.setitem(core_ops._DIRECT, "piecewise::cpu_paged_attention", counted)
+    cpu_paged._op_call.cache_clear()  # bind the counted kernel
+    try:
+        got = run("cpu_paged", *step, 0.125, 24)
+        assert calls == [13]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        with torch.profiler.profile() as prof:
+            got = run("cpu_paged", *step, 0.125, 24)
+        assert calls == [13]  # the dispatcher's call, recorded
+        assert any(e.name == "piecewise::cpu_paged_attention" for e in prof.events())
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    finally:
+        cpu_paged._op_call.cache_clear()
+
+
 def test_the_op_python_body_checks_what_the_cpp_kernel_checks():
     """Both kernels of piecewise::cpu_paged_attention refuse the same inputs with the same
     ValueError (the Python body runs where the op library cannot be built)."""

@@ -12,8 +12,12 @@ from framework.core import ops as core_ops
 SOURCE = """def call(self, args):
     a = torch.ops.piecewise.packed_linear.default(x, w, None, None, 8, 8, 64)
     b = torch.ops.piecewise.rms_norm.default(y)
-    c = torch.ops.piecewise.packed_linear.default(reinterpret_tensor(a, (8, 8)), w, None)
+    c = torch.ops.piecewise.packed_linear.default(reinterpret_tensor(a, (8, 8), (8, 1), 0), w, None)
     d = torch.ops.piecewise.packed_linear.default(a, w, md=None)
+    e = torch.ops.piecewise.packed_linear.default(a, w, getattr(a, "md"))
+    f = torch.ops.piecewise.packed_linear.default(a, w, (x == 1))
+    g = torch.ops.piecewise.packed_linear.default(a,
+        w)
     return torch.ops.piecewise.packed_linear.default(a, w, None, None, 8, 8, 64)
 """
 
@@ -24,12 +28,16 @@ def test_only_ops_with_a_direct_call_are_renamed(monkeypatch):
     assert body == SOURCE and direct == {}  # nothing registered: unchanged
     monkeypatch.setitem(core_ops._DIRECT, "piecewise::packed_linear", lambda *a: a)
     body, direct = bind_direct_calls(SOURCE)
-    assert body.count("_pw_direct_packed_linear(") == 2
+    assert body.count("_pw_direct_packed_linear(") == 3
     assert "_pw_direct_packed_linear(x, w, None, None, 8, 8, 64)" in body
     assert "torch.ops.piecewise.rms_norm.default(y)" in body
-    # a call whose arguments are not plain positional ones keeps the dispatcher
-    assert "torch.ops.piecewise.packed_linear.default(reinterpret_tensor(a, (8, 8))" in body
+    # positional expressions (Inductor's views of a buffer) are bound too
+    assert "_pw_direct_packed_linear(reinterpret_tensor(a, (8, 8), (8, 1), 0), w, None)" in body
+    # keyword arguments, strings, comparisons and calls over several lines keep the dispatcher
     assert "torch.ops.piecewise.packed_linear.default(a, w, md=None)" in body
+    assert 'torch.ops.piecewise.packed_linear.default(a, w, getattr(a, "md"))' in body
+    assert "torch.ops.piecewise.packed_linear.default(a, w, (x == 1))" in body
+    assert "torch.ops.piecewise.packed_linear.default(a,\n" in body
     assert list(direct) == ["_pw_direct_packed_linear"]
     assert direct["_pw_direct_packed_linear"](1, 2) == (1, 2)
 
