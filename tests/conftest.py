@@ -115,3 +115,26 @@ def compile_cache_dir(tmp_path_factory, request) -> str:
         root.mkdir(exist_ok=True)
         return str(root)
     return str(tmp_path_factory.mktemp("piecewise-cache"))
+
+
+@pytest.fixture
+def count_direct_calls(monkeypatch):
+    """``count(qualname) -> calls``: for the test, the op's direct kernel
+    (``framework.core.ops.direct_kernel``) is wrapped so that each call appends its number of
+    arguments to ``calls``; skips where the op library was built without its Python module."""
+    from framework.core import ops as core_ops
+
+    def count(qualname: str) -> list[int]:
+        kernel = core_ops.direct_kernel(qualname)
+        if kernel is None:
+            pytest.skip("the op library was built without its Python module")
+        calls: list[int] = []
+
+        def counted(*args):
+            calls.append(len(args))
+            return kernel(*args)
+
+        monkeypatch.setitem(core_ops._DIRECT, qualname, counted)
+        return calls
+
+    return count

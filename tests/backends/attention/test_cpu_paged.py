@@ -232,27 +232,17 @@ def test_the_ops_cpp_kernel_is_the_ctypes_kernel_bit_for_bit(dtype):
     assert torch.equal(out, ref_out)  # the 3 padding rows too: each path zeroes them
 
 
-def test_the_backend_calls_the_ops_kernel_without_the_dispatcher(monkeypatch):
+def test_the_backend_calls_the_ops_kernel_without_the_dispatcher(count_direct_calls):
     """Where the op library is also a Python module, the backend calls its kernel function
     (framework.core.ops.direct_call) and gets the op's bits; under the profiler the call goes
     through the dispatcher, which records it."""
     from backends.attention import cpu_paged
     from backends.attention.cpu_paged_build import load_op
-    from framework.core import ops as core_ops
 
     assert load_op(), "the op library builds here"
-    kernel = core_ops.direct_kernel("piecewise::cpu_paged_attention")
-    if kernel is None:
-        pytest.skip("the op library was built without its Python module")
-    calls = []
-
-    def counted(*args):
-        calls.append(len(args))
-        return kernel(*args)
-
     step = make_step([37, 70, 5, 200], [37, 20, 1, 1], 8, 2, 64, 16, torch.bfloat16, pad=3)
     want = run("cpu_paged", *step, 0.125, 24, library=load_library())
-    monkeypatch.setitem(core_ops._DIRECT, "piecewise::cpu_paged_attention", counted)
+    calls = count_direct_calls("piecewise::cpu_paged_attention")
     cpu_paged._op_call.cache_clear()  # bind the counted kernel
     try:
         got = run("cpu_paged", *step, 0.125, 24)

@@ -42,7 +42,7 @@ def test_only_ops_with_a_direct_call_are_renamed(monkeypatch):
     assert direct["_pw_direct_packed_linear"](1, 2) == (1, 2)
 
 
-def test_a_compiled_piece_calls_the_packed_linear_kernel_directly(tmp_path, monkeypatch):
+def test_a_compiled_piece_calls_the_packed_linear_kernel_directly(tmp_path, count_direct_calls):
     """A piece with a packed linear (the layer's op in the graph): its lean module binds the
     op's kernel where the native library has one and gives the dispatcher's bits; under the
     profiler (or an override, a dispatch mode) the piece's calls go through the dispatcher,
@@ -52,16 +52,7 @@ def test_a_compiled_piece_calls_the_packed_linear_kernel_directly(tmp_path, monk
 
     if not (small_m.kernel_available() and native_ops.load()):
         pytest.skip("the C++ op library does not build here")
-    kernel = core_ops.direct_kernel("piecewise::packed_linear")
-    if kernel is None:
-        pytest.skip("the op library was built without its Python module")
-    calls = []
-
-    def counted(*args):
-        calls.append(len(args))
-        return kernel(*args)
-
-    monkeypatch.setitem(core_ops._DIRECT, "piecewise::packed_linear", counted)
+    calls = count_direct_calls("piecewise::packed_linear")
     w = small_m.pack(torch.randn(96, 64).to(torch.bfloat16))
 
     def f(x, w):
