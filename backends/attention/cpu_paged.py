@@ -18,7 +18,11 @@ In a tiny-model b1 decode step that took a call from 21.5-26.6 µs (Python check
 arguments kept per step, ctypes) to 12.6-13.1 µs (fresh processes alternated,
 ``experiments/bench/results/step_parts_attention_glue_2026-12-05.txt``).  Where the op library
 cannot be built, the op's Python body makes the same checks and calls the kernel through
-ctypes (``python -m experiments.bench.engine_ab --ab attention_call`` times the two).
+ctypes (``python -m experiments.bench.engine_ab --ab attention_call`` times the two).  Where
+this Python's headers are installed the op library is also a Python module, and the backend
+calls its kernel function without the dispatcher (``framework.core.ops.direct_call``; the
+dispatcher still takes the call under an override, a dispatch mode or the profiler): a b1
+decode call 7.2-7.7 -> 5.8-6.1 µs (``experiments/bench/results/host_calls_2026-12-07_s30.md``).
 
 CUDA-graph support: NEVER (a CPU kernel; FULL graphs come from the Triton backend).
 """

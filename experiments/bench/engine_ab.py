@@ -151,7 +151,8 @@ def split_calls_forms(llm) -> dict[str, Callable[[], None]]:
 
 def _attention_through(library: Optional[Any]) -> Callable[[], None]:
     """An installer: the attention backend calls the kernel through ctypes with ``library``
-    (the op's Python body's path), or (None) through the op, as it does by default."""
+    (the op's Python body's path), or (None) as it does by default: the op's C++ kernel,
+    without the dispatcher where its library has a Python module."""
     from backends.attention import cpu_paged
 
     def forward(q, k, v, out, kv_cache, md, scale, sliding_window) -> None:
