@@ -194,7 +194,8 @@ def bind_direct_calls(source: str) -> tuple[str, dict[str, Callable]]:
     takes; the dispatcher's boxing of each call's arguments is what it saves (a decode
     step's linears: ~1.2 µs a call).  Other calls keep the dispatcher."""
     direct: dict[str, Callable] = {}
-    out, at = [], 0
+    out: list[str] = []
+    at = 0  # the source up to here is in out
     for m in _OP_CALL.finditer(source):
         if _call_arguments(source, m.end()) is None:
             continue
