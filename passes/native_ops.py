@@ -27,7 +27,6 @@ import ctypes
 import functools
 
 from framework.core.native_build import TorchOpLibrary
-from framework.core.ops import set_direct_call
 from passes.int8_small_m import CSRC
 
 LIBRARY = TorchOpLibrary(
@@ -66,13 +65,9 @@ def load() -> bool:
     import passes.ops.packed_linear  # noqa: F401
     import passes.ops.packed_moe  # noqa: F401
 
-    if not LIBRARY.register("the linear ops run their Python bodies"):
-        return False
-    module = LIBRARY.python_module()
-    if module is not None:  # the same kernels, callable without the dispatcher
-        for op in OPS:
-            set_direct_call(f"piecewise::{op}", getattr(module, op))
-    return True
+    return LIBRARY.register(
+        "the linear ops run their Python bodies", direct=tuple(f"piecewise::{op}" for op in OPS)
+    )
 
 
 def loaded() -> bool:

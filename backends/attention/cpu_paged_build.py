@@ -22,7 +22,6 @@ import functools
 from pathlib import Path
 
 from framework.core.native_build import KernelBuildError, NativeLibrary, TorchOpLibrary, compiler
-from framework.core.ops import set_direct_call
 
 __all__ = [
     "LIBRARY",
@@ -94,11 +93,7 @@ def load_op() -> bool:
     the op's Python body (the same checks, the kernel through ctypes) then runs."""
     import backends.attention.cpu_paged  # noqa: F401  (the op is defined before its kernel)
 
-    if not OP_LIBRARY.register(
-        "piecewise::cpu_paged_attention's Python body calls the kernel through ctypes"
-    ):
-        return False
-    module = OP_LIBRARY.python_module()
-    if module is not None:  # the same kernel, callable without the dispatcher
-        set_direct_call("piecewise::cpu_paged_attention", module.cpu_paged_attention)
-    return True
+    return OP_LIBRARY.register(
+        "piecewise::cpu_paged_attention's Python body calls the kernel through ctypes",
+        direct=("piecewise::cpu_paged_attention",),
+    )

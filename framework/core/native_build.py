@@ -366,10 +366,13 @@ class TorchOpLibrary(NativeLibrary):
             self._module = module
         return self._module
 
-    def register(self, fallback: str) -> bool:
+    def register(self, fallback: str, direct: tuple[str, ...] = ()) -> bool:
         """Load (building if needed) the default variant, registering its kernels; False,
         with one warning that ``fallback`` runs instead, where there is no compiler or the
-        library cannot be built.  The ops must be defined first."""
+        library cannot be built.  The ops must be defined first.  ``direct``: qualified names
+        (``piecewise::<op>``) of ops whose kernels the Python module exports under the op's
+        name; where the module loads, each becomes the op's direct call
+        (``framework.core.ops.set_direct_call``)."""
         if compiler() is None:
             return False
         log = logging.getLogger(__name__)
@@ -382,7 +385,13 @@ class TorchOpLibrary(NativeLibrary):
             # The kernels matter, their Python module does not: once more without it.
             log.warning("piecewise: lib%s built without its Python module: %s", self.name, e)
             self._python_off = True
-            return self.register(fallback)
+            return self.register(fallback, direct)
+        module = self.python_module() if direct else None
+        if module is not None:  # the same kernels, callable without the dispatcher
+            from framework.core.ops import set_direct_call  # (imports torch, as this class does)
+
+            for qualname in direct:
+                set_direct_call(qualname, getattr(module, qualname.split("::", 1)[1]))
         return True
 
     def _load(self, portable: Optional[bool] = None):  # type: ignore[override]

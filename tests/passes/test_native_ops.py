@@ -6,6 +6,7 @@ as the Python body."""
 import pytest
 import torch
 
+from framework.core import ops as core_ops
 from framework.core.native_build import kernel_dir
 from passes import native_ops
 from passes import small_m_linear as small_m
@@ -167,6 +168,11 @@ def test_the_library_is_a_python_module_whose_functions_are_the_cpp_kernels():
         module = native_ops.LIBRARY.python_module()
         assert module is not None
         assert all(callable(getattr(module, op)) for op in native_ops.OPS)
+        # registered by TorchOpLibrary.register(direct=...) as each op's direct kernel
+        assert all(
+            core_ops.direct_kernel(f"piecewise::{op}") is getattr(module, op)
+            for op in native_ops.OPS
+        )
     layer = _layer(96, 64, max_rows=16)
     call = _direct("packed_linear")
     for rows in (1, 5, 40):  # 40 > max_rows: the twin's path

@@ -237,9 +237,14 @@ def test_the_backend_calls_the_ops_kernel_without_the_dispatcher(count_direct_ca
     (framework.core.ops.direct_call) and gets the op's bits; under the profiler the call goes
     through the dispatcher, which records it."""
     from backends.attention import cpu_paged
-    from backends.attention.cpu_paged_build import load_op
+    from backends.attention.cpu_paged_build import OP_LIBRARY, load_op
+    from framework.core.ops import direct_kernel
 
     assert load_op(), "the op library builds here"
+    module = OP_LIBRARY.python_module()
+    if OP_LIBRARY._binds_python():  # Python's headers are here: the module must be there
+        assert module is not None
+        assert direct_kernel("piecewise::cpu_paged_attention") is module.cpu_paged_attention
     step = make_step([37, 70, 5, 200], [37, 20, 1, 1], 8, 2, 64, 16, torch.bfloat16, pad=3)
     want = run("cpu_paged", *step, 0.125, 24, library=load_library())
     calls = count_direct_calls("piecewise::cpu_paged_attention")
