@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from backends.piecewise.replay import PieceReplay, piece_replay, replay_wanted
 from framework.compat import inductor as compat_inductor
 from framework.compat import warn_once
 from framework.core import ops as core_ops
@@ -95,7 +96,12 @@ class AsyncCompile:
 
     kernels: dict[str, Callable] = {}
 
+    def __init__(self) -> None:
+        self.argtypes: dict[str, list[str]] = {}
+        """Each kernel's C++ argument types, as the module declares them (piece replay)."""
+
     def cpp_pybinding_named(self, name: str, argtypes: Any, source: str) -> Callable:
+        self.argtypes[name] = list(argtypes)
         return self.kernels[name]
 
     def wait(self, scope: dict) -> None:
@@ -139,8 +145,17 @@ def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
         fast.__dict__["__piecewise_async_compile__"] = compiler
         fast.__dict__.update(direct)
         exec(compile(body, f"<piecewise lean module {digest} direct>", "exec"), fast.__dict__)
+        replay, _ = piece_replay(
+            digest,
+            body,
+            fast.__dict__["call"],
+            {k: (fn, compiler.argtypes.get(k, []), kernels[k]) for k, fn in loaded.items()},
+            direct,
+        )
         call = _either(fast.__dict__["call"], call)
-    graph = LeanGraph(call)
+    else:
+        replay = None
+    graph = LeanGraph(call, replay)
 
     def run(*args: Any) -> Any:
         return graph(list(args))
@@ -148,6 +163,7 @@ def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
     run.lean = True  # type: ignore[attr-defined]
     run.code_digest = code_digest(source)  # type: ignore[attr-defined]
     run.direct_calls = sorted(direct)  # type: ignore[attr-defined]
+    run.replay = replay  # type: ignore[attr-defined]
     return run
 
 
@@ -221,12 +237,18 @@ def code_digest(source: str) -> str:
 
 class LeanGraph:
     """A lean module's ``call``: takes the (boxed) input list, like Inductor's CompiledFxGraph,
-    so tools that hook compiled graphs (the CUDA-graph emulation) hook this one too."""
+    so tools that hook compiled graphs (the CUDA-graph emulation) hook this one too.  With a
+    :class:`~backends.piecewise.replay.PieceReplay`, a call the forward lets replay
+    (:func:`~backends.piecewise.replay.replay_wanted`) goes through it."""
 
-    def __init__(self, call: Callable[[list], Any]):
+    def __init__(self, call: Callable[[list], Any], replay: Optional[PieceReplay] = None):
         self._call = call
+        self._replay = replay
 
     def __call__(self, inputs: list) -> Any:
+        replay = self._replay
+        if replay is not None and replay_wanted():
+            return replay(inputs, self._call)
         return self._call(inputs)
 
 

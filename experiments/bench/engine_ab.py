@@ -7,6 +7,7 @@ ratio.
     python -m experiments.bench.engine_ab --ab attention_rev --baseline REV [--batch 8]
     python -m experiments.bench.engine_ab --ab greedy_head [--batch 1 8] [--rounds 12]
     python -m experiments.bench.engine_ab --ab attention_call [--batch 1 8 32] [--rounds 12]
+    python -m experiments.bench.engine_ab --ab cpu_replay [--batch 1 8] [--rounds 12]
 
 ===============  ==========================================================================
 ``kv_pages``     the KV caches in 4 KB pages (torch's allocator) against 2 MB pages (where
@@ -29,6 +30,10 @@ ratio.
                  (``ModelRunner.fuse_greedy_head``, switched between generations); timed:
                  each LM head + token choice (``ModelRunner._sample``; a prefill's is the
                  same call: one row per request)
+``cpu_replay``   each lean piece running its Python against replaying the native calls it
+                 recorded (``backends/piecewise/replay.py``; ``ModelRunner``'s
+                 ``cpu_replay_max_tokens`` 0 or the config's, switched between
+                 generations); timed: each decode forward
 ===============  ==========================================================================
 
 Each round runs both forms (order alternating by round) on the same prompts: a 2-token
@@ -59,6 +64,7 @@ FORMS = {
     "attention_rev": ("baseline", "current"),
     "greedy_head": ("head, then sampler", "greedy head"),
     "attention_call": ("Python body, ctypes", "C++ op kernel"),
+    "cpu_replay": ("pieces run", "pieces replayed"),
 }
 
 
@@ -210,6 +216,21 @@ def greedy_head_forms(llm) -> dict[str, Callable[[], None]]:
     return dict(zip(FORMS["greedy_head"], (use(False), use(True))))
 
 
+def cpu_replay_forms(llm) -> dict[str, Callable[[], None]]:
+    """Switches of the runner between running every piece and replaying the pieces' recorded
+    native calls."""
+    runner = llm.runner
+    limit = llm.worker.config.cpu_replay_max_tokens or 64
+
+    def use(tokens: int) -> Callable[[], None]:
+        def run() -> None:
+            runner.cpu_replay_max_tokens = tokens
+
+        return run
+
+    return dict(zip(FORMS["cpu_replay"], (use(0), use(limit))))
+
+
 def measure(llm, forms: dict[str, Callable[[], None]], calls: _Calls, batch: int, args) -> dict:
     g = torch.Generator().manual_seed(batch)
     vocab = llm.model_config.vocab_size
@@ -301,7 +322,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         llm.runner._sample = calls.wrap(sample, lambda a: True)
         timing = _restore(llm.runner, "_sample", sample)
     else:
-        forms, what = split_calls_forms(llm), "decode forward"
+        if args.ab == "cpu_replay":
+            forms = cpu_replay_forms(llm)
+        else:
+            forms = split_calls_forms(llm)
+        what = "decode forward"
         forward = llm.runner.forward
         llm.runner.forward = calls.wrap(forward, _decode_step)
         timing = _restore(llm.runner, "forward", forward)

@@ -220,6 +220,11 @@ class CompilationConfig(StrictConfig):
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
     """Kernel settings of this engine's layers (part of the cache key)."""
     """Compiler passes run on every piece."""
+    cpu_replay_max_tokens: int = field(default=64, metadata=NO_HASH)
+    """CPU steps of at most this many tokens replay each lean piece's recorded native calls
+    from C++ instead of running its Python (``backends/piecewise/replay.py``: a piece records
+    a set of inputs the second time it sees them and keeps its 64 latest recordings, with the
+    buffers they wrote).  0: never.  Compiled code does not change (not in the cache key)."""
     use_cache: bool = field(default=True, metadata=NO_HASH)
     """Read and write the on-disk artifact cache."""
     cache_weights: bool = field(default=True, metadata=NO_HASH)
@@ -252,6 +257,11 @@ class CompilationConfig(StrictConfig):
             raise ValueError(
                 f"CompilationConfig.max_num_tokens: must be a positive int, got "
                 f"{self.max_num_tokens!r}"
+            )
+        r = self.cpu_replay_max_tokens
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(
+                f"CompilationConfig.cpu_replay_max_tokens: must be an int >= 0, got {r!r}"
             )
         upper = self.max_num_tokens
         check_sizes("CompilationConfig", "compile_sizes", self.compile_sizes, upper=upper)

@@ -85,6 +85,11 @@ class ForwardContext:
     """The (padded) descriptor the dispatcher chose for this forward."""
     padding_mask: Optional[torch.Tensor] = None
     """Bool [num_padded_tokens]: True for real tokens, False for padding."""
+    cpu_replay: bool = False
+    """CPU pieces may replay the native calls they recorded for the same inputs and return
+    the buffers of that recording (``backends/piecewise/replay.py``): set by a caller that is
+    done with every piece output before the same piece runs again on the same inputs (the
+    engine's runner, for steps of at most ``CompilationConfig.cpu_replay_max_tokens``)."""
 
 
 _current: ContextVar[Optional[ForwardContext]] = ContextVar(
@@ -108,6 +113,12 @@ def get_forward_context() -> ForwardContext:
 
 def is_forward_context_available() -> bool:
     return _current.get() is not None
+
+
+def cpu_replay_requested() -> bool:
+    """The forward in progress lets CPU pieces replay (:attr:`ForwardContext.cpu_replay`)."""
+    ctx = _current.get()
+    return ctx is not None and ctx.cpu_replay
 
 
 @contextmanager

@@ -372,7 +372,8 @@ class TorchOpLibrary(NativeLibrary):
         library cannot be built.  The ops must be defined first.  ``direct``: qualified names
         (``piecewise::<op>``) of ops whose kernels the Python module exports under the op's
         name; where the module loads, each becomes the op's direct call
-        (``framework.core.ops.set_direct_call``)."""
+        (``framework.core.ops.set_direct_call``), and the module's ``<op>_record``, where it
+        has one, the op's recording direct kernel (``set_direct_recorder``)."""
         if compiler() is None:
             return False
         log = logging.getLogger(__name__)
@@ -388,10 +389,14 @@ class TorchOpLibrary(NativeLibrary):
             return self.register(fallback, direct)
         module = self.python_module() if direct else None
         if module is not None:  # the same kernels, callable without the dispatcher
-            from framework.core.ops import set_direct_call  # (imports torch, as this class does)
+            from framework.core.ops import set_direct_call, set_direct_recorder  # (imports torch)
 
             for qualname in direct:
-                set_direct_call(qualname, getattr(module, qualname.split("::", 1)[1]))
+                name = qualname.split("::", 1)[1]
+                set_direct_call(qualname, getattr(module, name))
+                recorder = getattr(module, f"{name}_record", None)
+                if recorder is not None:  # the call and the native call it made (replay)
+                    set_direct_recorder(qualname, recorder)
         return True
 
     def _load(self, portable: Optional[bool] = None):  # type: ignore[override]

@@ -140,6 +140,8 @@ _TRAMPOLINES: set[tuple[str, str]] = set()
 """(qualname, device) whose registered kernel is a trampoline reading :data:`_OVERRIDES`."""
 _DIRECT: dict[str, Callable] = {}
 """qualname -> its CPU kernel as a plain Python callable (:func:`set_direct_call`)."""
+_RECORDERS: dict[str, Callable] = {}
+"""qualname -> its recording direct kernel (:func:`set_direct_recorder`)."""
 
 
 def _trampoline(qualname: str, device: str, ref: KernelRef) -> Callable:
@@ -195,6 +197,23 @@ def set_direct_call(qualname: str, fn: Callable) -> None:
     _split(qualname)
     with _REGISTRY_LOCK:
         _DIRECT[qualname] = fn
+
+
+def set_direct_recorder(qualname: str, fn: Callable) -> None:
+    """Register ``fn`` as ``qualname``'s recording direct kernel: called as the direct kernel
+    is, it returns ``(output, native_call)``, where ``native_call`` is the C function the call
+    ran and its arguments as 64-bit words (``[address, 1, word, ...]``: the function returns
+    an int, nonzero on error), or empty where the call cannot be replayed from its arguments
+    alone.  What a lean piece records to replay its calls (``backends/piecewise/replay.py``).
+    Process-wide, like the direct kernel."""
+    _split(qualname)
+    with _REGISTRY_LOCK:
+        _RECORDERS[qualname] = fn
+
+
+def direct_recorder(qualname: str) -> Optional[Callable]:
+    """``qualname``'s recording direct kernel (:func:`set_direct_recorder`), or None."""
+    return _RECORDERS.get(qualname)
 
 
 def direct_kernel(qualname: str) -> Optional[Callable]:

@@ -106,6 +106,11 @@ class ModelRunner:
         head's kernel can (a bf16 head on the small-M kernel): no separate pass of the sampler
         over the logits, which after the head's weights streamed through the caches costs
         several times its microbenchmark."""
+        self.cpu_replay_max_tokens = 0
+        """Steps of at most this many (padded) tokens let CPU pieces replay their recorded
+        native calls (``ForwardContext.cpu_replay``; the worker sets it from
+        ``CompilationConfig.cpu_replay_max_tokens``).  Safe here: a step is done with its
+        hidden states (LM head, sampler) before the next forward."""
         self.fuse_greedy_head = True
         """False: always ``compute_logits`` then the sampler (the A/B baseline of
         ``experiments.bench.engine_ab --ab greedy_head``); the tokens are the same."""
@@ -274,6 +279,7 @@ class ModelRunner:
             cudagraph_runtime_mode=mode,
             batch_descriptor=desc,
             padding_mask=mask,
+            cpu_replay=n_pad <= self.cpu_replay_max_tokens,
         )
         if record and self.trace is not None:
             num_decode = sum(c.is_decode for c in chunks)
@@ -358,6 +364,7 @@ class ModelRunner:
             cudagraph_runtime_mode=ctx.cudagraph_runtime_mode,
             batch_descriptor=ctx.batch_descriptor,
             padding_mask=ctx.padding_mask,
+            cpu_replay=ctx.cpu_replay,
         )
 
     # ------------------------------------------------------------------ step

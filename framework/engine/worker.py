@@ -276,6 +276,7 @@ class Worker:
             uniform_query_len=self.uniform_query_len,
             verify=None if self.rank == 0 else _no_verify,
         )
+        self.runner.cpu_replay_max_tokens = self.config.cpu_replay_max_tokens
         if self.group is not None:
             self.group.handshake()
             self.group.startup_fail_hook()  # test hook: PIECEWISE_TP_FAIL=<rank>:startup

@@ -71,6 +71,18 @@ const void* bias_ptr(const OptTensor& bias, at::Tensor& keep) {
   return keep.data_ptr();
 }
 
+template <class T>
+int64_t as_word(T* p) {
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(p));
+}
+inline int64_t as_word(int64_t v) { return v; }
+
+// x and the bias as the kernels read them are the caller's own tensors (no copy was made).
+bool reads_in_place(const at::Tensor& x, const at::Tensor& x2, const OptTensor& bias,
+                    const void* bp) {
+  return x2.data_ptr() == x.data_ptr() && (!bias.has_value() || bp == bias->data_ptr());
+}
+
 int64_t kernel_dtype(c10::ScalarType t) {
   return t == c10::ScalarType::BFloat16 ? pw_int8::kBFloat16 : pw_int8::kFloat32;
 }
@@ -81,10 +93,26 @@ bool panel_shape(const at::Tensor& w, int64_t n, int64_t k, int64_t lanes, int64
          w.size(3) == per_lane && w.is_contiguous() && w.device().is_cpu();
 }
 
+// The native call a small-M op call made, for a lean piece's replay
+// (backends/piecewise/replay.py): {the C function's address, 1 (it returns an int, nonzero on
+// error), its arguments as 64-bit integers}.  Left empty where the call cannot be replayed from
+// its arguments alone: it took the op's Python twin, or copied x or the bias first (the copy
+// is a fresh tensor each call).  Every kernel entry point takes pointers and integers only.
+using NativeCall = std::vector<int64_t>;
+
+template <class... Params, class... Args>
+void note_call(NativeCall* call, int (*fn)(Params...), Args... args) {
+  static_assert(sizeof...(Params) == sizeof...(Args), "one word per parameter");
+  if (call == nullptr) return;
+  *call = {static_cast<int64_t>(reinterpret_cast<intptr_t>(fn)), 1};
+  (call->push_back(as_word(args)), ...);
+}
+
 // --- bf16: packed_linear ----------------------------------------------------------------------
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTensor& md,
-                         const OptTensor& bias, int64_t n, int64_t k, int64_t max_rows) {
+at::Tensor packed_linear_call(const at::Tensor& x, const at::Tensor& w, const OptTensor& md,
+                              const OptTensor& bias, int64_t n, int64_t k, int64_t max_rows,
+                              NativeCall* call) {
   TORCH_CHECK_TYPE(x.scalar_type() == w.scalar_type(), "piecewise::packed_linear: x (",
                    dtype_name(x.scalar_type()), ") and w (", dtype_name(w.scalar_type()),
                    ") differ");
@@ -98,10 +126,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTens
     at::Tensor b;
     const void* bp = bias_ptr(bias, b);
     at::Tensor out = at::empty({rows, n}, x.options());
-    const int rc = piecewise_small_m_linear(x2.data_ptr(), row_stride(x2, k), rows, w.data_ptr(),
-                                            bp, out.data_ptr(), n, n, k, 1);
+    const void* xp = x2.data_ptr();
+    const void* wp = w.data_ptr();
+    void* op = out.data_ptr();
+    const int64_t xs = row_stride(x2, k), one = 1;
+    const int rc = piecewise_small_m_linear(xp, xs, rows, wp, bp, op, n, n, k, one);
     TORCH_CHECK(rc == 0, "piecewise::packed_linear: kernel error ", rc, " for x ", x.sizes(),
                 ", w (", n, ", ", k, ")");
+    if (reads_in_place(x, x2, bias, bp))
+      note_call(call, &piecewise_small_m_linear, xp, xs, rows, wp, bp, op, n, n, k, one);
     return with_rows(out, x, n);
   }
   static const auto fallback =
@@ -110,6 +143,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTens
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                             const OptTensor&, int64_t, int64_t, int64_t)>();
   return fallback.call(x, w, md, bias, n, k, max_rows);
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTensor& md,
+                         const OptTensor& bias, int64_t n, int64_t k, int64_t max_rows) {
+  return packed_linear_call(x, w, md, bias, n, k, max_rows, nullptr);
 }
 
 // --- bf16 LM head with the greedy epilogue: packed_linear_greedy -------------------------------
@@ -168,9 +206,10 @@ bool per_channel(const at::Tensor& t, int64_t n, c10::ScalarType dtype) {
   return t.numel() == n && t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu();
 }
 
-at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
-                              const at::Tensor& w_comp, const OptTensor& bias, int64_t n,
-                              int64_t k, int64_t max_rows) {
+at::Tensor int8_packed_linear_call(const at::Tensor& x, const at::Tensor& w,
+                                   const at::Tensor& w_scale, const at::Tensor& w_comp,
+                                   const OptTensor& bias, int64_t n, int64_t k, int64_t max_rows,
+                                   NativeCall* call) {
   const int64_t rows = rows_of(x, k);
   if (rows >= 0 && rows <= max_rows && float_rows(x) && x.device().is_cpu() &&
       w.scalar_type() == c10::ScalarType::Char && panel_shape(w, n, k, pw_int8::kLanes, 4) &&
@@ -180,11 +219,17 @@ at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& w, const at
     at::Tensor b;
     const void* bp = bias_ptr(bias, b);
     at::Tensor out = at::empty({rows, n}, x.options());
-    const int rc = piecewise_int8_linear(
-        x2.data_ptr(), row_stride(x2, k), rows, w.data_ptr(), w_comp.data_ptr<int32_t>(),
-        w_scale.data_ptr<float>(), bp, out.data_ptr(), n, n, k, kernel_dtype(x.scalar_type()));
+    const void* xp = x2.data_ptr();
+    const void* wp = w.data_ptr();
+    const int32_t* cp = w_comp.data_ptr<int32_t>();
+    const float* sp = w_scale.data_ptr<float>();
+    void* op = out.data_ptr();
+    const int64_t xs = row_stride(x2, k), dt = kernel_dtype(x.scalar_type());
+    const int rc = piecewise_int8_linear(xp, xs, rows, wp, cp, sp, bp, op, n, n, k, dt);
     TORCH_CHECK(rc == 0, "piecewise::int8_packed_linear: kernel error ", rc, " for x ",
                 x.sizes(), ", w (", n, ", ", k, ")");
+    if (reads_in_place(x, x2, bias, bp))
+      note_call(call, &piecewise_int8_linear, xp, xs, rows, wp, cp, sp, bp, op, n, n, k, dt);
     return with_rows(out, x, n);
   }
   static const auto fallback =
@@ -195,9 +240,15 @@ at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& w, const at
   return fallback.call(x, w, w_scale, w_comp, bias, n, k, max_rows);
 }
 
-at::Tensor int8_wo_packed_linear(const at::Tensor& x, const at::Tensor& w,
-                                 const at::Tensor& w_scale, const OptTensor& bias, int64_t n,
-                                 int64_t k, int64_t max_rows) {
+at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                              const at::Tensor& w_comp, const OptTensor& bias, int64_t n,
+                              int64_t k, int64_t max_rows) {
+  return int8_packed_linear_call(x, w, w_scale, w_comp, bias, n, k, max_rows, nullptr);
+}
+
+at::Tensor int8_wo_packed_linear_call(const at::Tensor& x, const at::Tensor& w,
+                                      const at::Tensor& w_scale, const OptTensor& bias,
+                                      int64_t n, int64_t k, int64_t max_rows, NativeCall* call) {
   const int64_t rows = rows_of(x, k);
   if (rows >= 0 && rows <= max_rows && float_rows(x) && x.device().is_cpu() &&
       w.scalar_type() == c10::ScalarType::Char && panel_shape(w, n, k, pw_int8::kLanes, 4) &&
@@ -206,11 +257,16 @@ at::Tensor int8_wo_packed_linear(const at::Tensor& x, const at::Tensor& w,
     at::Tensor b;
     const void* bp = bias_ptr(bias, b);
     at::Tensor out = at::empty({rows, n}, x.options());
-    const int rc = piecewise_int8_wo_linear(x2.data_ptr(), row_stride(x2, k), rows, w.data_ptr(),
-                                            w_scale.data_ptr<float>(), bp, out.data_ptr(), n, n,
-                                            k, kernel_dtype(x.scalar_type()));
+    const void* xp = x2.data_ptr();
+    const void* wp = w.data_ptr();
+    const float* sp = w_scale.data_ptr<float>();
+    void* op = out.data_ptr();
+    const int64_t xs = row_stride(x2, k), dt = kernel_dtype(x.scalar_type());
+    const int rc = piecewise_int8_wo_linear(xp, xs, rows, wp, sp, bp, op, n, n, k, dt);
     TORCH_CHECK(rc == 0, "piecewise::int8_wo_packed_linear: kernel error ", rc, " for x ",
                 x.sizes(), ", w (", n, ", ", k, ")");
+    if (reads_in_place(x, x2, bias, bp))
+      note_call(call, &piecewise_int8_wo_linear, xp, xs, rows, wp, sp, bp, op, n, n, k, dt);
     return with_rows(out, x, n);
   }
   static const auto fallback =
@@ -219,6 +275,21 @@ at::Tensor int8_wo_packed_linear(const at::Tensor& x, const at::Tensor& w,
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const OptTensor&, int64_t, int64_t, int64_t)>();
   return fallback.call(x, w, w_scale, bias, n, k, max_rows);
+}
+
+at::Tensor int8_wo_packed_linear(const at::Tensor& x, const at::Tensor& w,
+                                 const at::Tensor& w_scale, const OptTensor& bias, int64_t n,
+                                 int64_t k, int64_t max_rows) {
+  return int8_wo_packed_linear_call(x, w, w_scale, bias, n, k, max_rows, nullptr);
+}
+
+// Each op's call together with the native call it made (NativeCall; empty: not replayable):
+// what a lean piece records for its replay.
+template <class Op, class... A>
+std::tuple<at::Tensor, NativeCall> recorded(Op op, const A&... args) {
+  NativeCall call;
+  at::Tensor out = op(args..., &call);
+  return {out, call};
 }
 
 }  // namespace
@@ -243,6 +314,20 @@ PYBIND11_MODULE(PW_PYTHON_MODULE, m) {
   m.def("int8_packed_linear", &int8_packed_linear);
   m.def("int8_wo_packed_linear", &int8_wo_packed_linear);
   m.def("fused_moe_packed", &pw_moe::fused_moe_packed);
+  m.def("packed_linear_record", [](const at::Tensor& x, const at::Tensor& w, const OptTensor& md,
+                                   const OptTensor& bias, int64_t n, int64_t k, int64_t rows) {
+    return recorded(packed_linear_call, x, w, md, bias, n, k, rows);
+  });
+  m.def("int8_packed_linear_record",
+        [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& c,
+           const OptTensor& bias, int64_t n, int64_t k, int64_t rows) {
+          return recorded(int8_packed_linear_call, x, w, s, c, bias, n, k, rows);
+        });
+  m.def("int8_wo_packed_linear_record",
+        [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const OptTensor& bias,
+           int64_t n, int64_t k, int64_t rows) {
+          return recorded(int8_wo_packed_linear_call, x, w, s, bias, n, k, rows);
+        });
 }
 #endif
 
