@@ -101,6 +101,7 @@ class ProjectRunner(Runner):
                 level=job.get("level", 2),
                 progress_bar=False,
                 compile_sizes=project_compile_sizes(os.environ),
+                cpu_replay_max_tokens=project_cpu_replay(os.environ),
             ),
         )
         self.construct_s = time.perf_counter() - t
@@ -303,6 +304,21 @@ def project_compile_sizes(env: Any) -> Optional[list[int]]:
     """The compile sizes of :data:`COMPILE_SIZES_ENV`, or None (the level's default)."""
     raw = env.get(COMPILE_SIZES_ENV, "").strip()
     return [int(x) for x in raw.split(",") if x.strip()] if raw else None
+
+
+CPU_REPLAY_ENV = "PIECEWISE_PEERS_CPU_REPLAY"
+"""The project's ``CompilationConfig.cpu_replay_max_tokens`` (default: the config's, 64): ``0``
+runs every piece's Python instead of replaying its recorded native calls
+(``backends/piecewise/replay.py``).  A variant: ``--variant norep=PIECEWISE_PEERS_CPU_REPLAY=0``
+runs ``project_bf16@norep`` beside ``project_bf16``."""
+
+
+def project_cpu_replay(env: Any) -> int:
+    """The replay limit of :data:`CPU_REPLAY_ENV` (the config's default where unset)."""
+    from framework.core.config import CompilationConfig
+
+    raw = env.get(CPU_REPLAY_ENV, "").strip()
+    return int(raw) if raw else CompilationConfig().cpu_replay_max_tokens
 
 
 def build_runner(job: dict[str, Any]) -> Runner:
