@@ -33,9 +33,10 @@ later call with the same inputs runs those calls from C++ in one ctypes call
   turns replay off for the call (``framework.core.ops.direct_calls_allowed``), so they see
   every op.
 * **Memory is bounded.**  A tape keeps the buffers its calls wrote (a decode step's
-  intermediate activations: kilobytes); an inputs key is recorded the second time it is
-  seen, not the first (one-off shapes are never kept), and each piece keeps its
-  :data:`MAX_TAPES` most recently used tapes.
+  intermediate activations: kilobytes a layer); each piece keeps its most recently used
+  tapes, at most :data:`MAX_TAPES` and :data:`MAX_TAPE_BYTES` of buffers.  Inputs are recorded
+  the first time they are seen: the next piece's inputs are this piece's recorded outputs,
+  so one step records every piece of a batch shape and the next replays them all.
 
 Bits: a replay runs the same functions on the same buffers in the same order as the recorded
 run, so its outputs are those the piece would compute (tests compare them over many steps).
@@ -62,11 +63,12 @@ from framework.core.native_build import KernelBuildError, NativeLibrary, compile
 
 MAX_WORDS = 24
 """Most arguments of a recorded call (``kMaxWords`` in ``csrc/replay.cpp``)."""
-MAX_TAPES = 64
-"""Tapes a piece keeps (least recently used dropped first): a layer's piece has one per
-layer sharing its code and batch shape."""
-_MAX_SEEN = 256
-_SEEN, _REFUSED = 1, 2  # an inputs key seen once (recorded the next time) / not recordable
+MAX_TAPES = 256
+"""Tapes a piece keeps (least recently used dropped first; a piece's code is shared by the
+layers it stands for, each with its own tape per batch shape) ..."""
+MAX_TAPE_BYTES = 64 << 20
+"""... and the most bytes of buffers they may hold together (inputs not counted)."""
+_MAX_REFUSED = 256
 _WORD_MASK = (1 << 64) - 1
 
 _CALL_BYTES_FIELDS = [
@@ -184,8 +186,23 @@ def replay_refusal(source: str, callees: set[str]) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- tapes
+def _owned_bytes(kept: list[torch.Tensor], inputs: list) -> int:
+    """Bytes of the storages of ``kept`` that are not the inputs' (what a tape holds alive)."""
+    seen = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
+    total = 0
+    for t in kept:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
 class Tape:
     """The native calls of one recorded run of a piece and the buffers they wrote."""
+
+    nbytes = 0
+    """Bytes of the buffers it holds (set by the recorder)."""
 
     def __init__(
         self,
@@ -242,7 +259,9 @@ class PieceReplay:
         self._recorders = recorders
         self._lib = lib
         self._tapes: collections.OrderedDict[tuple, Tape] = collections.OrderedDict()
-        self._seen: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+        self._refused: collections.OrderedDict[tuple, bool] = collections.OrderedDict()
+        self.tape_bytes = 0
+        """Bytes of the buffers the kept tapes hold."""
         self.refusals: dict[str, int] = {}
         """Why inputs were not recorded (reason -> inputs keys); those keys then run as
         always."""
@@ -251,26 +270,25 @@ class PieceReplay:
 
     def __call__(self, inputs: list, run: Callable[[list], Any]) -> Any:
         key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in inputs)
-        tape = self._tapes.get(key)
+        tapes = self._tapes
+        tape = tapes.get(key)
         if tape is not None:
+            tapes.move_to_end(key)
             self.replayed += 1
             return tape.run(self.name)
-        seen = self._seen.get(key)
-        if seen is None or seen == _REFUSED:  # first sight, or refused: run as always
-            if seen is None:
-                self._seen[key] = _SEEN
-                if len(self._seen) > _MAX_SEEN:
-                    self._seen.popitem(last=False)
+        if key in self._refused:
             return run(inputs)
         outputs, tape, refusal = self._record(inputs)
         if tape is None:  # the run was real, its outputs stand; these inputs stay unrecorded
-            self._seen[key] = _REFUSED
+            self._refused[key] = True
+            if len(self._refused) > _MAX_REFUSED:
+                self._refused.popitem(last=False)
             self.refusals[refusal] = self.refusals.get(refusal, 0) + 1
             return outputs
-        del self._seen[key]
-        self._tapes[key] = tape
-        if len(self._tapes) > MAX_TAPES:
-            self._tapes.popitem(last=False)
+        tapes[key] = tape
+        self.tape_bytes += tape.nbytes
+        while len(tapes) > MAX_TAPES or (self.tape_bytes > MAX_TAPE_BYTES and len(tapes) > 1):
+            self.tape_bytes -= tapes.popitem(last=False)[1].nbytes
         self.recorded += 1
         return outputs
 
@@ -290,7 +308,9 @@ class PieceReplay:
             problems.append(f"a call of more than {MAX_WORDS} arguments")
         if problems:
             return outputs, None, problems[0]
-        return outputs, Tape(self._lib, calls, outputs, keep), ""
+        tape = Tape(self._lib, calls, outputs, keep)
+        tape.nbytes = _owned_bytes(keep, inputs)
+        return outputs, tape, ""
 
     def _kernel_recorder(self, name, fn, argtypes, calls, keep, problems) -> Callable:
         kinds = [word_kind(t) for t in argtypes]

@@ -100,21 +100,20 @@ def test_a_piece_replays_its_native_calls_for_the_same_inputs(lean_piece):
     loaded, f, x, w, calls = lean_piece
     replay = loaded.replay
     with torch.inference_mode(), _replaying():
-        first = loaded(x, w)[0]  # first sight of these inputs: runs as always
-        second = loaded(x, w)[0]  # second: recorded while it runs
+        first = loaded(x, w)[0]  # first sight of these inputs: recorded while it runs
         assert replay.recorded == 1 and replay.replayed == 0 and replay.refusals == {}
-        assert torch.equal(first, f(x, w)[0]) and torch.equal(second, f(x, w)[0])
-        assert calls == [7]  # the first run; the recording ran the recording kernel
-        calls.clear()
+        assert torch.equal(first, f(x, w)[0])
+        assert calls == []  # the recording ran the linear's recording kernel
+        assert 0 < replay.tape_bytes < 4096  # the output and the linear's (4 x 96 bf16 each)
         for step in range(3):  # new values in the same buffer: replayed, no Python kernel call
             x.copy_(torch.randn(4, 64).to(torch.bfloat16))
             got = loaded(x, w)[0]
-            assert got is second  # the recording's buffer, rewritten
+            assert got is first  # the recording's buffer, rewritten
             assert torch.equal(got, f(x, w)[0])
         assert replay.replayed == 3 and calls == []
-        other = torch.randn(4, 64).to(torch.bfloat16)  # other inputs: no tape for them
+        other = torch.randn(4, 64).to(torch.bfloat16)  # other inputs: a tape of their own
         assert torch.equal(loaded(other, w)[0], f(other, w)[0])
-        assert replay.replayed == 3 and calls == [7]
+        assert replay.recorded == 2 and replay.replayed == 3
 
 
 def test_no_replay_unless_asked_or_while_ops_are_watched(lean_piece):
@@ -122,7 +121,7 @@ def test_no_replay_unless_asked_or_while_ops_are_watched(lean_piece):
     replay = loaded.replay
     with torch.inference_mode():
         with _replaying():
-            loaded(x, w), loaded(x, w)  # seen, recorded
+            loaded(x, w)  # recorded
         for _ in range(2):
             assert torch.equal(loaded(x, w)[0], f(x, w)[0])  # no forward context
         with _replaying(False):
@@ -149,7 +148,7 @@ def test_a_call_its_kernel_cannot_replay_is_refused(lean_piece, monkeypatch):
         for _ in range(4):
             assert torch.equal(loaded(x, w)[0], f(x, w)[0])
     assert replay.recorded == 0 and replay.replayed == 0
-    # one recording tried (the second call), then the inputs run as always
+    # one recording tried (the first call), then the inputs run as always
     assert replay.refusals == {"_pw_direct_packed_linear: a call its kernel cannot replay": 1}
 
 
