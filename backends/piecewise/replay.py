@@ -186,16 +186,19 @@ def replay_refusal(source: str, callees: set[str]) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- tapes
-def _owned_bytes(kept: list[torch.Tensor], inputs: list) -> int:
-    """Bytes of the storages of ``kept`` that are not the inputs' (what a tape holds alive)."""
+def _owned(touched: list[torch.Tensor], inputs: list) -> list[torch.Tensor]:
+    """One tensor per storage of ``touched`` that is not an input's: the buffers the recorded
+    run allocated, which its tape must keep alive.  Inputs are not kept: a replay reads
+    whatever tensor is at the recorded addresses then (the key guarantees one is), and a
+    tape must not keep an engine's weights alive after the engine."""
     seen = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
-    total = 0
-    for t in kept:
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
+    owned = []
+    for t in touched:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            owned.append(t)
+    return owned
 
 
 class Tape:
@@ -308,8 +311,9 @@ class PieceReplay:
             problems.append(f"a call of more than {MAX_WORDS} arguments")
         if problems:
             return outputs, None, problems[0]
-        tape = Tape(self._lib, calls, outputs, keep)
-        tape.nbytes = _owned_bytes(keep, inputs)
+        owned = _owned(keep, inputs)
+        tape = Tape(self._lib, calls, outputs, owned)
+        tape.nbytes = sum(t.untyped_storage().nbytes() for t in owned)
         return outputs, tape, ""
 
     def _kernel_recorder(self, name, fn, argtypes, calls, keep, problems) -> Callable:

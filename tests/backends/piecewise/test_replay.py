@@ -2,6 +2,7 @@
 and replays them from C++ for the same inputs; what cannot be replayed runs as always."""
 
 import ctypes
+import weakref
 
 import pytest
 import torch
@@ -114,6 +115,9 @@ def test_a_piece_replays_its_native_calls_for_the_same_inputs(lean_piece):
         other = torch.randn(4, 64).to(torch.bfloat16)  # other inputs: a tape of their own
         assert torch.equal(loaded(other, w)[0], f(other, w)[0])
         assert replay.recorded == 2 and replay.replayed == 3
+        gone = weakref.ref(other)
+        del other
+        assert gone() is None  # a tape keeps the buffers it wrote, not its inputs
 
 
 def test_no_replay_unless_asked_or_while_ops_are_watched(lean_piece):
