@@ -2,10 +2,9 @@
 piece's calls of ops that have a direct call (framework/core/ops.py) skip the dispatcher,
 the others keep it, and the piece computes the same bits either way."""
 
-import pytest
 import torch
 
-from backends.piecewise.compiler import CompileRange, make_compiler
+from backends.piecewise.compiler import make_compiler
 from backends.piecewise.inductor_lean import bind_direct_calls
 from framework.core import ops as core_ops
 
@@ -42,32 +41,20 @@ def test_only_ops_with_a_direct_call_are_renamed(monkeypatch):
     assert direct["_pw_direct_packed_linear"](1, 2) == (1, 2)
 
 
-def test_a_compiled_piece_calls_the_packed_linear_kernel_directly(tmp_path, count_direct_calls):
+def test_a_compiled_piece_calls_the_packed_linear_kernel_directly(
+    tmp_path, native_ops_loaded, count_direct_calls, request
+):
     """A piece with a packed linear (the layer's op in the graph): its lean module binds the
     op's kernel where the native library has one and gives the dispatcher's bits; under the
     profiler (or an override, a dispatch mode) the piece's calls go through the dispatcher,
     which records them."""
-    from passes import native_ops
-    from passes import small_m_linear as small_m
-
-    if not (small_m.kernel_available() and native_ops.load()):
-        pytest.skip("the C++ op library does not build here")
     calls = count_direct_calls("piecewise::packed_linear")
-    w = small_m.pack(torch.randn(96, 64).to(torch.bfloat16))
-
-    def f(x, w):
-        y = torch.ops.piecewise.packed_linear.default(x, w, None, None, 96, 64, 64)
-        return (torch.relu(y) * 2,)
-
-    gm = torch.fx.symbolic_trace(f)
-    x = torch.randn(4, 64).to(torch.bfloat16)
-    compiler = make_compiler("inductor")
-    compiled, save = compiler.compile(gm, [x, w], CompileRange(4, 4))
+    compiled, save, f, x, w = request.getfixturevalue("linear_piece")
     assert compiled.direct_calls == ["_pw_direct_packed_linear"]
     want = f(x, w)[0]
     assert torch.equal(compiled(x, w)[0], want)
     save(tmp_path / "piece.bin")
-    loaded = compiler.load(tmp_path / "piece.bin")
+    loaded = make_compiler("inductor").load(tmp_path / "piece.bin")
     assert loaded.direct_calls == ["_pw_direct_packed_linear"]
     calls.clear()
     assert torch.equal(loaded(x, w)[0], want)

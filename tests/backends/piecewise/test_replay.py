@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backends.piecewise import replay as R
-from backends.piecewise.compiler import CompileRange, make_compiler
+from backends.piecewise.compiler import make_compiler
 from framework.core.forward_context import ForwardContext, set_forward_context
 
 
@@ -71,27 +71,15 @@ def test_the_replayer_runs_calls_in_order_and_stops_at_an_error():
 
 
 @pytest.fixture
-def lean_piece(tmp_path, count_direct_calls):
-    """A loaded lean piece of a packed linear and an activation (bf16, 4 rows), the function
-    it computes, and the calls of the linear's Python-callable kernel it makes."""
-    from passes import native_ops
-    from passes import small_m_linear as small_m
-
-    if not (small_m.kernel_available() and native_ops.load()) or R.load_replayer() is None:
-        pytest.skip("the C++ op library or the replay library does not build here")
+def lean_piece(tmp_path, native_ops_loaded, count_direct_calls, request):
+    """The loaded lean form of ``linear_piece``, the function it computes, its inputs and the
+    calls of the linear's Python-callable kernel it makes."""
     calls = count_direct_calls("piecewise::packed_linear")  # bound when the piece loads
-    w = small_m.pack(torch.randn(96, 64).to(torch.bfloat16))
-
-    def f(x, w):
-        y = torch.ops.piecewise.packed_linear.default(x, w, None, None, 96, 64, 64)
-        return (torch.relu(y) * 2,)
-
-    gm = torch.fx.symbolic_trace(f)
-    x = torch.randn(4, 64).to(torch.bfloat16)
-    compiler = make_compiler("inductor")
-    _, save = compiler.compile(gm, [x, w], CompileRange(4, 4))
+    _, save, f, x, w = request.getfixturevalue("linear_piece")
+    if R.load_replayer() is None:
+        pytest.skip("the replay library does not build here")
     save(tmp_path / "piece.bin")
-    loaded = compiler.load(tmp_path / "piece.bin")
+    loaded = make_compiler("inductor").load(tmp_path / "piece.bin")
     if loaded.replay is None:
         pytest.skip("the piece has no replay here")
     return loaded, f, x, w, calls
