@@ -183,3 +183,29 @@ def test_engine_tokens_are_the_same_with_and_without_replay(
             runs.clear()
     assert out[64] == out[0]
     assert runs == []
+
+
+def test_tapes_are_bounded_least_recently_used_first(lean_piece, monkeypatch):
+    """A piece keeps at most MAX_TAPES tapes and MAX_TAPE_BYTES of their buffers; the least
+    recently replayed go first, and a dropped tape's inputs are recorded again."""
+    loaded, f, x, w, _ = lean_piece
+    replay = loaded.replay
+    inputs = [torch.randn(4, 64).to(torch.bfloat16) for _ in range(4)]
+    with torch.inference_mode(), _replaying():
+        loaded(inputs[0], w)
+        one = replay.tape_bytes
+        monkeypatch.setattr(R, "MAX_TAPE_BYTES", 3 * one)  # room for three
+        for a in inputs[1:3]:
+            loaded(a, w)
+        loaded(inputs[0], w)  # replayed: now the most recently used
+        assert replay.recorded == 3 and replay.replayed == 1
+        loaded(inputs[3], w)  # a fourth: the least recently used (inputs[1]) goes
+        assert replay.recorded == 4 and replay.tape_bytes == 3 * one
+        for a in (inputs[0], inputs[2], inputs[3]):
+            assert torch.equal(loaded(a, w)[0], f(a, w)[0])
+        assert replay.replayed == 4 and replay.recorded == 4
+        assert torch.equal(loaded(inputs[1], w)[0], f(inputs[1], w)[0])
+        assert replay.recorded == 5  # recorded again
+        monkeypatch.setattr(R, "MAX_TAPES", 1)
+        loaded(torch.randn(4, 64).to(torch.bfloat16), w)  # recorded: the others go
+        assert len(replay._tapes) == 1 and replay.tape_bytes == one
