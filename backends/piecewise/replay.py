@@ -71,16 +71,16 @@ MAX_TAPE_BYTES = 64 << 20
 _MAX_REFUSED = 256
 _WORD_MASK = (1 << 64) - 1
 
-_CALL_BYTES_FIELDS = [
-    ("fn", ctypes.c_uint64),
-    ("kind", ctypes.c_int64),
-    ("nargs", ctypes.c_int64),
-    ("args", ctypes.c_uint64 * MAX_WORDS),
-]
-
 
 class _Call(ctypes.Structure):
-    _fields_ = _CALL_BYTES_FIELDS
+    """One recorded call: ``Call`` in ``csrc/replay.cpp``."""
+
+    _fields_ = [
+        ("fn", ctypes.c_uint64),
+        ("kind", ctypes.c_int64),  # 0: returns nothing; 1: returns an int, nonzero on error
+        ("nargs", ctypes.c_int64),
+        ("args", ctypes.c_uint64 * MAX_WORDS),
+    ]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -108,16 +108,23 @@ def load_replayer() -> Optional[ctypes.CDLL]:
     compiler: pieces then run as always."""
     if (sys.platform, platform.machine().lower()) not in _PLATFORMS or compiler() is None:
         return None
+    log = logging.getLogger(__name__)
     try:
         lib = LIBRARY.load()
     except KernelBuildError as e:
-        logging.getLogger(__name__).warning("piecewise: no piece replay (%s)", e)
+        log.warning("piecewise: no piece replay (%s)", e)
         return None
-    if (
-        lib.piecewise_replay_max_words() != MAX_WORDS
-        or lib.piecewise_replay_call_bytes() != ctypes.sizeof(_Call)
-    ):
-        raise RuntimeError(f"{LIBRARY}: its Call layout differs from replay.py's")
+    words, size = lib.piecewise_replay_max_words(), lib.piecewise_replay_call_bytes()
+    if words != MAX_WORDS or size != ctypes.sizeof(_Call):
+        log.warning(
+            "piecewise: no piece replay (%s: %d words, %d-byte calls; replay.py: %d, %d)",
+            LIBRARY,
+            words,
+            size,
+            MAX_WORDS,
+            ctypes.sizeof(_Call),
+        )
+        return None
     return lib
 
 
