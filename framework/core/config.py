@@ -223,8 +223,9 @@ class CompilationConfig(StrictConfig):
     cpu_replay_max_tokens: int = field(default=64, metadata=NO_HASH)
     """CPU steps of at most this many tokens replay each lean piece's recorded native calls
     from C++ instead of running its Python (``backends/piecewise/replay.py``: a piece records
-    a set of inputs the second time it sees them and keeps its 64 latest recordings, with the
-    buffers they wrote).  0: never.  Compiled code does not change (not in the cache key)."""
+    a set of inputs the first time it sees them and keeps its most recently used recordings,
+    at most 256 and 64 MB of the buffers they wrote).  0: never.  Compiled code does not
+    change (not in the cache key)."""
     use_cache: bool = field(default=True, metadata=NO_HASH)
     """Read and write the on-disk artifact cache."""
     cache_weights: bool = field(default=True, metadata=NO_HASH)
