@@ -220,7 +220,7 @@ def cpu_replay_forms(llm) -> dict[str, Callable[[], None]]:
     """Switches of the runner between running every piece and replaying the pieces' recorded
     native calls."""
     runner = llm.runner
-    limit = llm.worker.config.cpu_replay_max_tokens or 64
+    limit = llm.worker.config.cpu_replay_max_tokens or 16
 
     def use(tokens: int) -> Callable[[], None]:
         def run() -> None:

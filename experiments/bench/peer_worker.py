@@ -307,7 +307,7 @@ def project_compile_sizes(env: Any) -> Optional[list[int]]:
 
 
 CPU_REPLAY_ENV = "PIECEWISE_PEERS_CPU_REPLAY"
-"""The project's ``CompilationConfig.cpu_replay_max_tokens`` (default: the config's, 64): ``0``
+"""The project's ``CompilationConfig.cpu_replay_max_tokens`` (default: the config's): ``0``
 runs every piece's Python instead of replaying its recorded native calls
 (``backends/piecewise/replay.py``).  A variant: ``--variant norep=PIECEWISE_PEERS_CPU_REPLAY=0``
 runs ``project_bf16@norep`` beside ``project_bf16``."""

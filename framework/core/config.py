@@ -220,12 +220,16 @@ class CompilationConfig(StrictConfig):
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
     """Kernel settings of this engine's layers (part of the cache key)."""
     """Compiler passes run on every piece."""
-    cpu_replay_max_tokens: int = field(default=64, metadata=NO_HASH)
+    cpu_replay_max_tokens: int = field(default=16, metadata=NO_HASH)
     """CPU steps of at most this many tokens replay each lean piece's recorded native calls
     from C++ instead of running its Python (``backends/piecewise/replay.py``: a piece records
     a set of inputs the first time it sees them and keeps its most recently used recordings,
     at most 256 and 64 MB of the buffers they wrote).  0: never.  Compiled code does not
-    change (not in the cache key)."""
+    change (not in the cache key).  The Python a replay saves is the same at any size while
+    the kernels grow with the tokens, and a recording holds its buffers: at 1.1B b32 replay
+    gained 1% of the step and 0.13 GB of peak RSS, at the tiny model's b1 6% for kilobytes
+    (``experiments/bench/results/cpu_replay_2026-12-07.md``); hence 16 (decode batches up to
+    16, verify steps of 1 + 4 tokens up to 3 requests)."""
     use_cache: bool = field(default=True, metadata=NO_HASH)
     """Read and write the on-disk artifact cache."""
     cache_weights: bool = field(default=True, metadata=NO_HASH)
