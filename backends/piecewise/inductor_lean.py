@@ -145,7 +145,7 @@ def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
         fast.__dict__["__piecewise_async_compile__"] = compiler
         fast.__dict__.update(direct)
         exec(compile(body, f"<piecewise lean module {digest} direct>", "exec"), fast.__dict__)
-        replay, _ = piece_replay(
+        replay, refusal = piece_replay(
             digest,
             body,
             fast.__dict__["call"],
@@ -154,7 +154,7 @@ def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
         )
         call = _either(fast.__dict__["call"], call)
     else:
-        replay = None
+        replay, refusal = None, "no op call is bound to a direct kernel"
     graph = LeanGraph(call, replay)
 
     def run(*args: Any) -> Any:
@@ -164,6 +164,7 @@ def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
     run.code_digest = code_digest(source)  # type: ignore[attr-defined]
     run.direct_calls = sorted(direct)  # type: ignore[attr-defined]
     run.replay = replay  # type: ignore[attr-defined]
+    run.replay_refusal = refusal  # type: ignore[attr-defined]  # why there is no replay
     return run
 
 

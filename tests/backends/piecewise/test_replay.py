@@ -127,6 +127,23 @@ def test_no_replay_unless_asked_or_while_ops_are_watched(lean_piece):
         assert replay.replayed == 1
 
 
+def test_a_piece_without_recording_kernels_says_why_it_has_no_replay(
+    tmp_path, native_ops_loaded, monkeypatch, request
+):
+    """An op with a direct kernel but no recording kernel: the piece loads without a replay
+    and says which call stopped it."""
+    from framework.core import ops as core_ops
+
+    _, save, f, x, w = request.getfixturevalue("linear_piece")
+    save(tmp_path / "piece.bin")
+    monkeypatch.setattr(core_ops, "_RECORDERS", {})
+    loaded = make_compiler("inductor").load(tmp_path / "piece.bin")
+    assert loaded.replay is None
+    assert loaded.replay_refusal == "_pw_direct_packed_linear has no recording kernel"
+    with torch.inference_mode(), _replaying():
+        assert torch.equal(loaded(x, w)[0], f(x, w)[0])
+
+
 def test_a_call_its_kernel_cannot_replay_is_refused(lean_piece, monkeypatch):
     """The op took a path with no native call to report (its Python twin): the inputs are
     not recorded, and the piece runs as always, with the reason kept."""
