@@ -220,7 +220,9 @@ def cpu_replay_forms(llm) -> dict[str, Callable[[], None]]:
     """Switches of the runner between running every piece and replaying the pieces' recorded
     native calls."""
     runner = llm.runner
-    limit = llm.worker.config.cpu_replay_max_tokens or 16
+    from framework.core.config import CompilationConfig
+
+    limit = llm.worker.config.cpu_replay_max_tokens or CompilationConfig().cpu_replay_max_tokens
 
     def use(tokens: int) -> Callable[[], None]:
         def run() -> None:

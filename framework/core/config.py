@@ -227,7 +227,8 @@ class CompilationConfig(StrictConfig):
     at most 256 and 64 MB of the buffers they wrote).  0: never.  Compiled code does not
     change (not in the cache key).  The Python a replay saves is the same at any size while
     the kernels grow with the tokens, and a recording holds its buffers: at 1.1B b32 replay
-    gained 1% of the step and 0.13 GB of peak RSS, at the tiny model's b1 6% for kilobytes
+    gained 1% of the step and 0.13 GB of peak RSS; the tiny model's b1 step gained 6%, its
+    tapes after b1 and b8 generations held 3.8 MB in all
     (``experiments/bench/results/cpu_replay_2026-12-07.md``); hence 16 (decode batches up to
     16, verify steps of 1 + 4 tokens up to 3 requests)."""
     use_cache: bool = field(default=True, metadata=NO_HASH)
