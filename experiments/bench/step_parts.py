@@ -24,7 +24,10 @@ A part's time per decode step comes from two generations of ``--steps + 8`` and 
 after the same prompts (the difference, over ``--steps``, leaves out prefill and warm-up);
 the table gives the median over ``--reps`` such pairs, the calls per step and µs per call.
 The linears are what the forward has left after attention and the compiled kernels, together
-with the Python that joins the pieces.
+with the Python that joins the pieces.  The engine runs without piece replay
+(``CompilationConfig.cpu_replay_max_tokens``): a replayed piece's kernels are called from
+C++, where these timers do not reach; ``engine_ab --ab cpu_replay`` measures what replay
+saves.
 """
 
 from __future__ import annotations
@@ -125,6 +128,9 @@ def build(args: argparse.Namespace, timers: Timers):
     load their kernels when a token range is first run)."""
     llm, path = build_llm(args)
     runner = llm.runner
+    # The parts are timed through their Python calls; a replayed piece makes none (its native
+    # calls run from C++: backends/piecewise/replay.py), so the pieces run as they are written.
+    runner.cpu_replay_max_tokens = 0
     runner.forward = timers.wrap(runner.forward, "forward")
     runner.model.compute_logits = timers.wrap(runner.model.compute_logits, "LM head")
     if runner.greedy_logits is not None:  # the head's fused greedy kernel: the LM head row
