@@ -38,7 +38,8 @@ import torch
 from backends.attention.common import AttentionBackend, AttentionCGSupport, register_backend
 from backends.attention.cpu_paged_build import load_library, load_op
 from framework.core.attention_metadata import AttentionMetadata
-from framework.core.ops import define_op, direct_call
+from framework.core.forward_context import native_tape_sink
+from framework.core.ops import define_op, direct_call, direct_recorder
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {
@@ -223,10 +224,22 @@ def paged_attention(
         q, k, v, out, kv_cache, md.slot_mapping, md.block_table, md.query_start_loc,
         md.seq_lens, md.num_reqs, md.num_actual_tokens, scale, sliding_window,
     )  # fmt: skip
-    if library is None:
-        _op_call()(*args)
-    else:
+    if library is not None:
         call_kernel(*args, library=library)
+        return
+    sink = native_tape_sink()
+    if sink is None:
+        _op_call()(*args)
+        return
+    # A whole forward is being recorded: the call and the native call it made.
+    op = _op_call()  # (loads the op library, which registers its recorder)
+    recorder = direct_recorder("piecewise::cpu_paged_attention")
+    if recorder is None:
+        op(*args)
+        sink.refuse("cpu_paged attention: no recording kernel (the op's Python module)")
+        return
+    _, native = recorder(*args)
+    sink.add([(native[0], native[1], list(native[2:]), "cpu_paged_attention")], None)
 
 
 @functools.lru_cache(maxsize=1)

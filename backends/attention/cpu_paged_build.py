@@ -55,6 +55,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.piecewise_cpu_paged_isa.restype = ctypes.c_char_p
     lib.piecewise_cpu_paged_exp_neg.argtypes = [p, p, p, i64]
     lib.piecewise_cpu_paged_exp_neg.restype = None
+    words = lib.piecewise_cpu_paged_attention_words
+    words.argtypes = [p, i64, p, i64, p, i64, p, i64, p, i64, i64, p, p, i64, p, p] + [i64] * 9
+    words.restype = ctypes.c_int
 
 
 LIBRARY = NativeLibrary(

@@ -36,6 +36,7 @@ from backends.piecewise.split import (
     graph_hash,
     inline_splitting_ops,
     module_code,
+    native_parts,
     piece_example_inputs,
     split_graph,
     static_piece_inputs,
@@ -109,6 +110,8 @@ class PiecewiseBackend:
         self._installed: dict[str, Callable] = {}
         self.traced_files: list[str] = []
         """Non-torch source files whose code produced nodes of the Dynamo graph."""
+        self.split: Optional[fx.GraphModule] = None
+        """The split module the compiled forward runs (once traced or restored)."""
 
     # ------------------------------------------------------------------ compile
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
@@ -148,6 +151,7 @@ class PiecewiseBackend:
             logger.info("split graph not serializable (%s): warm starts will re-trace", e)
         inline_splitting_ops(split)  # after the program is saved: it keeps the submodules
         bind_direct_splitting_ops(split)
+        self.split = split
         return split
 
     def _build_piece(
@@ -306,7 +310,16 @@ class PiecewiseBackend:
             return None
         self.stats.num_pieces = len(program["pieces"])
         self.stats.unique_graphs = len({r["graph_hash"] for r in program["pieces"].values()})
+        self.split = split
         return split, program
+
+    def native_parts(self) -> Optional[tuple[int, Optional[str]]]:
+        """Parts of one forward that report their native calls to a recording of the whole
+        forward, or why none can be made (:func:`backends.piecewise.split.native_parts`);
+        None until the model is traced (or restored)."""
+        if self.split is None:
+            return None
+        return native_parts(self.split, set(self.runtimes))
 
     def code_digest(self) -> Optional[str]:
         """One digest of the code every compiled piece runs (each piece's lean module digest,

@@ -39,6 +39,7 @@ from backends.piecewise.replay import PieceReplay, piece_replay, replay_wanted
 from framework.compat import inductor as compat_inductor
 from framework.compat import warn_once
 from framework.core import ops as core_ops
+from framework.core.forward_context import native_tape_sink
 
 LEAN_FORMAT = 1
 ALIGN_BYTES = 64  # torch._inductor.utils.ALIGN_BYTES (torch 2.13); checked by export_lean
@@ -155,7 +156,7 @@ def load_lean(source: str, kernels: dict[str, Path]) -> Callable:
         call = _either(fast.__dict__["call"], call)
     else:
         replay, refusal = None, "no op call is bound to a direct kernel"
-    graph = LeanGraph(call, replay)
+    graph = LeanGraph(call, replay, refusal)
 
     def run(*args: Any) -> Any:
         return graph(list(args))
@@ -242,14 +243,25 @@ class LeanGraph:
     :class:`~backends.piecewise.replay.PieceReplay`, a call the forward lets replay
     (:func:`~backends.piecewise.replay.replay_wanted`) goes through it."""
 
-    def __init__(self, call: Callable[[list], Any], replay: Optional[PieceReplay] = None):
+    def __init__(
+        self,
+        call: Callable[[list], Any],
+        replay: Optional[PieceReplay] = None,
+        refusal: Optional[str] = None,
+    ):
         self._call = call
         self._replay = replay
+        self._refusal = refusal or "no replay"
+        """Why there is no replay: what a whole forward being recorded is told."""
 
     def __call__(self, inputs: list) -> Any:
         replay = self._replay
         if replay is not None and replay_wanted():
             return replay(inputs, self._call)
+        if replay is None:
+            sink = native_tape_sink()
+            if sink is not None:
+                sink.refuse(f"a lean piece without replay: {self._refusal}")
         return self._call(inputs)
 
 

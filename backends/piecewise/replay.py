@@ -54,15 +54,15 @@ import platform
 import sys
 import types
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from framework.core import ops as core_ops
-from framework.core.forward_context import cpu_replay_requested
+from framework.core.forward_context import cpu_replay_requested, native_tape_sink
 from framework.core.native_build import KernelBuildError, NativeLibrary, compiler
 
-MAX_WORDS = 24
+MAX_WORDS = 32
 """Most arguments of a recorded call (``kMaxWords`` in ``csrc/replay.cpp``)."""
 MAX_TAPES = 256
 """Tapes a piece keeps (least recently used dropped first; a piece's code is shared by the
@@ -218,7 +218,11 @@ class Tape:
         calls: list[tuple[int, int, list[int], str]],
         outputs: Any,
         keep: list[torch.Tensor],
+        parts: Sequence[Any] = (),
     ):
+        self.calls = calls
+        """The recorded calls, ``(address, kind, words, label)`` each (a whole-forward tape
+        is made of its parts' calls)."""
         self.labels = [label for *_, label in calls]
         self._array = (_Call * max(1, len(calls)))()
         for c, (fn, kind, words, _) in zip(self._array, calls):
@@ -230,6 +234,9 @@ class Tape:
         self._run = lib.piecewise_replay
         self.outputs = outputs
         self._keep = keep
+        self._parts = list(parts)
+        """Tapes whose calls these are (a whole forward's: its pieces'), kept alive: their
+        buffers are this tape's."""
         self.nbytes = sum(t.untyped_storage().nbytes() for t in keep)
         """Bytes of the buffers it keeps alive."""
 
@@ -280,11 +287,17 @@ class PieceReplay:
         key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in inputs)
         tapes = self._tapes
         tape = tapes.get(key)
+        sink = native_tape_sink()  # a whole forward being recorded: report what ran
         if tape is not None:
             tapes.move_to_end(key)
             self.replayed += 1
-            return tape.run(self.name)
+            outputs = tape.run(self.name)
+            if sink is not None:
+                sink.add(tape.calls, tape)
+            return outputs
         if key in self._refused:
+            if sink is not None:
+                sink.refuse(f"piece {self.name}: inputs it could not record")
             return run(inputs)
         outputs, tape, refusal = self._record(inputs)
         if tape is None:  # the run was real, its outputs stand; these inputs stay unrecorded
@@ -292,12 +305,16 @@ class PieceReplay:
             if len(self._refused) > _MAX_REFUSED:
                 self._refused.popitem(last=False)
             self.refusals[refusal] = self.refusals.get(refusal, 0) + 1
+            if sink is not None:
+                sink.refuse(f"piece {self.name}: {refusal}")
             return outputs
         tapes[key] = tape
         self.tape_bytes += tape.nbytes
         while len(tapes) > MAX_TAPES or (self.tape_bytes > MAX_TAPE_BYTES and len(tapes) > 1):
             self.tape_bytes -= tapes.popitem(last=False)[1].nbytes
         self.recorded += 1
+        if sink is not None:
+            sink.add(tape.calls, tape)
         return outputs
 
     def _record(self, inputs: list) -> tuple[Any, Optional[Tape], str]:

@@ -266,3 +266,38 @@ def module_code(split: fx.GraphModule) -> str:
     for name, sub in split.named_children():
         parts.append(f"# ---- {name}\n{getattr(sub, 'code', repr(sub))}")
     return "\n".join(parts)
+
+
+REPLAYABLE_SPLITTING_OPS = frozenset({"piecewise::attention"})
+"""Splitting ops whose native call a recorded forward can replay (the fused CPU attention
+reports its call: ``backends/attention/cpu_paged.py``; other attention backends do not, and
+a forward that runs them is not replayed)."""
+
+
+def native_parts(split: fx.GraphModule, pieces: set[str]) -> tuple[int, Optional[str]]:
+    """How many parts of one forward of ``split`` must report their native calls for a
+    recording of the whole forward (``backends/piecewise/forward_replay.py``) to be complete
+    -- each call of a piece (``pieces``: their names) and of a splitting op of
+    :data:`REPLAYABLE_SPLITTING_OPS` -- or why no recording can be: a node that does anything
+    else (a submodule that is not a piece, another op; ``getitem`` on a piece's outputs is
+    plain Python)."""
+    import operator
+
+    count = 0
+    for node in split.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_module" and node.target in pieces:
+            count += 1
+            continue
+        if node.op == "call_function":
+            if node.target is operator.getitem:
+                continue
+            # an op, or the switch bind_direct_splitting_ops put in its place (``.op``: the op)
+            name = op_name(node.target) or op_name(getattr(node.target, "op", None))
+            if name in REPLAYABLE_SPLITTING_OPS:
+                count += 1
+                continue
+        what = f"{node.op} {node.target}"
+        return 0, f"the split module's node {node.name} ({what}) runs outside the pieces"
+    return count, None

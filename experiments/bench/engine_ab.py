@@ -8,6 +8,7 @@ ratio.
     python -m experiments.bench.engine_ab --ab greedy_head [--batch 1 8] [--rounds 12]
     python -m experiments.bench.engine_ab --ab attention_call [--batch 1 8 32] [--rounds 12]
     python -m experiments.bench.engine_ab --ab cpu_replay [--batch 1 8] [--rounds 12]
+    python -m experiments.bench.engine_ab --ab forward_replay [--batch 1 8] [--rounds 12]
 
 ===============  ==========================================================================
 ``kv_pages``     the KV caches in 4 KB pages (torch's allocator) against 2 MB pages (where
@@ -34,6 +35,10 @@ ratio.
                  recorded (``backends/piecewise/replay.py``; ``ModelRunner``'s
                  ``cpu_replay_max_tokens`` 0 or the config's, switched between
                  generations); timed: each decode forward
+``forward_replay`` each piece replaying on its own, the Python of the forward between them,
+                 against the whole forward replayed as one recording
+                 (``backends/piecewise/forward_replay.py``; ``ForwardReplay.enabled``
+                 switched between generations); timed: each decode forward
 ===============  ==========================================================================
 
 Each round runs both forms (order alternating by round) on the same prompts: a 2-token
@@ -65,6 +70,7 @@ FORMS = {
     "greedy_head": ("head, then sampler", "greedy head"),
     "attention_call": ("Python body, ctypes", "C++ op kernel"),
     "cpu_replay": ("pieces run", "pieces replayed"),
+    "forward_replay": ("pieces replayed", "forward replayed"),
 }
 
 
@@ -233,6 +239,24 @@ def cpu_replay_forms(llm) -> dict[str, Callable[[], None]]:
     return dict(zip(FORMS["cpu_replay"], (use(0), use(limit))))
 
 
+def forward_replay_forms(llm) -> dict[str, Callable[[], None]]:
+    """Switches of the worker's whole-forward replay (pieces still replay in both forms)."""
+    replay = llm.worker.forward_replay
+    if replay is None:
+        raise SystemExit(
+            "--ab forward_replay: this engine has no forward replay (a CPU "
+            "engine at O1+ with cpu_replay_max_tokens > 0)"
+        )
+
+    def use(on: bool) -> Callable[[], None]:
+        def run() -> None:
+            replay.enabled = on
+
+        return run
+
+    return dict(zip(FORMS["forward_replay"], (use(False), use(True))))
+
+
 def measure(llm, forms: dict[str, Callable[[], None]], calls: _Calls, batch: int, args) -> dict:
     g = torch.Generator().manual_seed(batch)
     vocab = llm.model_config.vocab_size
@@ -326,6 +350,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     else:
         if args.ab == "cpu_replay":
             forms = cpu_replay_forms(llm)
+        elif args.ab == "forward_replay":
+            forms = forward_replay_forms(llm)
         else:
             forms = split_calls_forms(llm)
         what = "decode forward"

@@ -231,6 +231,11 @@ class CompilationConfig(StrictConfig):
     tapes after b1 and b8 generations held 3.8 MB in all
     (``experiments/bench/results/cpu_replay_2026-12-07.md``); hence 16 (decode batches up to
     16, verify steps of 1 + 4 tokens up to 3 requests)."""
+    cpu_replay_forward: bool = field(default=True, metadata=NO_HASH)
+    """With ``cpu_replay_max_tokens``: a step's whole forward, once every part of it has
+    recorded its native calls, replays as one recording (``backends/piecewise/forward_replay.py``:
+    the CPU counterpart of a FULL CUDA graph; no Python between the pieces).  False: each
+    piece replays on its own.  Compiled code does not change (not in the cache key)."""
     use_cache: bool = field(default=True, metadata=NO_HASH)
     """Read and write the on-disk artifact cache."""
     cache_weights: bool = field(default=True, metadata=NO_HASH)

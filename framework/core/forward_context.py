@@ -17,9 +17,12 @@ import enum
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
+
+if TYPE_CHECKING:  # a leaf still: the type is only named
+    from framework.core.native_tape import NativeTapeSink
 
 
 class CUDAGraphMode(enum.Enum):
@@ -90,6 +93,9 @@ class ForwardContext:
     the buffers of that recording (``backends/piecewise/replay.py``): set by a caller that is
     done with every piece output before the same piece runs again on the same inputs (the
     engine's runner, for steps of at most ``CompilationConfig.cpu_replay_max_tokens``)."""
+    native_tape: Optional["NativeTapeSink"] = None
+    """Set while a whole forward is being recorded (``backends/piecewise/forward_replay.py``):
+    every part that runs native code reports its calls to it, or why it cannot."""
 
 
 _current: ContextVar[Optional[ForwardContext]] = ContextVar(
@@ -119,6 +125,12 @@ def cpu_replay_requested() -> bool:
     """The forward in progress lets CPU pieces replay (:attr:`ForwardContext.cpu_replay`)."""
     ctx = _current.get()
     return ctx is not None and ctx.cpu_replay
+
+
+def native_tape_sink() -> Optional["NativeTapeSink"]:
+    """The sink of the forward being recorded (:attr:`ForwardContext.native_tape`), or None."""
+    ctx = _current.get()
+    return None if ctx is None else ctx.native_tape
 
 
 @contextmanager

@@ -20,6 +20,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from backends.attention.selector import default_backend
+from backends.piecewise.forward_replay import ForwardReplay
 from framework.compile.build import CompiledForward, build_forward
 from framework.core.config import (
     DEFAULT_LEVEL,
@@ -229,6 +230,23 @@ class Worker:
         batches at start-up use it on every rank."""
         return quant_hash
 
+    def _forward_replay(self) -> Optional[ForwardReplay]:
+        """The runner's forward replayed whole on CPU (``cpu_replay_forward``), where pieces
+        replay at all: a CPU device, a piecewise-compiled model, ``cpu_replay_max_tokens``, and
+        no (emulated) CUDA graphs around the forward."""
+        cfg = self.config
+        backend = self.compiled.backend
+        if (
+            self.device.type != "cpu"
+            or self.graphs.mode != CUDAGraphMode.NONE
+            or backend is None
+            or not cfg.cpu_replay_forward
+            or cfg.cpu_replay_max_tokens <= 0
+        ):
+            return None
+        state = [*self.model.parameters(), *self.model.buffers()]
+        return ForwardReplay(self.runner.forward, backend, state)
+
     def _compile(
         self,
         quant_hash: Optional[str],
@@ -277,6 +295,9 @@ class Worker:
             verify=None if self.rank == 0 else _no_verify,
         )
         self.runner.cpu_replay_max_tokens = self.config.cpu_replay_max_tokens
+        self.forward_replay = self._forward_replay()
+        if self.forward_replay is not None:
+            self.runner.forward = self.forward_replay
         if self.group is not None:
             self.group.handshake()
             self.group.startup_fail_hook()  # test hook: PIECEWISE_TP_FAIL=<rank>:startup

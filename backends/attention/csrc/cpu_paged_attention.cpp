@@ -791,6 +791,25 @@ int piecewise_cpu_paged_attention(
   return 1;
 }
 
+// The same call with every argument a 64-bit word (the scale: its float's bits in the low 32):
+// what a replay of recorded native calls can make (backends/piecewise/csrc/replay.cpp passes
+// integer and pointer words only; a float would travel in a vector register).
+int piecewise_cpu_paged_attention_words(
+    const void* q, int64_t q_st, const void* k, int64_t k_st, const void* v, int64_t v_st,
+    void* out, int64_t out_st, void* kv_cache, int64_t num_blocks, int64_t block_size,
+    const int64_t* slot_mapping, const int32_t* block_table, int64_t bt_st,
+    const int32_t* qsl, const int32_t* seq_lens, int64_t num_reqs, int64_t num_tokens,
+    int64_t num_padded, int64_t hq, int64_t hkv, int64_t d, int64_t scale_bits, int64_t window,
+    int64_t dtype) {
+  const uint32_t bits = static_cast<uint32_t>(scale_bits);
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return piecewise_cpu_paged_attention(q, q_st, k, k_st, v, v_st, out, out_st, kv_cache,
+                                       num_blocks, block_size, slot_mapping, block_table, bt_st,
+                                       qsl, seq_lens, num_reqs, num_tokens, num_padded, hq, hkv,
+                                       d, scale, window, dtype);
+}
+
 // The softmax's exp on n inputs (for tests): vec[i] by the kernel's block path (16 lanes at a
 // time where the build has AVX-512, 8 with AVX2 + FMA, else the scalar function), scalar[i]
 // by exp_neg.

@@ -17,8 +17,11 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "../../../framework/core/csrc/dtype_name.h"
 #include "cpu_paged_attention.cpp"
@@ -58,12 +61,16 @@ const char* error_text(int rc) {
   }
 }
 
-void cpu_paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& out, const at::Tensor& kv_cache,
-                            const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                            int64_t num_reqs, int64_t num_actual_tokens, double scale,
-                            int64_t sliding_window) {
+// The kernel's 25 arguments for one call, after the op's checks; the scale as its float's
+// bits (piecewise_cpu_paged_attention_words).
+using KernelWords = std::array<int64_t, 25>;
+
+KernelWords kernel_words(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& out, const at::Tensor& kv_cache,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         int64_t num_reqs, int64_t num_actual_tokens, double scale,
+                         int64_t sliding_window) {
   const auto dt = q.scalar_type();
   const bool bf16 = dt == c10::ScalarType::BFloat16;
   TORCH_CHECK_VALUE((bf16 || dt == c10::ScalarType::Float) && k.scalar_type() == dt &&
@@ -113,13 +120,56 @@ void cpu_paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK_VALUE(n <= std::min({q_rows, k_rows, v_rows, out_rows}), kWho,
                     "num_actual_tokens=", n, " exceeds the rows of q/k/v/out (", q_rows, ", ",
                     k_rows, ", ", v_rows, ", ", out_rows, ")");
+  const float scale_f = static_cast<float>(scale);
+  uint32_t scale_bits;
+  std::memcpy(&scale_bits, &scale_f, 4);
+  auto word = [](const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); };
+  return {word(q.data_ptr()), q_st, word(k.data_ptr()), k_st, word(v.data_ptr()), v_st,
+          word(out.data_ptr()), out_st, word(kv_cache.data_ptr()), num_blocks, block_size,
+          word(slot_mapping.data_ptr<int64_t>()), word(block_table.data_ptr<int32_t>()),
+          block_table.stride(0), word(qsl), word(lens), num_reqs, n, out_rows, hq, hkv, d,
+          static_cast<int64_t>(scale_bits), sliding_window, bf16 ? 1 : 0};
+}
 
-  const int rc = piecewise_cpu_paged_attention(
-      q.data_ptr(), q_st, k.data_ptr(), k_st, v.data_ptr(), v_st, out.data_ptr(), out_st,
-      kv_cache.data_ptr(), num_blocks, block_size, slot_mapping.data_ptr<int64_t>(),
-      block_table.data_ptr<int32_t>(), block_table.stride(0), qsl, lens, num_reqs, n, out_rows,
-      hq, hkv, d, static_cast<float>(scale), sliding_window, bf16 ? 1 : 0);
-  TORCH_CHECK_VALUE(rc == 0, kWho, error_text(rc), " (Hq=", hq, ", Hkv=", hkv, ", D=", d, ")");
+// Runs the kernel on checked words (kernel_words); a kernel error is a ValueError.
+void run_words(const KernelWords& w) {
+  auto ptr = [](int64_t x) { return reinterpret_cast<void*>(static_cast<uintptr_t>(x)); };
+  const int rc = piecewise_cpu_paged_attention_words(
+      ptr(w[0]), w[1], ptr(w[2]), w[3], ptr(w[4]), w[5], ptr(w[6]), w[7], ptr(w[8]), w[9],
+      w[10], static_cast<const int64_t*>(ptr(w[11])), static_cast<const int32_t*>(ptr(w[12])),
+      w[13], static_cast<const int32_t*>(ptr(w[14])), static_cast<const int32_t*>(ptr(w[15])),
+      w[16], w[17], w[18], w[19], w[20], w[21], w[22], w[23], w[24]);
+  TORCH_CHECK_VALUE(rc == 0, kWho, error_text(rc), " (Hq=", w[19], ", Hkv=", w[20], ", D=", w[21],
+                    ")");
+}
+
+void cpu_paged_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& kv_cache,
+                            const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                            int64_t num_reqs, int64_t num_actual_tokens, double scale,
+                            int64_t sliding_window) {
+  run_words(kernel_words(q, k, v, out, kv_cache, slot_mapping, block_table, query_start_loc,
+                         seq_lens, num_reqs, num_actual_tokens, scale, sliding_window));
+}
+
+// The op's call and the native call it made, [address, 1, word...] (the function returns an
+// int, nonzero on error): what a recorded forward replays (framework.core.ops
+// set_direct_recorder; backends/piecewise/forward_replay.py).
+std::vector<int64_t> cpu_paged_attention_recorded(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t num_reqs,
+    int64_t num_actual_tokens, double scale, int64_t sliding_window) {
+  const KernelWords w = kernel_words(q, k, v, out, kv_cache, slot_mapping, block_table,
+                                     query_start_loc, seq_lens, num_reqs, num_actual_tokens,
+                                     scale, sliding_window);
+  run_words(w);
+  std::vector<int64_t> call = {
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(&piecewise_cpu_paged_attention_words)),
+      1};
+  call.insert(call.end(), w.begin(), w.end());
+  return call;
 }
 
 }  // namespace
@@ -136,5 +186,17 @@ TORCH_LIBRARY_IMPL(piecewise, CPU, m) {
 
 PYBIND11_MODULE(PW_PYTHON_MODULE, m) {
   m.def("cpu_paged_attention", &cpu_paged_attention_op);
+  m.def("cpu_paged_attention_record",
+        [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+           const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+           const at::Tensor& block_table, const at::Tensor& query_start_loc,
+           const at::Tensor& seq_lens, int64_t num_reqs, int64_t num_actual_tokens, double scale,
+           int64_t sliding_window) {
+          return std::make_tuple(
+              pybind11::none(),
+              cpu_paged_attention_recorded(q, k, v, out, kv_cache, slot_mapping, block_table,
+                                           query_start_loc, seq_lens, num_reqs,
+                                           num_actual_tokens, scale, sliding_window));
+        });
 }
 #endif

@@ -393,3 +393,38 @@ def test_a_verify_row_has_the_bits_of_the_decode_step_it_stands_for(portable, ct
         dec, _ = run("cpu_paged", q[i : i + 1], k[i : i + 1], v[i : i + 1],
                      out[i : i + 1], kv_after, one, scale, window, library=lib)  # fmt: skip
         assert torch.equal(dec[0], verify[i]), f"row {i} (context {L}) differs from its decode"
+
+
+def test_a_recorded_forward_gets_the_kernel_call_it_can_replay():
+    """While a whole forward is recorded (a NativeTapeSink on the context), the backend runs
+    the op's recording kernel and reports the native call it made: the words-ABI entry (the
+    scale as its float's bits) and its 25 arguments, nonzero on error.  Replayed on fresh
+    copies of the same tensors' contents -- in the same memory -- it writes the op's bits."""
+    from backends.attention.cpu_paged_build import OP_LIBRARY, load_op
+    from backends.piecewise import replay as R
+    from framework.core.native_tape import NativeTapeSink
+
+    assert load_op(), "the op library builds here"
+    if not OP_LIBRARY._binds_python() or R.load_replayer() is None:
+        pytest.skip("no recording kernel (no Python module) or no replay library here")
+    q, k, v, out, kv, md = make_step([37, 70, 5], [5, 5, 1], 8, 2, 64, 16, torch.bfloat16, pad=1)
+    md = AttentionMetadata(**{**md.__dict__, "attention_backend": "cpu_paged"})
+    want_out, want_kv = out.clone(), kv.clone()
+    paged_attention(q, k, v, want_out, want_kv, md, 0.125, 0)
+    kv0 = kv.clone()
+    sink = NativeTapeSink()
+    with set_forward_context(ForwardContext({"l": md}, {"l": kv}, native_tape=sink)):
+        paged_attention(q, k, v, out, kv, md, 0.125, 0)
+    assert sink.refusal is None and sink.reports == 1
+    ((fn, kind, words, label),) = sink.calls
+    assert kind == 1 and len(words) == 25 and label == "cpu_paged_attention"
+    assert words[0] == q.data_ptr() and words[6] == out.data_ptr() and words[8] == kv.data_ptr()
+    assert torch.equal(out, want_out) and torch.equal(kv, want_kv)  # the call itself ran
+    out.fill_(float("nan"))
+    kv.copy_(kv0)
+    tape = R.Tape(R.load_replayer(), sink.calls, None, [])
+    tape.run("attention")
+    assert torch.equal(out, want_out) and torch.equal(kv, want_kv)
+    md.block_table[0, 0] = kv.shape[1] + 5  # a block outside the cache: the kernel refuses
+    with pytest.raises(RuntimeError, match=r"cpu_paged_attention\) returned error 4"):
+        tape.run("attention")
