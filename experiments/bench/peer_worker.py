@@ -102,6 +102,7 @@ class ProjectRunner(Runner):
                 progress_bar=False,
                 compile_sizes=project_compile_sizes(os.environ),
                 cpu_replay_max_tokens=project_cpu_replay(os.environ),
+                cpu_replay_forward=os.environ.get(FORWARD_REPLAY_ENV, "1") != "0",
             ),
         )
         self.construct_s = time.perf_counter() - t
@@ -319,6 +320,12 @@ def project_cpu_replay(env: Any) -> int:
 
     raw = env.get(CPU_REPLAY_ENV, "").strip()
     return int(raw) if raw else CompilationConfig().cpu_replay_max_tokens
+
+
+FORWARD_REPLAY_ENV = "PIECEWISE_PEERS_FORWARD_REPLAY"
+"""``0``: the project's ``CompilationConfig.cpu_replay_forward`` off (each piece replays on
+its own, the forward's Python between them runs; ``backends/piecewise/forward_replay.py``).
+A variant: ``--variant nofwd=PIECEWISE_PEERS_FORWARD_REPLAY=0``."""
 
 
 def build_runner(job: dict[str, Any]) -> Runner:

@@ -316,6 +316,8 @@ class LLM:
         out.update({f"memory_{k}": v for k, v in memory.items()})
         if self.block_manager.enable_prefix_caching:
             out.update(self.block_manager.stats.as_dict())
+        if self.worker.forward_replay is not None:
+            out.update(self.worker.forward_replay.stats())
         if self.spec is not None:
             out.update(self.spec.stats())
         return out

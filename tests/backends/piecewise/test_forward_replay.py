@@ -75,6 +75,8 @@ def test_engine_tokens_are_the_same_with_and_without_forward_replay(
     )
     assert replay.refusals == {}
     assert replay.recorded >= 2 and replay.replayed >= 18  # b1: 11 decodes, b3: 11 (shrinking)
+    stats = llm.stats
+    assert stats["forward_replays"] == replay.replayed and stats["forward_replay_refusals"] == {}
     replay.enabled = False
     done = replay.replayed
     off = (
