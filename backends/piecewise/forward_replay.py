@@ -52,7 +52,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from backends.piecewise.replay import MAX_WORDS, Tape, load_replayer, replay_wanted
-from framework.core.forward_context import ForwardContext, set_forward_context
+from framework.core.forward_context import (
+    ForwardContext,
+    get_forward_context,
+    set_forward_context,
+)
 from framework.core.native_tape import NativeTapeSink
 
 MAX_TAPES = 64
@@ -117,8 +121,6 @@ class ForwardReplay:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         if not self.enabled or self._lib is None or not replay_wanted():
             return self.forward(input_ids, positions)
-        from framework.core.forward_context import get_forward_context
-
         ctx = get_forward_context()
         if ctx.native_tape is not None:  # inside another recording: a part of it
             return self.forward(input_ids, positions)

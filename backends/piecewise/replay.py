@@ -240,11 +240,12 @@ class Tape:
         self.nbytes = sum(t.untyped_storage().nbytes() for t in keep)
         """Bytes of the buffers it keeps alive."""
 
-    def run(self, piece: str) -> Any:
+    def run(self, what: str) -> Any:
+        """Replay; ``what`` names the tape in an error (``piece submod_2``, ``forward``)."""
         failed = self._run(*self._args)
         if failed:
             raise RuntimeError(
-                f"piece {piece}: replayed native call {failed - 1} ({self.labels[failed - 1]}) "
+                f"{what}: replayed native call {failed - 1} ({self.labels[failed - 1]}) "
                 f"returned error {self._status.value}"
             )
         return self.outputs
@@ -267,6 +268,7 @@ class PieceReplay:
         lib: ctypes.CDLL,
     ):
         self.name = name
+        self._what = f"piece {name}"
         self._code = method.__func__.__code__  # type: ignore[attr-defined]
         self._self = method.__self__  # type: ignore[attr-defined]
         self._globals = method.__func__.__globals__  # type: ignore[attr-defined]
@@ -291,7 +293,7 @@ class PieceReplay:
         if tape is not None:
             tapes.move_to_end(key)
             self.replayed += 1
-            outputs = tape.run(self.name)
+            outputs = tape.run(self._what)
             if sink is not None:
                 sink.add(tape.calls, tape)
             return outputs

@@ -64,10 +64,10 @@ def test_the_replayer_runs_calls_in_order_and_stops_at_an_error():
     libc = ctypes.CDLL(None)
     labs = ctypes.cast(libc.labs, ctypes.c_void_p).value
     ok = R.Tape(lib, [(labs, 1, [0], "labs(0)")], outputs="out", keep=[])
-    assert ok.run("p") == "out"
+    assert ok.run("piece p") == "out"
     bad = R.Tape(lib, [(labs, 1, [0], "labs(0)"), (labs, 1, [-7], "labs(-7)")], "out", [])
     with pytest.raises(RuntimeError, match=r"piece p: replayed native call 1 \(labs\(-7\)\) "):
-        bad.run("p")
+        bad.run("piece p")
 
 
 @pytest.fixture
