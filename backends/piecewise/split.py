@@ -5,6 +5,7 @@ and token source. :class:`backends.piecewise.backend.PiecewiseBackend` compiles 
 from __future__ import annotations
 
 import hashlib
+import operator
 import os
 import re
 from dataclasses import dataclass
@@ -281,8 +282,6 @@ def native_parts(split: fx.GraphModule, pieces: set[str]) -> tuple[int, Optional
     :data:`REPLAYABLE_SPLITTING_OPS` -- or why no recording can be: a node that does anything
     else (a submodule that is not a piece, another op; ``getitem`` on a piece's outputs is
     plain Python)."""
-    import operator
-
     count = 0
     for node in split.graph.nodes:
         if node.op in ("placeholder", "output"):
