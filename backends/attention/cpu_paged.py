@@ -39,6 +39,7 @@ from backends.attention.common import AttentionBackend, AttentionCGSupport, regi
 from backends.attention.cpu_paged_build import load_library, load_op
 from framework.core.attention_metadata import AttentionMetadata
 from framework.core.forward_context import native_tape_sink
+from framework.core.native_tape import native_call
 from framework.core.ops import define_op, direct_call, direct_recorder
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -239,7 +240,7 @@ def paged_attention(
         sink.refuse("cpu_paged attention: no recording kernel (the op's Python module)")
         return
     _, native = recorder(*args)
-    sink.add([(native[0], native[1], list(native[2:]), "cpu_paged_attention")], None)
+    sink.add([native_call(native, "cpu_paged_attention")], None)
 
 
 @functools.lru_cache(maxsize=1)

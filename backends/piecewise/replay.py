@@ -61,6 +61,7 @@ import torch
 from framework.core import ops as core_ops
 from framework.core.forward_context import cpu_replay_requested, native_tape_sink
 from framework.core.native_build import KernelBuildError, NativeLibrary, compiler
+from framework.core.native_tape import NativeCall, native_call
 
 MAX_WORDS = 32
 """Most arguments of a recorded call (``kMaxWords`` in ``csrc/replay.cpp``)."""
@@ -215,7 +216,7 @@ class Tape:
     def __init__(
         self,
         lib: ctypes.CDLL,
-        calls: list[tuple[int, int, list[int], str]],
+        calls: list[NativeCall],
         outputs: Any,
         keep: list[torch.Tensor],
         parts: Sequence[Any] = (),
@@ -322,7 +323,7 @@ class PieceReplay:
     def _record(self, inputs: list) -> tuple[Any, Optional[Tape], str]:
         """Run the piece with every native call recorded: its outputs, and the tape or why
         there is none."""
-        calls: list[tuple[int, int, list[int], str]] = []
+        calls: list[NativeCall] = []
         keep: list[torch.Tensor] = []
         problems: list[str] = []
         g = dict(self._globals)
@@ -370,7 +371,7 @@ class PieceReplay:
                 return out
             keep.extend(a for a in args if isinstance(a, torch.Tensor))
             keep.append(out)
-            calls.append((native[0], native[1], list(native[2:]), name))
+            calls.append(native_call(native, name))
             return out
 
         return record

@@ -20,6 +20,12 @@ NativeCall = tuple[int, int, list[int], str]
 1: it returns an int, nonzero on error."""
 
 
+def native_call(recorded: list[int], label: str) -> NativeCall:
+    """A recording kernel's ``[address, kind, word...]`` (``framework.core.ops
+    set_direct_recorder``) as a :data:`NativeCall` named ``label``."""
+    return (recorded[0], recorded[1], list(recorded[2:]), label)
+
+
 class NativeTapeSink:
     """Reports of the parts of one forward, in the order they ran."""
 
@@ -48,4 +54,4 @@ class NativeTapeSink:
             self.refusal = why
 
 
-__all__ = ["NativeCall", "NativeTapeSink"]
+__all__ = ["NativeCall", "NativeTapeSink", "native_call"]
