@@ -62,6 +62,7 @@ from framework.core.native_tape import NativeTapeSink
 MAX_TAPES = 64
 """Forward tapes a runner keeps (one per batch shape it replays; least recently used first)."""
 _MAX_REFUSED = 256
+_data_ptr = torch.Tensor.data_ptr
 
 
 class NativeParts(Protocol):
@@ -180,7 +181,7 @@ class ForwardReplay:
 
     # ------------------------------------------------------------------ weights
     def _state_pointers(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in self._state)
+        return tuple(map(_data_ptr, self._state))  # (map: a third faster than a generator)
 
     def _weights_moved(self) -> bool:
         return self._state_pointers() != self._state_at
@@ -224,7 +225,7 @@ def _key(ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor) 
         md.block_table.data_ptr(),
         md.query_start_loc.data_ptr(),
         md.seq_lens.data_ptr(),
-        tuple(t.data_ptr() for t in ctx.kv_caches.values()),
+        tuple(map(_data_ptr, ctx.kv_caches.values())),
         ctx.batch_descriptor,
         ctx.cudagraph_runtime_mode,
     )
