@@ -7,6 +7,7 @@ import operator
 import pytest
 import torch
 import torch.fx as fx
+from checkpoints import FAMILIES
 
 import backends.attention  # noqa: F401  (defines piecewise::attention)
 from backends.piecewise import replay as R
@@ -146,3 +147,30 @@ def test_a_forward_with_a_part_that_cannot_report_is_not_replayed(
     assert "parts reported their native calls" in why
     assert runs and "forward" not in runs  # the pieces replayed, the forward did not
     assert len(got) == len(want)
+
+
+@pytest.mark.parametrize("family", FAMILIES + ("qwen3_moe",))
+def test_every_family_replays_its_forward_with_the_same_tokens(
+    tiny_checkpoint, compile_cache_dir, family
+):
+    """Each dense family (QK norm, sliding window, biases) replays whole forwards and gives
+    the tokens of its pieces replayed alone; a mixture of experts is refused -- its layers'
+    MoE op has no recording kernel -- and says so, its tokens unchanged."""
+    llm = _llm(tiny_checkpoint(family), compile_cache_dir)
+    replay = _forward_replay(llm)
+    prompts = _prompts()
+    on = (
+        llm.generate(prompts[:1], 10, ignore_eos=True),
+        llm.generate(prompts, 10, ignore_eos=True),
+    )
+    replay.enabled = False
+    off = (
+        llm.generate(prompts[:1], 10, ignore_eos=True),
+        llm.generate(prompts, 10, ignore_eos=True),
+    )
+    assert on == off
+    if family in FAMILIES:
+        assert replay.refusals == {} and replay.replayed >= 14
+    else:
+        assert replay.replayed == 0
+        assert all("fused_moe_packed has no recording kernel" in why for why in replay.refusals)
