@@ -17,12 +17,11 @@ from backends.piecewise.split import native_parts
 def _llm(checkpoint, cache_dir, compilation=None, **kwargs):
     from framework import LLM
 
+    kwargs = {"max_num_seqs": 3, "max_model_len": 64, **kwargs}
     return LLM(
         str(checkpoint),
         dtype="bfloat16",
         optimization_level=2,
-        max_num_seqs=3,
-        max_model_len=64,
         cache_dir=cache_dir,
         compilation_config={"progress_bar": False, **(compilation or {})},
         **kwargs,
@@ -174,3 +173,36 @@ def test_every_family_replays_its_forward_with_the_same_tokens(
     else:
         assert replay.replayed == 0
         assert all("fused_moe_packed has no recording kernel" in why for why in replay.refusals)
+
+
+def test_tokens_hold_under_preemption_and_prefix_caching(llama_checkpoint, compile_cache_dir):
+    """KV pressure that preempts (recompute) and prefix caching (two prompts share a prefix),
+    bf16 O2: the tokens with forward replay equal those with every piece running its Python
+    (``cpu_replay_max_tokens=0``), and forwards did replay."""
+    import random
+
+    from framework.engine.kv_cache import KVCacheSpec
+    from models.config import ModelConfig
+
+    mc = ModelConfig.from_hf_dir(str(llama_checkpoint))
+    spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16, 16)
+    g = random.Random(2)
+    shared = [g.randrange(3, 256) for _ in range(20)]
+    prompts = [shared + [g.randrange(3, 256) for _ in range(4)] for _ in range(2)]
+    prompts += [[g.randrange(3, 256) for _ in range(20)] for _ in range(2)]
+    outs = {}
+    for limit in (16, 0):
+        llm = _llm(
+            llama_checkpoint,
+            compile_cache_dir,
+            {"cpu_replay_max_tokens": limit},
+            max_num_seqs=4,
+            max_model_len=128,
+            kv_cache_memory_bytes=12 * spec.bytes_per_block,  # 4 x 2 blocks admitted, 4 x 4 later
+            enable_prefix_caching=True,
+        )
+        outs[limit] = llm.generate(prompts, 40, ignore_eos=True)
+        assert llm.stats["preemptions"] > 0
+        if limit:
+            assert _forward_replay(llm).replayed > 0
+    assert outs[16] == outs[0]
