@@ -41,6 +41,11 @@ ratio.
                  switched between generations); timed: each decode forward
 ===============  ==========================================================================
 
+Every form but ``forward_replay`` runs its engine without the whole-forward replay
+(``ForwardReplay.enabled`` off): those forms switch or time what the forward's Python calls
+(an attention call, the split module's code, the pieces' replay), which a forward replayed
+as one recording does not run.  Pieces still replay on their own where a form leaves them.
+
 Each round runs both forms (order alternating by round) on the same prompts: a 2-token
 warm-up, then ``--steps`` + 8 new tokens; the table gives, per form, the median over every
 timed decode call of the rounds (prefill calls are not recorded), its interquartile range,
@@ -331,6 +336,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     build = _built_without_inlining() if args.ab == "split_calls" else contextlib.nullcontext()
     with build:
         llm, path = build_llm(args)
+    replay = llm.worker.forward_replay
+    if replay is not None and args.ab != "forward_replay":
+        replay.enabled = False  # the forms below hook the forward's Python (module docstring)
     calls = _Calls()
     if args.ab == "kv_pages":
         forms, what = kv_pages_forms(llm), "attention call"

@@ -4,7 +4,10 @@
 // every query token straight from the block table with an online softmax (fp32 accumulation),
 // for decode and mixed prefill+decode batches.  GQA/MQA: a work item is (request, KV head,
 // tile of query tokens) and handles all Hq/Hkv query heads that share the KV head, so K/V are
-// read once per item and never repeated.  Sliding window: keys in [pos - window + 1, pos].
+// read once per item and never repeated; on the direct bf16 path, where a call's tiles are
+// decode or verify sized and at least two per thread, an item takes every KV head of its tile
+// instead, reading each key row whole rather than a head's slice of it (the same arithmetic
+// per row, hence the same bits: b8 / b32 decode calls 0.8-0.93x the time, `attention_ab`).  Sliding window: keys in [pos - window + 1, pos].
 //
 // bf16 caches on AVX512-BF16 builds (head_dim 32/64/128/256) take the direct path
 // (namespace `direct` below): K and V are read from the cache as bf16, never staged, the
@@ -46,6 +49,9 @@ constexpr int kMaxHeadDim = 256;
 // were no better than 1 within this machine's noise; 2 again with the direct bf16 path
 // (attention_ab, 9 rounds: cold 0.91-1.05x, hot 0.95-1.15x of 1 block), so still 1.
 constexpr int64_t kPrefetchBlocks = 1;
+// Query tiles per thread from which an item takes every KV head of its tile (direct path).
+constexpr int64_t kGroupTilesPerThread = 2;
+constexpr int32_t kGroupMaxQuery = 8;  // ... and the longest query of the call is at most this
 
 // The same conversions as framework/core/csrc/bf16.h (the other native kernels' one home for
 // them), written here again because this file is built alone, also from other revisions
@@ -403,7 +409,8 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict p,
   }
 }
 
-struct Item { int32_t req, q0, q1, head; };
+// A work item: query tokens [q0, q1) of request `req` against KV heads [head, head + heads).
+struct Item { int32_t req, q0, q1, head, heads; };
 
 // The item's K/V rows are block_size rows of D elements at a stride of Hkv * D, in blocks
 // anywhere in the cache: no hardware prefetcher follows them, and a decode step's KV comes
@@ -418,9 +425,10 @@ inline void prefetch_block(const Args& a, const Item& it, const T* kc, const T* 
   if (id < 0 || id >= a.num_blocks) return;
   const int64_t nbase = static_cast<int64_t>(id) * a.block_size;
   const int64_t d = a.d;
+  const int64_t bytes = d * it.heads * static_cast<int64_t>(sizeof(T));  // the item's heads
   for (int64_t j = 0; j < a.block_size; ++j) {
     const int64_t row = ((nbase + j) * a.hkv + it.head) * d;
-    for (int64_t x = 0; x < d * static_cast<int64_t>(sizeof(T)); x += 64) {
+    for (int64_t x = 0; x < bytes; x += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(kc + row) + x);
       __builtin_prefetch(reinterpret_cast<const char*>(vc + row) + x);
     }
@@ -649,57 +657,69 @@ bool run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   const int d = kD, g = static_cast<int>(a.hq / a.hkv);
   const int bs = static_cast<int>(a.block_size);
   const int qs = a.qsl[it.req];
-  const int nq = it.q1 - it.q0, rows = nq * g;
-  scratch.resize(static_cast<size_t>(rows) * (d + bs + 3));
-  float* acc = scratch.data();  // [rows, d]
-  float* s = acc + rows * d;    // [rows, bs]
-  float* m = s + rows * bs;     // [rows]
-  float* l = m + rows;          // [rows]
-  int* live = reinterpret_cast<int*>(l + rows);  // [rows]: rows with a key in this block
-  std::fill(acc, acc + rows * d, 0.0f);
-  std::fill(m, m + rows, -INFINITY);
-  std::fill(l, l + rows, 0.0f);
+  const int nq = it.q1 - it.q0, rows = nq * g, nh = it.heads;
+  const size_t per_head = static_cast<size_t>(rows) * (d + bs + 3);
+  scratch.resize(per_head * nh);
+  // Per head of the item: acc [rows, d], s [rows, bs], m [rows], l [rows], live [rows].
+  auto acc_of = [&](int h) { return scratch.data() + h * per_head; };
+  for (int h = 0; h < nh; ++h) {
+    float* acc = acc_of(h);
+    std::fill(acc, acc + rows * d, 0.0f);
+    std::fill(acc + rows * (d + bs), acc + rows * (d + bs + 1), -INFINITY);
+    std::fill(acc + rows * (d + bs + 1), acc + rows * (d + bs + 2), 0.0f);
+  }
   const uint16_t* q = static_cast<const uint16_t*>(a.q);
-  auto q_row = [&](int r) { return q + (qs + it.q0 + r / g) * a.q_st + (it.head * g + r % g) * d; };
   const ItemKeys keys(a, it);
   const int64_t row_st = a.hkv * d;  // elements between two keys' rows of one head
   const uint16_t* kc = static_cast<const uint16_t*>(a.kv_cache);
   const uint16_t* vc = kc + a.num_blocks * a.block_size * row_st;
   const bool ok = for_each_block(a, it, keys, kc, vc, [&](int64_t b, int64_t base, int nk) {
-    const uint16_t* k0 = kc + base * row_st + it.head * d;
-    const uint16_t* v0 = vc + base * row_st + it.head * d;
-    for (int r = 0; r < rows; ++r) {
-      const uint16_t* qr = q_row(r);
-      __m512bh qv[V];
-      for (int x = 0; x < V; ++x) qv[x] = (__m512bh)_mm512_loadu_si512(qr + 32 * x);
-      row_scores<kD>(qv, k0, row_st, nk, a.scale, s + r * bs);
-    }
-    mask_block(s, rows, g, bs, nk, b * bs, keys.pos0, keys.pos1, keys.win);
-    int n_live = 0;
-    for (int r = 0; r < rows; ++r) {
-      float* sr = s + r * bs;
-      const float mb = row_max(sr, nk);
-      if (mb == -INFINITY) continue;  // every key of this block is masked for this row
-      float* ar = acc + r * d;
-      const float m_new = std::max(m[r], mb);
-      if (m_new > m[r]) {
-        const float alpha = exp_neg(m[r] - m_new);
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int x = 0; x < d; x += 16)
-          _mm512_storeu_ps(ar + x, _mm512_mul_ps(av, _mm512_loadu_ps(ar + x)));
-        l[r] *= alpha;
-        m[r] = m_new;
+    for (int h = 0; h < nh; ++h) {  // the heads of one block: adjacent in each key's row
+      const int head = it.head + h;
+      float* acc = acc_of(h);
+      float* s = acc + rows * d;
+      float* m = s + rows * bs;
+      float* l = m + rows;
+      int* live = reinterpret_cast<int*>(l + rows);
+      const uint16_t* k0 = kc + base * row_st + head * d;
+      const uint16_t* v0 = vc + base * row_st + head * d;
+      for (int r = 0; r < rows; ++r) {
+        const uint16_t* qr = q + (qs + it.q0 + r / g) * a.q_st + (head * g + r % g) * d;
+        __m512bh qv[V];
+        for (int x = 0; x < V; ++x) qv[x] = (__m512bh)_mm512_loadu_si512(qr + 32 * x);
+        row_scores<kD>(qv, k0, row_st, nk, a.scale, s + r * bs);
       }
-      l[r] += exp_sum(sr, nk, bs, m_new);
-      live[n_live++] = r;
+      mask_block(s, rows, g, bs, nk, b * bs, keys.pos0, keys.pos1, keys.win);
+      int n_live = 0;
+      for (int r = 0; r < rows; ++r) {
+        float* sr = s + r * bs;
+        const float mb = row_max(sr, nk);
+        if (mb == -INFINITY) continue;  // every key of this block is masked for this row
+        float* ar = acc + r * d;
+        const float m_new = std::max(m[r], mb);
+        if (m_new > m[r]) {
+          const float alpha = exp_neg(m[r] - m_new);
+          const __m512 av = _mm512_set1_ps(alpha);
+          for (int x = 0; x < d; x += 16)
+            _mm512_storeu_ps(ar + x, _mm512_mul_ps(av, _mm512_loadu_ps(ar + x)));
+          l[r] *= alpha;
+          m[r] = m_new;
+        }
+        l[r] += exp_sum(sr, nk, bs, m_new);
+        live[n_live++] = r;
+      }
+      values<kD>(acc, s, bs, live, n_live, v0, row_st, nk);
     }
-    values<kD>(acc, s, bs, live, n_live, v0, row_st, nk);
   });
   if (!ok) return false;
   uint16_t* out = static_cast<uint16_t*>(a.out);
-  for (int r = 0; r < rows; ++r) {
-    uint16_t* dst = out + (qs + it.q0 + r / g) * a.out_st + (it.head * g + r % g) * d;
-    store_row(acc + r * d, dst, d, l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+  for (int h = 0; h < nh; ++h) {
+    const float* acc = acc_of(h);
+    const float* l = acc + rows * (d + bs + 1);
+    for (int r = 0; r < rows; ++r) {
+      uint16_t* dst = out + (qs + it.q0 + r / g) * a.out_st + ((it.head + h) * g + r % g) * d;
+      store_row(acc + r * d, dst, d, l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+    }
   }
   return true;
 }
@@ -726,29 +746,49 @@ template <typename T>
 int run(const Args& a) {
   if (a.d > kMaxHeadDim || a.hkv <= 0 || a.hq % a.hkv != 0) return 2;
   write_kv<T>(a);
-  std::vector<Item> items;
-  int64_t work = 0;  // query-key pairs, to decide whether threads pay off
-  for (int32_t r = 0; r < a.num_reqs; ++r) {
-    const int32_t qs = a.qsl[r], ql = a.qsl[r + 1] - qs;
-    if (ql <= 0) continue;
-    if (a.seq_lens[r] < ql) return 3;
-    for (int32_t q0 = 0; q0 < ql; q0 += kQueryTile)
-      for (int32_t h = 0; h < a.hkv; ++h)
-        items.push_back({r, q0, std::min(ql, q0 + kQueryTile), h});
-    work += static_cast<int64_t>(ql) * a.seq_lens[r];
-  }
-  const int64_t n_items = static_cast<int64_t>(items.size());
   bool (*item_fn)(const Args&, const Item&, std::vector<float>&) =
       a.d == 32 ? run_item<T, 32> : a.d == 64 ? run_item<T, 64> : a.d == 128 ? run_item<T, 128>
       : a.d == 256 ? run_item<T, 256> : run_item<T, 0>;
+  bool grouped = false;  // the direct path may take every KV head of a tile in one item
 #ifdef PW_ATTN_BF16_DIRECT
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (a.d == 32) item_fn = direct::run_item<32>;
     else if (a.d == 64) item_fn = direct::run_item<64>;
     else if (a.d == 128) item_fn = direct::run_item<128>;
     else if (a.d == 256) item_fn = direct::run_item<256>;
+    grouped = a.d == 32 || a.d == 64 || a.d == 128 || a.d == 256;
   }
 #endif
+  int64_t tiles = 0, work = 0;  // work: query-key pairs, to decide whether threads pay off
+  int32_t max_ql = 0;
+  for (int32_t r = 0; r < a.num_reqs; ++r) {
+    const int32_t qs = a.qsl[r], ql = a.qsl[r + 1] - qs;
+    if (ql <= 0) continue;
+    if (a.seq_lens[r] < ql) return 3;
+    tiles += (ql + kQueryTile - 1) / kQueryTile;
+    work += static_cast<int64_t>(ql) * a.seq_lens[r];
+    max_ql = std::max(max_ql, ql);
+  }
+#ifdef _OPENMP
+  const int64_t threads = omp_get_max_threads();
+#else
+  const int64_t threads = 1;
+#endif
+  // An item reads its heads' slices of each key row; all of a row's heads in one item read
+  // the block's rows whole (contiguous).  Where there are tiles enough to keep every thread
+  // busy and the tiles are decode or verify sized (a prefill tile's rows already fill the
+  // item, and its heads' state would not stay in L1).
+  const int32_t heads =
+      grouped && max_ql <= kGroupMaxQuery && tiles >= kGroupTilesPerThread * threads ? a.hkv : 1;
+  std::vector<Item> items;
+  for (int32_t r = 0; r < a.num_reqs; ++r) {
+    const int32_t qs = a.qsl[r], ql = a.qsl[r + 1] - qs;
+    if (ql <= 0) continue;
+    for (int32_t q0 = 0; q0 < ql; q0 += kQueryTile)
+      for (int32_t h = 0; h < a.hkv; h += heads)
+        items.push_back({r, q0, std::min(ql, q0 + kQueryTile), h, heads});
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
   // Threads from ~16k query-key-dim products on (a b1 decode of 32+ tokens): in a decode step
   // the team is already awake (the linears just ran on it), and the KV rows come from DRAM,
   // where a second thread doubles the misses in flight (b1, ctx ~160, in the engine: 0.33 ms a

@@ -428,3 +428,23 @@ def test_a_recorded_forward_gets_the_kernel_call_it_can_replay():
     md.block_table[0, 0] = kv.shape[1] + 5  # a block outside the cache: the kernel refuses
     with pytest.raises(RuntimeError, match=r"cpu_paged_attention\) returned error 4"):
         tape.run("attention")
+
+
+def test_an_item_of_every_kv_head_gives_the_bits_of_one_head_items():
+    """With decode / verify tiles enough for every thread (2 per thread), a work item takes
+    every KV head of its tile (each key row read whole); otherwise one head.  Each row's
+    result is the same either way, bit for bit: here the choice is flipped through the
+    thread count the kernel sees (64 threads: 8 tiles are too few to group)."""
+    step = make_step(
+        [37, 70, 5, 200, 16, 90, 33, 120], [1, 1, 1, 1, 5, 5, 1, 1], 8, 2, 64, 16, torch.bfloat16
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        grouped = run("cpu_paged", *step, 0.125, 24)
+        torch.set_num_threads(64)
+        alone = run("cpu_paged", *step, 0.125, 24)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(grouped[0], alone[0]) and torch.equal(grouped[1], alone[1])
+    assert not grouped[0][: step[-1].num_actual_tokens].isnan().any()
