@@ -152,3 +152,22 @@ def test_greedy_head_times_each_head_and_choice_with_the_same_tokens(
         # 11 generated tokens a generation (the prefill's choice included), 2 rounds
         assert r["calls"] == 2 * 11, r
         assert r["same_tokens"] and r["step_ms"] > 0
+
+
+def test_attention_forms_time_every_call_where_forwards_would_replay(
+    llama_checkpoint, compile_cache_dir
+):
+    """bf16 O2, where a decode forward would replay as one recording and call no Python
+    attention: the attention forms run their engine with forward replay off, so every decode
+    step's layers are timed (one call each) -- and the engine's forward replay is back on
+    only for its own form."""
+    layers = json.loads((llama_checkpoint / "config.json").read_text())["num_hidden_layers"]
+    args = ["--ab", "attention_call", "--model-dir", str(llama_checkpoint)]
+    args += ["--cache-dir", compile_cache_dir, "--dtype", "bfloat16"] + ARGS[2:]
+    for r in engine_ab.main(args):
+        assert r["calls"] == 2 * 10 * layers, r
+        assert r["same_tokens"]
+    args[1] = "forward_replay"
+    rows = engine_ab.main(args)
+    assert [r["form"] for r in rows[:2]] == ["pieces replayed", "forward replayed"]
+    assert all(r["same_tokens"] and r["calls"] == 2 * 10 for r in rows)
