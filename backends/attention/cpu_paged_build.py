@@ -58,6 +58,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     words = lib.piecewise_cpu_paged_attention_words
     words.argtypes = [p, i64, p, i64, p, i64, p, i64, p, i64, i64, p, p, i64, p, p] + [i64] * 9
     words.restype = ctypes.c_int
+    lib.piecewise_cpu_paged_item_heads.argtypes = [p, i64, i64, i64, i64]
+    lib.piecewise_cpu_paged_item_heads.restype = i64
 
 
 LIBRARY = NativeLibrary(

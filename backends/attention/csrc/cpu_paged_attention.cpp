@@ -742,6 +742,45 @@ void write_kv(const Args& a) {
   }
 }
 
+// Whether bf16 calls of head size d take the direct path (namespace direct).
+inline bool direct_bf16(int64_t d) {
+#ifdef PW_ATTN_BF16_DIRECT
+  return d == 32 || d == 64 || d == 128 || d == 256;
+#else
+  (void)d;
+  return false;
+#endif
+}
+
+// The query tiles of a call (kQueryTile tokens each) and its longest query.
+struct QueryTiles {
+  int64_t tiles = 0;
+  int32_t max_ql = 0;
+  QueryTiles(const int32_t* qsl, int64_t num_reqs) {
+    for (int64_t r = 0; r < num_reqs; ++r) {
+      const int32_t ql = qsl[r + 1] - qsl[r];
+      if (ql <= 0) continue;
+      tiles += (ql + kQueryTile - 1) / kQueryTile;
+      max_ql = std::max(max_ql, ql);
+    }
+  }
+};
+
+// KV heads per work item.  An item reads its heads' slices of each key row; all of a row's
+// heads in one item read the block's rows whole (contiguous): on the direct path, where there
+// are tiles enough to keep every thread busy and the tiles are decode or verify sized (a
+// prefill tile's rows already fill the item, and its heads' state would not stay in L1).
+inline int32_t item_heads(bool direct, const QueryTiles& q, int64_t hkv) {
+#ifdef _OPENMP
+  const int64_t threads = omp_get_max_threads();
+#else
+  const int64_t threads = 1;
+#endif
+  const bool group =
+      direct && q.max_ql <= kGroupMaxQuery && q.tiles >= kGroupTilesPerThread * threads;
+  return group ? static_cast<int32_t>(hkv) : 1;
+}
+
 template <typename T>
 int run(const Args& a) {
   if (a.d > kMaxHeadDim || a.hkv <= 0 || a.hq % a.hkv != 0) return 2;
@@ -749,37 +788,23 @@ int run(const Args& a) {
   bool (*item_fn)(const Args&, const Item&, std::vector<float>&) =
       a.d == 32 ? run_item<T, 32> : a.d == 64 ? run_item<T, 64> : a.d == 128 ? run_item<T, 128>
       : a.d == 256 ? run_item<T, 256> : run_item<T, 0>;
-  bool grouped = false;  // the direct path may take every KV head of a tile in one item
+  const bool direct = std::is_same_v<T, uint16_t> && direct_bf16(a.d);
 #ifdef PW_ATTN_BF16_DIRECT
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (a.d == 32) item_fn = direct::run_item<32>;
     else if (a.d == 64) item_fn = direct::run_item<64>;
     else if (a.d == 128) item_fn = direct::run_item<128>;
     else if (a.d == 256) item_fn = direct::run_item<256>;
-    grouped = a.d == 32 || a.d == 64 || a.d == 128 || a.d == 256;
   }
 #endif
-  int64_t tiles = 0, work = 0;  // work: query-key pairs, to decide whether threads pay off
-  int32_t max_ql = 0;
+  int64_t work = 0;  // query-key pairs, to decide whether threads pay off
   for (int32_t r = 0; r < a.num_reqs; ++r) {
-    const int32_t qs = a.qsl[r], ql = a.qsl[r + 1] - qs;
+    const int32_t ql = a.qsl[r + 1] - a.qsl[r];
     if (ql <= 0) continue;
     if (a.seq_lens[r] < ql) return 3;
-    tiles += (ql + kQueryTile - 1) / kQueryTile;
     work += static_cast<int64_t>(ql) * a.seq_lens[r];
-    max_ql = std::max(max_ql, ql);
   }
-#ifdef _OPENMP
-  const int64_t threads = omp_get_max_threads();
-#else
-  const int64_t threads = 1;
-#endif
-  // An item reads its heads' slices of each key row; all of a row's heads in one item read
-  // the block's rows whole (contiguous).  Where there are tiles enough to keep every thread
-  // busy and the tiles are decode or verify sized (a prefill tile's rows already fill the
-  // item, and its heads' state would not stay in L1).
-  const int32_t heads =
-      grouped && max_ql <= kGroupMaxQuery && tiles >= kGroupTilesPerThread * threads ? a.hkv : 1;
+  const int32_t heads = item_heads(direct, QueryTiles(a.qsl, a.num_reqs), a.hkv);
   std::vector<Item> items;
   for (int32_t r = 0; r < a.num_reqs; ++r) {
     const int32_t qs = a.qsl[r], ql = a.qsl[r + 1] - qs;
@@ -848,6 +873,13 @@ int piecewise_cpu_paged_attention_words(
                                        num_blocks, block_size, slot_mapping, block_table, bt_st,
                                        qsl, seq_lens, num_reqs, num_tokens, num_padded, hq, hkv,
                                        d, scale, window, dtype);
+}
+
+// KV heads per work item of a call with these query lengths (qsl[0 .. num_reqs]), head size d
+// and dtype (0 float32, 1 bfloat16), at the calling thread's OpenMP thread count (for tests).
+int64_t piecewise_cpu_paged_item_heads(const int32_t* qsl, int64_t num_reqs, int64_t hkv,
+                                       int64_t d, int64_t dtype) {
+  return item_heads(dtype == 1 && direct_bf16(d), QueryTiles(qsl, num_reqs), hkv);
 }
 
 // The softmax's exp on n inputs (for tests): vec[i] by the kernel's block path (16 lanes at a

@@ -3,6 +3,7 @@ prefill+decode batches, block boundaries, GQA/MQA, sliding windows, head_dim 32/
 float32 and bfloat16, contexts 1..4k, padding, the KV write, errors and opcheck."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -438,13 +439,23 @@ def test_an_item_of_every_kv_head_gives_the_bits_of_one_head_items():
     step = make_step(
         [37, 70, 5, 200, 16, 90, 33, 120], [1, 1, 1, 1, 5, 5, 1, 1], 8, 2, 64, 16, torch.bfloat16
     )
+    lib = load_library()
+    qsl = step[-1].query_start_loc
+
+    def heads() -> int:  # the kernel's choice for this call (its direct path: bf16 on AVX512-BF16)
+        return lib.piecewise_cpu_paged_item_heads(qsl.data_ptr(), 8, 2, 64, 1)
+
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        grouped = run("cpu_paged", *step, 0.125, 24)
+        grouped, heads_2 = run("cpu_paged", *step, 0.125, 24), heads()
         torch.set_num_threads(64)
-        alone = run("cpu_paged", *step, 0.125, 24)
+        alone, heads_64 = run("cpu_paged", *step, 0.125, 24), heads()
     finally:
         torch.set_num_threads(threads)
+    assert heads_64 == 1
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if isa() == "avx512" and "avx512_bf16" in cpu:  # the build has the direct bf16 path
+        assert heads_2 == 2, "8 one-token tiles on 2 threads: one item per tile, both heads"
     assert torch.equal(grouped[0], alone[0]) and torch.equal(grouped[1], alone[1])
     assert not grouped[0][: step[-1].num_actual_tokens].isnan().any()
