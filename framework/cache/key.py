@@ -148,11 +148,22 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def env_factors(cpp_compiler: dict[str, str] | None = None) -> dict[str, Any]:
+def env_factors(
+    cpp_compiler: dict[str, str] | None = None, *, cpu_kernels: bool = False
+) -> dict[str, Any]:
     """Software and hardware that change generated code: versions, CPU ISA, GPU, C++ compiler.
 
     ``cpp_compiler``: the compiler identity when already known (``factor_memo``); computing it
     imports Inductor.
+
+    ``cpu_kernels``: the code is Inductor's C++ for the CPU, which is written for the thread
+    count of the process that compiled it (``#pragma omp parallel num_threads(N)``, N =
+    ``torch.get_num_threads()`` with ``cpp.threads`` left at -1): ``cpu_threads`` is then a
+    factor, so an artifact compiled at one thread count is never loaded at another (it would
+    run at the first one's: serial kernels in a 2-thread engine, or 2 threads where the user
+    asked for 1).  Torch 2.13's own FX graph cache keys the same value
+    (``cpp_runtime_thread_count``).  Kept where ``cpp.threads`` is fixed, too: a needless miss,
+    never a stale load.
 
     The CPU ISA comes from ATen's cpuinfo probes, not Inductor's ``pick_vec_isa()``: that one
     compiles test programs (~1 s per process) and is determined by these flags plus the compiler.
@@ -179,6 +190,8 @@ def env_factors(cpp_compiler: dict[str, str] | None = None) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
     }
+    if cpu_kernels:
+        factors["cpu_threads"] = torch.get_num_threads()
     if torch.cuda.is_available():
         devices = []
         for i in range(torch.cuda.device_count()):

@@ -7,6 +7,7 @@ split, passes, per-range compile, artifact cache, warm start without Dynamo).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -187,6 +188,14 @@ def _build_piecewise(
     return out
 
 
+def _runs_on_cpu(model: torch.nn.Module) -> bool:
+    """Whether Inductor writes C++ kernels for the model: its weights are not on a GPU (on the
+    CPU, or not placed yet)."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device.type not in ("cuda", "xpu")
+    return True
+
+
 def _open_store(
     model,
     config,
@@ -207,7 +216,10 @@ def _open_store(
     # Memoized under the cache root: computing them imports Inductor (and Dynamo).
     side = inductor_side_factors(root)
     factors = {
-        "env": env_factors(cpp_compiler=side["cpp_compiler"]),
+        "env": env_factors(
+            cpp_compiler=side["cpp_compiler"],
+            cpu_kernels=compiler.name == "inductor" and _runs_on_cpu(model),
+        ),
         "compiler": side["inductor"] if compiler.name == "inductor" else {},
         "compiler_adaptor": compiler.compute_hash(),
         "compilation_config": config.compute_hash(),

@@ -183,3 +183,20 @@ def test_standard_factors_are_json_and_flatten_with_dotted_names():
     changed = copy.deepcopy(normalized)
     changed["env"]["machine"] = "other"
     assert compute_cache_key(changed)[0] != key
+
+
+def test_cpu_kernels_key_the_thread_count_they_were_written_for():
+    """Inductor's C++ kernels hard-code the compiling process's thread count
+    (``num_threads(N)``): with ``cpu_kernels`` it is a factor, so another count is another
+    key; GPU code (``cpu_kernels=False``) keeps one key across thread counts."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_gpu = env_factors(cpu_kernels=True), env_factors()
+        torch.set_num_threads(2)
+        two, two_gpu = env_factors(cpu_kernels=True), env_factors()
+    finally:
+        torch.set_num_threads(before)
+    assert one["cpu_threads"] == 1 and two["cpu_threads"] == 2
+    assert compute_cache_key({"env": one})[0] != compute_cache_key({"env": two})[0]
+    assert "cpu_threads" not in one_gpu and one_gpu == two_gpu
