@@ -148,22 +148,11 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def env_factors(
-    cpp_compiler: dict[str, str] | None = None, *, cpu_kernels: bool = False
-) -> dict[str, Any]:
+def env_factors(cpp_compiler: dict[str, str] | None = None) -> dict[str, Any]:
     """Software and hardware that change generated code: versions, CPU ISA, GPU, C++ compiler.
 
     ``cpp_compiler``: the compiler identity when already known (``factor_memo``); computing it
     imports Inductor.
-
-    ``cpu_kernels``: the code is Inductor's C++ for the CPU, which is written for the thread
-    count of the process that compiled it (``#pragma omp parallel num_threads(N)``, N =
-    ``torch.get_num_threads()`` with ``cpp.threads`` left at -1): ``cpu_threads`` is then a
-    factor, so an artifact compiled at one thread count is never loaded at another (it would
-    run at the first one's: serial kernels in a 2-thread engine, or 2 threads where the user
-    asked for 1).  Torch 2.13's own FX graph cache keys the same value
-    (``cpp_runtime_thread_count``).  Kept where ``cpp.threads`` is fixed, too: a needless miss,
-    never a stale load.
 
     The CPU ISA comes from ATen's cpuinfo probes, not Inductor's ``pick_vec_isa()``: that one
     compiles test programs (~1 s per process) and is determined by these flags plus the compiler.
@@ -190,8 +179,6 @@ def env_factors(
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
     }
-    if cpu_kernels:
-        factors["cpu_threads"] = torch.get_num_threads()
     if torch.cuda.is_available():
         devices = []
         for i in range(torch.cuda.device_count()):
@@ -202,6 +189,45 @@ def env_factors(
         # One entry per distinct device kind: the number of GPUs does not change the code.
         factors["gpus"] = sorted({json.dumps(d, sort_keys=True) for d in devices})
     return factors
+
+
+def torch_settings_factors(*, cpu_kernels: bool) -> dict[str, Any]:
+    """Process-wide torch settings that change the code Inductor generates: the ones torch
+    2.13's own FX graph cache keys (``FxGraphHashDetails``), which this cache sits in front of.
+
+    * ``cpu_threads`` (``cpu_kernels``: the code is Inductor's C++ for the CPU): the kernels
+      are written for the compiling process's thread count (``#pragma omp parallel
+      num_threads(N)``, N = ``torch.get_num_threads()`` with ``cpp.threads`` left at -1), so
+      an artifact compiled at one count would run at it wherever it is loaded: serial kernels
+      in a 2-thread engine, or 2 threads where the user asked for 1.  Kept where
+      ``cpp.threads`` is fixed too (a needless miss, never a stale load).
+    * ``default_dtype``: factory ops without a dtype are lowered with it.
+    * ``deterministic``: deterministic algorithms change lowerings.
+    * ``cuda_matmul``: TF32 and reduced-precision reductions change matmul code on GPUs.
+
+    A setting this torch lacks is ``None``."""
+    import torch
+
+    cuda_matmul = torch.backends.cuda.matmul
+    out: dict[str, Any] = {
+        "default_dtype": str(torch.get_default_dtype()),
+        "deterministic": [
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            getattr(torch.utils.deterministic, "fill_uninitialized_memory", None),
+        ],
+        "cuda_matmul": [
+            getattr(cuda_matmul, name, None)
+            for name in (
+                "fp32_precision",
+                "allow_fp16_reduced_precision_reduction",
+                "allow_bf16_reduced_precision_reduction",
+            )
+        ],
+    }
+    if cpu_kernels:
+        out["cpu_threads"] = torch.get_num_threads()
+    return out
 
 
 # ----------------------------------------------------------------------------- compiler config

@@ -209,17 +209,15 @@ def _open_store(
     speculative_hash=None,
 ):
     from framework.cache.factor_memo import inductor_side_factors
-    from framework.cache.key import env_factors, tp_factors
+    from framework.cache.key import env_factors, torch_settings_factors, tp_factors
     from framework.cache.store import ArtifactStore, default_cache_dir
 
     root = config.cache_dir or default_cache_dir()
     # Memoized under the cache root: computing them imports Inductor (and Dynamo).
     side = inductor_side_factors(root)
     factors = {
-        "env": env_factors(
-            cpp_compiler=side["cpp_compiler"],
-            cpu_kernels=compiler.name == "inductor" and _runs_on_cpu(model),
-        ),
+        "env": env_factors(cpp_compiler=side["cpp_compiler"]),
+        "torch_settings": torch_settings_factors(cpu_kernels=_runs_on_cpu(model)),
         "compiler": side["inductor"] if compiler.name == "inductor" else {},
         "compiler_adaptor": compiler.compute_hash(),
         "compilation_config": config.compute_hash(),

@@ -3,6 +3,7 @@
 import copy
 import json
 import sys
+import types
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from framework.cache.key import (
     flatten_factors,
     inductor_factors,
     source_factors,
+    torch_settings_factors,
 )
 from framework.core.config import CompilationConfig
 
@@ -185,18 +187,35 @@ def test_standard_factors_are_json_and_flatten_with_dotted_names():
     assert compute_cache_key(changed)[0] != key
 
 
-def test_cpu_kernels_key_the_thread_count_they_were_written_for():
-    """Inductor's C++ kernels hard-code the compiling process's thread count
-    (``num_threads(N)``): with ``cpu_kernels`` it is a factor, so another count is another
-    key; GPU code (``cpu_kernels=False``) keeps one key across thread counts."""
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one, one_gpu = env_factors(cpu_kernels=True), env_factors()
-        torch.set_num_threads(2)
-        two, two_gpu = env_factors(cpu_kernels=True), env_factors()
-    finally:
-        torch.set_num_threads(before)
-    assert one["cpu_threads"] == 1 and two["cpu_threads"] == 2
-    assert compute_cache_key({"env": one})[0] != compute_cache_key({"env": two})[0]
-    assert "cpu_threads" not in one_gpu and one_gpu == two_gpu
+def test_torch_settings_that_change_generated_code_change_the_key(monkeypatch):
+    """The process-wide settings Inductor's own FX graph cache keys: the thread count its CPU
+    kernels hard-code (``num_threads(N)``; GPU code keeps one key across counts), the default
+    dtype, deterministic algorithms and the CUDA matmul precision."""
+    base = torch_settings_factors(cpu_kernels=True)
+    assert base == torch_settings_factors(cpu_kernels=True)
+    assert base["cpu_threads"] == torch.get_num_threads()
+    assert base["default_dtype"] == "torch.float32"
+    key = compute_cache_key({"torch_settings": base})[0]
+
+    def key_with(setting, value):
+        monkeypatch.setattr(*setting, value)
+        try:
+            factors = torch_settings_factors(cpu_kernels=True)
+            return compute_cache_key({"torch_settings": factors})[0]
+        finally:
+            monkeypatch.undo()
+
+    threads = torch.get_num_threads()
+    assert key_with((torch, "get_num_threads"), lambda: threads + 1) != key
+    assert key_with((torch, "get_default_dtype"), lambda: torch.bfloat16) != key
+    assert key_with((torch, "are_deterministic_algorithms_enabled"), lambda: True) != key
+    tf32 = types.SimpleNamespace(
+        fp32_precision="tf32",
+        allow_fp16_reduced_precision_reduction=True,
+        allow_bf16_reduced_precision_reduction=True,
+    )
+    assert key_with((torch.backends.cuda, "matmul"), tf32) != key
+    gpu = torch_settings_factors(cpu_kernels=False)
+    assert "cpu_threads" not in gpu
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    assert torch_settings_factors(cpu_kernels=False) == gpu
