@@ -314,7 +314,9 @@ def _spec_bench(path: Path) -> list[str]:
             "same tokens",
         ),
     ]
-    for key in sorted(k for k, v in res.items() if isinstance(v, dict) and "speedup" in v):
+    rows = sorted(k for k, v in res.items() if isinstance(v, dict) and "speedup" in v)
+    head_ab = [k for k in rows if "_draft_greedy_head " in k]
+    for key in (k for k in rows if k not in head_ab):
         v = res[key]
         sp = v["speedup"]
         lo, hi = sp["ci95"]
@@ -323,6 +325,18 @@ def _spec_bench(path: Path) -> list[str]:
             f"{v['tokens_per_s']['spec']:.1f} | **{sp['ratio']:.2f}** [{lo:.2f}, {hi:.2f}] | "
             f"{'yes' if v['same_tokens'] else 'NO'} |"
         )
+    if head_ab:
+        parts = [
+            f"{k.replace('_draft_greedy_head', '')} {res[k]['speedup']['ratio']:.2f}x "
+            f"[{res[k]['speedup']['ci95'][0]:.2f}, {res[k]['speedup']['ci95'][1]:.2f}]"
+            f"{'' if res[k]['same_tokens'] else ' (tokens DIFFER)'}"
+            for k in head_ab
+        ]
+        out += [
+            "",
+            "The draft's greedy drafts from its LM head's greedy kernel, against its logits "
+            "and a separate argmax (tokens/s, same rounds): " + ", ".join(parts) + ".",
+        ]
     for name in sorted(k for k in res if k.endswith("_acceptance")):
         a = res[name]
         if a:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -386,6 +387,7 @@ class DraftModelProposer:
         tokens: list[torch.Tensor] = []
         maxima: list[torch.Tensor] = []
         probs: list[Optional[torch.Tensor]] = []
+        head = self._greedy_head() if greedy else None
         for j in range(num_steps):
             if j:
                 ctx = runner.advance(ctx, tokens[-1])
@@ -393,7 +395,12 @@ class DraftModelProposer:
                     steps = steps + 1
             with set_forward_context(ctx):
                 hidden = forward(ids, positions)
-            tok, top, q = self.sampler.pick(logits_of(hidden[:n]), params, greedy, seeds, steps)
+            got = head(hidden[:n]) if head is not None else None
+            if got is not None:
+                _, tok, top = got
+                q = None
+            else:
+                tok, top, q = self.sampler.pick(logits_of(hidden[:n]), params, greedy, seeds, steps)
             tokens.append(tok)
             maxima.append(top)
             probs.append(q)
@@ -417,6 +424,15 @@ class DraftModelProposer:
                     s.done = True  # the target stops there: drafting past it is wasted
                     break
 
+    def _greedy_head(self) -> Optional[Any]:
+        """The draft's LM head with its greedy kernel (``GreedyLogits``: logits, first-maximum
+        index and maximum per row in one call, as the target's decode steps use it), for a
+        batch whose drafts are all argmaxes; None where the draft's head has none or the
+        runner's ``fuse_greedy_head`` is off (the A/B baseline).  Its call may still return
+        None (then ``compute_logits`` and the sampler)."""
+        runner = self.runner
+        return runner.greedy_logits if runner.fuse_greedy_head else None
+
     def _run(self, chunks: list[ScheduledChunk], owners: list[_DraftSeq]) -> None:
         """One draft forward over ``chunks`` (``owners[i]`` owns chunk i); appends the
         sampled drafts (and their q) to their requests."""
@@ -430,8 +446,18 @@ class DraftModelProposer:
         rows = [qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
         sampled: list[Optional[int]] = []
         if rows:
-            logits = runner.model.compute_logits(hidden[rows])
-            sampled, _ = self.sampler(logits, [c.req for c in chunks if c.samples])
+            reqs = [c.req for c in chunks if c.samples]
+            head = self._greedy_head() if all(r.params.greedy for r in reqs) else None
+            got = head(hidden[rows]) if head is not None else None
+            if got is not None:
+                _, idx, top = got
+                self.sampler.last_probs = None
+                sampled = [
+                    t if math.isfinite(v) else None for t, v in zip(idx.tolist(), top.tolist())
+                ]
+            else:
+                logits = runner.model.compute_logits(hidden[rows])
+                sampled, _ = self.sampler(logits, reqs)
         self._stats["draft_forward_steps"] += 1
         probs = self.sampler.last_probs
         row = 0

@@ -152,3 +152,46 @@ def test_first_tokens_verified_in_the_prefill_step():
         one_step += len(steps) == 1  # all four accepted, plus the target's own fifth token
     assert one_step >= len(prompts) - 1, llm.stats  # the draft agrees (acceptance ~1)
     assert llm.stats["spec_mean_accepted_length"] >= 4.0
+
+
+def test_greedy_drafts_come_from_the_draft_heads_greedy_kernel(compile_cache_dir):
+    """bf16 O2: the draft's greedy steps (its catch-up and its single-token loop) take each
+    draft from its LM head's greedy kernel (one call: logits, first maximum) instead of the
+    logits and a separate argmax; the drafts are the same with the kernel off
+    (``fuse_greedy_head``, the A/B baseline), and so are the engine's tokens."""
+    from experiments.synthetic.task import get_task
+    from framework.engine.request import Request
+
+    task = get_task("addition")
+    prompts, _ = task.split(task.sequences(task.held_out_keys(4, 1234)))
+    kw = dict(dtype="bfloat16", optimization_level=2, max_num_seqs=4, max_model_len=64)
+    kw["cache_dir"] = compile_cache_dir
+    llm = LLM(str(ADDITION), speculative_config=spec(str(ADDITION_DRAFT), 4), **kw)
+    proposer = llm.spec.proposer
+    runner = proposer.runner
+    kernel = runner.greedy_logits
+    calls = []
+
+    def counted(h):
+        calls.append(h.shape[0])
+        return kernel(h)
+
+    runner.greedy_logits = counted
+    n = task.answer_len + 1
+    got = llm.generate(prompts, n)
+    assert calls and llm.stats["spec_acceptance_rate"] >= 0.7, llm.stats
+
+    def drafts():
+        reqs = [Request(100 + i, list(p), max_new_tokens=8) for i, p in enumerate(prompts)]
+        out = proposer.propose(reqs)
+        for r in reqs:
+            proposer.release(r.req_id)
+        return out
+
+    before = len(calls)
+    fused = drafts()
+    assert len(calls) - before == 4  # the catch-up and three single-token steps
+    runner.fuse_greedy_head = False
+    assert drafts() == fused and len(calls) - before == 4
+    assert all(len(d) == 4 for d in fused)
+    assert llm.generate(prompts, n) == got == LLM(str(ADDITION), **kw).generate(prompts, n)
