@@ -210,5 +210,12 @@ class DecoderForCausalLM(nn.Module):
         :class:`models.family.GreedyLogits`), or None where the head has no such kernel."""
         return self.lm_head.forward_greedy(hidden)
 
+    def record_logits_greedy(
+        self, hidden: torch.Tensor
+    ) -> Optional[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[int]]]:
+        """:meth:`compute_logits_greedy` and the native call it made (see
+        :class:`models.family.RecordedGreedyLogits`), or None."""
+        return self.lm_head.record_greedy(hidden)
+
     def attention_layer_names(self) -> list[str]:
         return [m.layer_name for m in self.modules() if isinstance(m, PagedAttention)]

@@ -83,6 +83,20 @@ class GreedyLogits(Protocol):
         then calls ``compute_logits`` and samples)."""
 
 
+@runtime_checkable
+class RecordedGreedyLogits(GreedyLogits, Protocol):
+    """Optional: a :class:`GreedyLogits` model that can say which native call its greedy
+    LM head made, for a caller that replays it among other native calls (a draft model's
+    step loop: ``framework/engine/spec/draft_loop.py``)."""
+
+    def record_logits_greedy(
+        self, hidden: torch.Tensor
+    ) -> Optional[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[int]]]:
+        """``(compute_logits_greedy's three tensors, [address, kind, word...])`` -- the C
+        function and its arguments as 64-bit words, empty where the call cannot be replayed
+        from its words alone -- or None where the head has no greedy kernel for this call."""
+
+
 MODELS: Registry[type[nn.Module]] = Registry(
     "model architecture",
     builtin_modules=("models.decoder", "models.moe"),

@@ -33,6 +33,19 @@ class GreedyLinearMethod(Protocol):
     ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]: ...
 
 
+@runtime_checkable
+class RecordingGreedyLinearMethod(GreedyLinearMethod, Protocol):
+    """A :class:`GreedyLinearMethod` that can also say which native call its greedy kernel
+    made: ``((logits, index, maximum), [address, kind, word...])`` -- the C function and its
+    arguments as 64-bit words, empty where the call cannot be replayed from its words alone
+    -- or None where it has no greedy kernel for this call.  What a caller that replays the
+    head among other native calls records (``framework/engine/spec/draft_loop.py``)."""
+
+    def record_greedy(
+        self, layer: "Linear", x: torch.Tensor
+    ) -> Optional[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[int]]]: ...
+
+
 class Linear(nn.Module):
     """``y = x @ W^T + b`` with ``W: [out_features, in_features]``, ``x: [T, in_features]``."""
 

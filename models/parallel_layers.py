@@ -32,7 +32,7 @@ from framework.core.parallel_state import (
     divide,
     get_tp_state,
 )
-from models.layers import GreedyLinearMethod, Linear, MergedLinear
+from models.layers import GreedyLinearMethod, Linear, MergedLinear, RecordingGreedyLinearMethod
 
 
 @dataclass(frozen=True)
@@ -197,3 +197,13 @@ class ParallelLMHead(Linear):
         (sharded vocabulary, or a linear method without a greedy kernel)."""
         method = self._greedy_method() if self.tp_size == 1 else None
         return None if method is None else method.apply_greedy(self, x)
+
+    def record_greedy(
+        self, x: torch.Tensor
+    ) -> Optional[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[int]]]:
+        """:meth:`forward_greedy` and the native call its kernel made (see
+        :class:`models.layers.RecordingGreedyLinearMethod`), or None."""
+        method = self._greedy_method() if self.tp_size == 1 else None
+        if not isinstance(method, RecordingGreedyLinearMethod):
+            return None
+        return method.record_greedy(self, x)

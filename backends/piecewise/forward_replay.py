@@ -52,6 +52,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from backends.piecewise.replay import MAX_WORDS, Tape, load_replayer, replay_wanted
+from framework.core import ops as core_ops
 from framework.core.forward_context import (
     ForwardContext,
     get_forward_context,
@@ -139,6 +140,25 @@ class ForwardReplay:
         if key in self._refused:
             return self.forward(input_ids, positions)
         return self._record(key, ctx, input_ids, positions)
+
+    def tape_for(
+        self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> Optional[Tape]:
+        """The recording a forward over these inputs, in ``ctx``, would replay now; None where
+        it would not (replay off or not wanted, not recorded, refused, or the weights moved:
+        the next forward records again).  For a caller that replays it among other native
+        calls (a draft model's step loop, ``framework/engine/spec/draft_loop.py``); the
+        caller must stage the inputs exactly as for the forward."""
+        if not (self.enabled and self._lib is not None and ctx.cpu_replay):
+            return None
+        if not core_ops.direct_calls_allowed():  # something watches or overrides ops
+            return None
+        key = _key(ctx, input_ids, positions)
+        tape = None if key is None else self._tapes.get(key)
+        if tape is None or self._weights_moved():
+            return None
+        self._tapes.move_to_end(key)
+        return tape
 
     # ------------------------------------------------------------------ recording
     def _record(

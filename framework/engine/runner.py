@@ -303,6 +303,39 @@ class ModelRunner:
         num_reqs = ctx.attn_metadata[self.layer_names[0]].num_reqs
         return self._views_for(ctx.batch_descriptor.num_tokens, num_reqs)[:2]
 
+    @property
+    def stages_in_place(self) -> bool:
+        """The host staging arrays are the forward's input buffers (CPU): a value written
+        into them is what the next forward reads, with no copy in between."""
+        return self._shared
+
+    def _slot(self, row: int, position: int) -> Optional[int]:
+        """The KV slot of ``position`` in staged request row ``row`` (from the block list the
+        row was written from), or None where the row has no block there."""
+        blocks, written = self._rows[row]  # type: ignore[misc]  # only staged rows are asked
+        b = position // self.block_size
+        return None if b >= written else blocks[b] * self.block_size + position % self.block_size
+
+    def later_steps(
+        self, n: int, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray
+    ) -> bool:
+        """For the staged single-token batch of ``n`` requests, the inputs of the steps after
+        it, as :meth:`advance` would stage them, without staging them: row ``j`` (``j >= 1``)
+        of ``positions``, ``slots`` and ``seq_lens`` (``[steps, >= n]`` arrays) gets step j's.
+        False (rows left as they were) where a request has no KV block for a position."""
+        steps = positions.shape[0]
+        first = self._np["positions"][:n]
+        for j in range(1, steps):
+            for i in range(n):
+                p = int(first[i]) + j
+                slot = self._slot(i, p)
+                if slot is None:
+                    return False
+                positions[j, i] = p
+                slots[j, i] = slot
+                seq_lens[j, i] = p + 1
+        return True
+
     def advance(self, ctx: ForwardContext, next_ids: torch.Tensor) -> ForwardContext:
         """The context of the next step of a single-token batch (every request has one query
         token): each request's position moves one on and its token id becomes
@@ -320,20 +353,19 @@ class ModelRunner:
                 f"(max_query_len={md.max_query_len}, {n} tokens)"
             )
         h = self._np
-        bs = self.block_size
         # A single-token request's context length is its position + 1: the new position.
         # Plain ints, as in the staging of a decode step (cheaper than array ops at these
-        # sizes); each row's block list is the one the row was written from.
+        # sizes).
         pos = md.seq_lens_cpu[:n]
         slots = []
         for i, p in enumerate(pos):
-            blocks, written = self._rows[i]  # type: ignore[misc]  # rows 0..n-1 are staged
-            if p // bs >= written:
+            slot = self._slot(i, p)
+            if slot is None:
                 raise ValueError(
                     f"ModelRunner.advance: request row {i} has no KV block for position {p} "
                     f"(reserve the blocks before advancing)"
                 )
-            slots.append(blocks[p // bs] * bs + p % bs)
+            slots.append(slot)
         seq_lens = [p + 1 for p in pos]
         h["positions"][:n] = pos
         h["slot_mapping"][:n] = slots

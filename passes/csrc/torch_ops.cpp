@@ -155,9 +155,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTens
 // (logits [rows, n], index [rows] int64, maximum [rows] float32): the small-M kernel's greedy
 // entry where it applies (each thread scans the outputs it stored), else packed_linear and one
 // pass over each stored row (pw_argmax::row_argmax: the same rules).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_linear_greedy(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_linear_greedy_call(
     const at::Tensor& x, const at::Tensor& w, const OptTensor& md, const OptTensor& bias,
-    int64_t n, int64_t k, int64_t max_rows) {
+    int64_t n, int64_t k, int64_t max_rows, NativeCall* call) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "piecewise::packed_linear_greedy: x must be ",
                     "[rows, ", k, "], got ", x.sizes());
   const int64_t rows = x.size(0);
@@ -170,11 +170,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_linear_greedy(
     at::Tensor b;
     const void* bp = bias_ptr(bias, b);
     at::Tensor out = at::empty({rows, n}, x.options());
-    const int rc = piecewise_small_m_linear_greedy(
-        x2.data_ptr(), row_stride(x2, k), rows, w.data_ptr(), bp, out.data_ptr(), n, n, k, 1,
-        idx.data_ptr<int64_t>(), val.data_ptr<float>());
+    const void* xp = x2.data_ptr();
+    const void* wp = w.data_ptr();
+    void* op = out.data_ptr();
+    int64_t* ip = idx.data_ptr<int64_t>();
+    float* vp = val.data_ptr<float>();
+    const int64_t xs = row_stride(x2, k), one = 1;
+    const int rc = piecewise_small_m_linear_greedy(xp, xs, rows, wp, bp, op, n, n, k, one, ip, vp);
     TORCH_CHECK(rc == 0, "piecewise::packed_linear_greedy: kernel error ", rc, " for x ",
                 x.sizes(), ", w (", n, ", ", k, ")");
+    if (reads_in_place(x, x2, bias, bp))
+      note_call(call, &piecewise_small_m_linear_greedy, xp, xs, rows, wp, bp, op, n, n, k, one, ip,
+                vp);
     return {out, idx, val};
   }
   const at::Tensor out = packed_linear(x, w, md, bias, n, k, max_rows).contiguous();
@@ -194,6 +201,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_linear_greedy(
     }
   }
   return {out, idx, val};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_linear_greedy(
+    const at::Tensor& x, const at::Tensor& w, const OptTensor& md, const OptTensor& bias,
+    int64_t n, int64_t k, int64_t max_rows) {
+  return packed_linear_greedy_call(x, w, md, bias, n, k, max_rows, nullptr);
 }
 
 // --- int8: W8A8 and weight-only -----------------------------------------------------------------
@@ -318,6 +331,13 @@ PYBIND11_MODULE(PW_PYTHON_MODULE, m) {
                                    const OptTensor& bias, int64_t n, int64_t k, int64_t rows) {
     return recorded(packed_linear_call, x, w, md, bias, n, k, rows);
   });
+  m.def("packed_linear_greedy_record",
+        [](const at::Tensor& x, const at::Tensor& w, const OptTensor& md, const OptTensor& bias,
+           int64_t n, int64_t k, int64_t rows) {
+          NativeCall call;
+          auto got = packed_linear_greedy_call(x, w, md, bias, n, k, rows, &call);
+          return std::make_tuple(got, call);
+        });
   m.def("int8_packed_linear_record",
         [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& c,
            const OptTensor& bias, int64_t n, int64_t k, int64_t rows) {

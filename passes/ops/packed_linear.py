@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from framework.compat import onednn
-from framework.core.ops import define_op, direct_call
+from framework.core.ops import define_op, direct_call, direct_recorder
 from passes import native_ops
 from passes import small_m_linear as small_m
 
@@ -287,6 +287,25 @@ class PackedLinearMethod:
         if self.layout != "panel" or x.dim() != 2 or not native_ops.loaded():
             return None
         return _greedy_call()(
+            x,
+            layer.weight,
+            layer.weight_md,
+            layer.bias,
+            self.out_features,
+            self.in_features,
+            self.max_rows,
+        )
+
+    def record_greedy(
+        self, layer: nn.Module, x: torch.Tensor
+    ) -> Optional[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[int]]]:
+        """:meth:`apply_greedy` through the op's recording kernel: its three tensors and the
+        native call it made (``[address, 1, word...]``; empty where its words alone cannot
+        replay it), or None where no C++ kernel would fuse it."""
+        recorder = direct_recorder("piecewise::packed_linear_greedy")
+        if self.layout != "panel" or x.dim() != 2 or recorder is None:
+            return None
+        return recorder(
             x,
             layer.weight,
             layer.weight_md,

@@ -130,6 +130,34 @@ def test_packed_linear_greedy_equals_the_head_then_the_samplers_pass(n, k, rows,
             assert out[0, 3] == out[0].max() and idx[0] == 3
 
 
+def test_packed_linear_greedy_recorder_reports_a_call_that_replays():
+    """The greedy head's recording kernel (``record_greedy``): the op's three tensors and the
+    C call it made; replayed from its words over new rows written into the same input, the
+    call writes what the op computes for them into the recorded buffers.  Past max_rows (the
+    oneDNN path) it reports no call."""
+    from backends.piecewise.replay import Tape, load_replayer
+    from framework.core.native_tape import native_call
+
+    lib = load_replayer()
+    if lib is None:
+        pytest.skip("no replay library on this platform")
+    n, k = 1000, 96
+    lin = _head(torch.randn(n, k, generator=torch.Generator().manual_seed(1)).to(BF16), 16)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2)).to(BF16)
+    (out, idx, val), call = lin.linear_method.record_greedy(lin, x)
+    args = (x, lin.weight, lin.weight_md, None, n, k, 16)
+    want = torch.ops.piecewise.packed_linear_greedy(*args)
+    assert call and torch.equal(idx, want[1]) and torch.equal(_bits(out), _bits(want[0]))
+    x.copy_(torch.randn(3, k, generator=torch.Generator().manual_seed(3)).to(BF16))
+    Tape(lib, [native_call(list(call), "head")], None, [out, idx, val]).run("head")
+    again = torch.ops.piecewise.packed_linear_greedy(*args)
+    assert torch.equal(idx, again[1]) and torch.equal(val, again[2])
+    assert not torch.equal(idx, want[1])
+    wide = torch.randn(24, k, generator=torch.Generator().manual_seed(4)).to(BF16)
+    (_, wide_idx, _), none = lin.linear_method.record_greedy(lin, wide)
+    assert not none and wide_idx.shape == (24,)
+
+
 def test_packed_linear_greedy_rows_of_minus_inf_and_opcheck():
     """A -inf bias makes every logit -inf: index 0, value -inf (the sampler fails such a
     row); the op passes torch.library.opcheck (schema, fake, no aliasing)."""

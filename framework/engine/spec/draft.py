@@ -58,6 +58,7 @@ from framework.engine.block_manager import OutOfBlocks
 from framework.engine.request import Request, ScheduledChunk
 from framework.engine.spec.config import SpeculativeConfig
 from framework.engine.spec.draft_inputs import CheckedForward, input_spec_of
+from framework.engine.spec.draft_loop import DraftStepLoop
 from framework.engine.spec.draft_sampler import DraftSampler
 from framework.engine.spec.proposer import ProposerContext, register_proposer
 from framework.engine.worker import Worker
@@ -216,6 +217,11 @@ class DraftModelProposer:
         self._forward = self.runner.forward
         """The unchecked forward: the step loop checks its input buffers once per call."""
         self.runner.forward = CheckedForward(self._forward, self.input_spec)
+        self.step_loop = DraftStepLoop.for_runner(
+            self.runner, self.worker.forward_replay, self.runner.model
+        )
+        """The greedy single-token steps replayed as one native tape (``draft_loop.py``), or
+        None where they cannot be (then the Python loop of :meth:`_decode` runs)."""
         self.max_num_tokens = self.runner.max_num_tokens
         self._seqs: dict[int, _DraftSeq] = {}
         self._calls = 0
@@ -277,6 +283,11 @@ class DraftModelProposer:
         out["draft_startup_s"] = self.build_s
         out["draft_identity"] = self.draft_hash
         out["draft_tracked_requests"] = len(self._seqs)
+        replay = self.worker.forward_replay
+        if replay is not None:
+            out.update({f"draft_{k}": v for k, v in replay.stats().items()})
+        if self.step_loop is not None:
+            out.update({f"draft_{k}": v for k, v in self.step_loop.stats().items()})
         return out
 
     def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
@@ -384,29 +395,41 @@ class DraftModelProposer:
             dev = runner.device
             seeds = torch.tensor([s.req.seed for s in step], device=dev)
             steps = torch.tensor([len(s.req.output) for s in step], device=dev)
-        tokens: list[torch.Tensor] = []
-        maxima: list[torch.Tensor] = []
-        probs: list[Optional[torch.Tensor]] = []
-        head = self._greedy_head() if greedy else None
-        for j in range(num_steps):
-            if j:
-                ctx = runner.advance(ctx, tokens[-1])
-                if steps is not None:
-                    steps = steps + 1
-            with set_forward_context(ctx):
-                hidden = forward(ids, positions)
-            got = head(hidden[:n]) if head is not None else None
-            if got is not None:
-                _, tok, top = got
-                q = None
-            else:
-                tok, top, q = self.sampler.pick(logits_of(hidden[:n]), params, greedy, seeds, steps)
-            tokens.append(tok)
-            maxima.append(top)
-            probs.append(q)
         self._stats["draft_forward_steps"] += num_steps
-        got = torch.stack(tokens, dim=1).tolist()
-        finite = torch.stack(maxima, dim=1).isfinite().tolist()
+        probs: list[Optional[torch.Tensor]] = [None] * num_steps
+        loop = self.step_loop if greedy and self._greedy_head() is not None else None
+        replayed = loop.run(ctx, ids, positions, n, num_steps) if loop is not None else None
+        if replayed is not None:
+            got, finite = replayed
+        else:
+            rec = loop.recording(n, num_steps) if loop is not None else None
+            tokens: list[torch.Tensor] = []
+            maxima: list[torch.Tensor] = []
+            head = self._greedy_head() if greedy else None
+            for j in range(num_steps):
+                if j:
+                    ctx = runner.advance(ctx, tokens[-1])
+                    if steps is not None:
+                        steps = steps + 1
+                with set_forward_context(ctx):
+                    hidden = forward(ids, positions)
+                out = None
+                if rec is not None and loop is not None:
+                    out = loop.head(rec, hidden[:n])
+                if out is None and head is not None:
+                    out = head(hidden[:n])
+                if out is not None:
+                    _, tok, top = out
+                else:
+                    tok, top, probs[j] = self.sampler.pick(
+                        logits_of(hidden[:n]), params, greedy, seeds, steps
+                    )
+                tokens.append(tok)
+                maxima.append(top)
+            if rec is not None and loop is not None:
+                loop.finish(rec, ctx, ids, positions)
+            got = torch.stack(tokens, dim=1).tolist()
+            finite = torch.stack(maxima, dim=1).isfinite().tolist()
         for i, s in enumerate(step):
             req = s.req
             stop = req.eos_token_ids

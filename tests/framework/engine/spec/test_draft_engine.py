@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoints import build_family_checkpoint
 
 from framework import LLM
@@ -168,6 +169,7 @@ def test_greedy_drafts_come_from_the_draft_heads_greedy_kernel(compile_cache_dir
     kw["cache_dir"] = compile_cache_dir
     llm = LLM(str(ADDITION), speculative_config=spec(str(ADDITION_DRAFT), 4), **kw)
     proposer = llm.spec.proposer
+    proposer.step_loop.enabled = False  # its own test below: here every step's head is Python's
     runner = proposer.runner
     kernel = runner.greedy_logits
     calls = []
@@ -195,3 +197,66 @@ def test_greedy_drafts_come_from_the_draft_heads_greedy_kernel(compile_cache_dir
     assert drafts() == fused and len(calls) - before == 4
     assert all(len(d) == 4 for d in fused)
     assert llm.generate(prompts, n) == got == LLM(str(ADDITION), **kw).generate(prompts, n)
+
+
+def test_greedy_draft_steps_replay_as_one_native_loop(tiny_checkpoint, compile_cache_dir):
+    """bf16 O2: the draft's single-token greedy steps are recorded once per (requests, steps)
+    and then replayed as one native tape (``draft_loop.py``): the same drafts as the Python
+    loop, for a batch whose drafts cross a KV block, budgets that differ (the loop runs in
+    segments) and a request that stops at its EOS draft; the engine's tokens stay the plain
+    engine's."""
+    from framework.engine.request import Request
+
+    target = str(tiny_checkpoint("llama"))
+    kw = dict(dtype="bfloat16", optimization_level=2, max_num_seqs=4, max_model_len=64)
+    kw["cache_dir"] = compile_cache_dir
+    llm = LLM(target, speculative_config=spec(target, 4), **kw)
+    proposer = llm.spec.proposer
+    loop = proposer.step_loop
+    assert loop is not None
+    g = torch.Generator().manual_seed(0)
+    # rows 1, 2: drafts past position 16 (a second KV block)
+    batch = [torch.randint(3, 250, (m,), generator=g).tolist() for m in (9, 14, 13, 3)]
+    eos: dict[int, int] = {}
+
+    def drafts(budgets):
+        reqs = [
+            Request(200 + i, list(p), m, eos_token_ids=frozenset({eos.get(i, -1)}))
+            for i, (p, m) in enumerate(zip(batch, budgets))
+            if m
+        ]
+        out = proposer.propose(reqs)
+        for r in reqs:
+            proposer.release(r.req_id)
+        return out
+
+    shapes = [[8, 8, 8, 8], [8, 3, 8, 2], [8]]
+    loop.enabled = False
+    eos[3] = drafts(shapes[0])[3][1]  # row 3 stops at its second draft
+    kernel, maxima = proposer.runner.greedy_logits, []
+
+    def keep_maxima(h):
+        out = kernel(h)
+        maxima.append(out[2].clone())
+        return out
+
+    proposer.runner.greedy_logits = keep_maxima
+    python = [drafts(b) for b in shapes]
+    # the maxima of the first batch's three single-token steps (after its catch-up's)
+    python_maxima = maxima[1:4]
+    loop.enabled = True
+    first = [drafts(b) for b in shapes]  # records
+    recorded, replayed = loop.recordings, loop.replays
+    assert recorded >= 2
+    again = [drafts(b) for b in shapes[:1]]
+    # the loop's own buffers after its replay of those steps: the same logits, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(loop._loops[(4, 3)].val, python_maxima))
+    again += [drafts(b) for b in shapes[1:]]  # replays
+    assert loop.recordings == recorded and loop.replays >= replayed + 2
+    assert python == first == again
+    assert [len(d) for d in python[0]] == [4, 4, 4, 2] and python[0][3][1] == eos[3]
+    assert [len(d) for d in python[1]] == [4, 2, 4, 1]
+    prompts = batch[:3]
+    plain = LLM(target, **kw).generate(prompts, 12, ignore_eos=True)
+    assert llm.generate(prompts, 12, ignore_eos=True) == plain
+    assert llm.stats["spec_draft_step_loop_replays"] > 0
