@@ -25,10 +25,12 @@ ratios (``experiments.report.statistics.compare``: geometric mean and 95% interv
 * ``draft_addition_large`` -- the same draft drafting for ``models/synthetic/addition-large``
   (8 layers, hidden 256, trained on the same task by the same script): a target several
   times its draft's cost, the pair speculative decoding is meant for.  Same target.
-* ``<scenario>_draft_greedy_head`` -- the A/B of the draft's greedy kernel, in the same
-  rounds: the drafted engine against a second one whose draft takes each greedy draft from
-  its logits and a separate argmax (the draft runner's ``fuse_greedy_head`` off) instead of
-  its LM head's greedy kernel; same drafts, same tokens (required).
+* ``<scenario>_draft_steps`` -- the A/B of the draft's native greedy steps, in the same
+  rounds: the drafted engine against a second one whose draft runner has
+  ``fuse_greedy_head`` off, so each greedy draft comes from its logits and a separate argmax
+  in the Python step loop, instead of its LM head's greedy kernel and (where its forward
+  replays whole) the single-token steps replayed as one native recording
+  (``framework/engine/spec/draft_loop.py``); same tokens (required).
 * ``verify_step`` -- the cost of one verify step of 1 + k tokens per request against one plain
   decode step (default model): ``experiments.bench.verify_step`` (the engine's runner, decode
   and verify steps alternated in every round, the median per-round ratio).  Target: <= 1.3x
@@ -211,12 +213,11 @@ def run(
             n_new = task.answer_len + 1
             base = Contender(f"{scenario} b{b} plain", target, prompts, n_new, False, b)
             spec = Contender(f"{scenario} b{b} draft k={k}", drafted, prompts, n_new, False, b)
-            argmax = Contender(
-                f"{scenario} b{b} draft k={k}, head then argmax", unfused, prompts, n_new, False, b
-            )
+            name = f"{scenario} b{b} draft k={k}, Python steps, head then argmax"
+            argmax = Contender(name, unfused, prompts, n_new, False, b)
             contenders += [base, spec, argmax]
             pairs[f"{scenario} b{b}"] = (base.name, spec.name)
-            pairs[f"{scenario}_draft_greedy_head b{b}"] = (argmax.name, spec.name)
+            pairs[f"{scenario}_draft_steps b{b}"] = (argmax.name, spec.name)
         extra[scenario] = {"llm": drafted, "prompts": prompts}
     log(f"untimed round, then {rounds} alternated rounds of {len(contenders)} workloads")
     for c in contenders:

@@ -315,7 +315,7 @@ def _spec_bench(path: Path) -> list[str]:
         ),
     ]
     rows = sorted(k for k, v in res.items() if isinstance(v, dict) and "speedup" in v)
-    head_ab = [k for k in rows if "_draft_greedy_head " in k]
+    head_ab = [k for k in rows if "_draft_steps " in k]
     for key in (k for k in rows if k not in head_ab):
         v = res[key]
         sp = v["speedup"]
@@ -327,15 +327,16 @@ def _spec_bench(path: Path) -> list[str]:
         )
     if head_ab:
         parts = [
-            f"{k.replace('_draft_greedy_head', '')} {res[k]['speedup']['ratio']:.2f}x "
+            f"{k.replace('_draft_steps', '')} {res[k]['speedup']['ratio']:.2f}x "
             f"[{res[k]['speedup']['ci95'][0]:.2f}, {res[k]['speedup']['ci95'][1]:.2f}]"
             f"{'' if res[k]['same_tokens'] else ' (tokens DIFFER)'}"
             for k in head_ab
         ]
         out += [
             "",
-            "The draft's greedy drafts from its LM head's greedy kernel, against its logits "
-            "and a separate argmax (tokens/s, same rounds): " + ", ".join(parts) + ".",
+            "The draft's native greedy steps (its head's greedy kernel, its single-token steps "
+            "replayed as one recording) against its Python steps with logits and a separate "
+            "argmax (tokens/s, same rounds): " + ", ".join(parts) + ".",
         ]
     for name in sorted(k for k in res if k.endswith("_acceptance")):
         a = res[name]

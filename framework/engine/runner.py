@@ -322,7 +322,7 @@ class ModelRunner:
         """For the staged single-token batch of ``n`` requests, the inputs of the steps after
         it, as :meth:`advance` would stage them, without staging them: row ``j`` (``j >= 1``)
         of ``positions``, ``slots`` and ``seq_lens`` (``[steps, >= n]`` arrays) gets step j's.
-        False (rows left as they were) where a request has no KV block for a position."""
+        False (the rows then partly written) where a request has no KV block for a position."""
         steps = positions.shape[0]
         first = self._np["positions"][:n]
         for j in range(1, steps):
