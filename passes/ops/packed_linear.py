@@ -267,16 +267,14 @@ class PackedLinearMethod:
         self.out_features, self.in_features = n, k
         return True
 
+    def _op_args(self, layer: nn.Module, x: torch.Tensor) -> tuple:
+        """The op's arguments for ``x`` through ``layer``: x, the panels, their oneDNN
+        metadata, the bias, N, K and the small-M row limit."""
+        n, k = self.out_features, self.in_features
+        return (x, layer.weight, layer.weight_md, layer.bias, n, k, self.max_rows)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(
-            x,
-            layer.weight,
-            layer.weight_md,
-            layer.bias,
-            self.out_features,
-            self.in_features,
-            self.max_rows,
-        )
+        return packed_linear(*self._op_args(layer, x))
 
     def apply_greedy(
         self, layer: nn.Module, x: torch.Tensor
@@ -286,15 +284,7 @@ class PackedLinearMethod:
         the caller computes the logits and the argmax apart, as fast as this would)."""
         if self.layout != "panel" or x.dim() != 2 or not native_ops.loaded():
             return None
-        return _greedy_call()(
-            x,
-            layer.weight,
-            layer.weight_md,
-            layer.bias,
-            self.out_features,
-            self.in_features,
-            self.max_rows,
-        )
+        return _greedy_call()(*self._op_args(layer, x))
 
     def record_greedy(
         self, layer: nn.Module, x: torch.Tensor
@@ -305,15 +295,7 @@ class PackedLinearMethod:
         recorder = direct_recorder("piecewise::packed_linear_greedy")
         if self.layout != "panel" or x.dim() != 2 or recorder is None:
             return None
-        return recorder(
-            x,
-            layer.weight,
-            layer.weight_md,
-            layer.bias,
-            self.out_features,
-            self.in_features,
-            self.max_rows,
-        )
+        return recorder(*self._op_args(layer, x))
 
     def __repr__(self) -> str:
         return f"PackedLinearMethod({self.layout}, max_rows={self.max_rows})"
