@@ -139,6 +139,9 @@ class DraftStepLoop:
         if loop is None:
             return None
         if self.forward_replay.tape_for(ctx, ids, positions) is not loop.forward:
+            # The forward records anew (its weights moved, or its recording was dropped):
+            # this loop goes too, and the Python run the caller falls back to records again.
+            del self._loops[(n, steps)]
             return None
         if not self.runner.later_steps(n, loop.positions, loop.slots, loop.seq_lens):
             return None

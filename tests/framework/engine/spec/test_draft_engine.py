@@ -254,6 +254,9 @@ def test_greedy_draft_steps_replay_as_one_native_loop(tiny_checkpoint, compile_c
     again += [drafts(b) for b in shapes[1:]]  # replays
     assert loop.recordings == recorded and loop.replays >= replayed + 2
     assert python == first == again
+    # the forward's recordings dropped (as when the weights move): the loops record again
+    proposer.worker.forward_replay._drop_all()
+    assert [drafts(b) for b in shapes] == python and loop.recordings > recorded
     assert [len(d) for d in python[0]] == [4, 4, 4, 2] and python[0][3][1] == eos[3]
     assert [len(d) for d in python[1]] == [4, 2, 4, 1]
     prompts = batch[:3]
