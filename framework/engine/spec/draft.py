@@ -41,9 +41,9 @@ token count): a mismatch is a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -397,15 +397,17 @@ class DraftModelProposer:
             steps = torch.tensor([len(s.req.output) for s in step], device=dev)
         self._stats["draft_forward_steps"] += num_steps
         probs: list[Optional[torch.Tensor]] = [None] * num_steps
-        loop = self.step_loop if greedy and self._greedy_head() is not None else None
+        head = self._greedy_head() if greedy else None
+        loop = self.step_loop if head is not None else None
         replayed = loop.run(ctx, ids, positions, n, num_steps) if loop is not None else None
         if replayed is not None:
             got, finite = replayed
         else:
             rec = loop.recording(n, num_steps) if loop is not None else None
+            if loop is not None and rec is not None:  # this run's heads go into the recording
+                head = functools.partial(loop.head, rec)
             tokens: list[torch.Tensor] = []
             maxima: list[torch.Tensor] = []
-            head = self._greedy_head() if greedy else None
             for j in range(num_steps):
                 if j:
                     ctx = runner.advance(ctx, tokens[-1])
@@ -413,11 +415,7 @@ class DraftModelProposer:
                         steps = steps + 1
                 with set_forward_context(ctx):
                     hidden = forward(ids, positions)
-                out = None
-                if rec is not None and loop is not None:
-                    out = loop.head(rec, hidden[:n])
-                if out is None and head is not None:
-                    out = head(hidden[:n])
+                out = head(hidden[:n]) if head is not None else None
                 if out is not None:
                     _, tok, top = out
                 else:
@@ -473,11 +471,7 @@ class DraftModelProposer:
             head = self._greedy_head() if all(r.params.greedy for r in reqs) else None
             got = head(hidden[rows]) if head is not None else None
             if got is not None:
-                _, idx, top = got
-                self.sampler.last_probs = None
-                sampled = [
-                    t if math.isfinite(v) else None for t, v in zip(idx.tolist(), top.tolist())
-                ]
+                sampled = self.sampler.from_argmax(got[1], got[2])
             else:
                 logits = runner.model.compute_logits(hidden[rows])
                 sampled, _ = self.sampler(logits, reqs)

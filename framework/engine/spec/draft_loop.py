@@ -163,7 +163,8 @@ class DraftStepLoop:
         self, rec: _Recording, hidden: torch.Tensor
     ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The head's greedy call on ``hidden`` (the step's rows), recorded into ``rec``; None
-        where the head has no recording greedy kernel for it (then the caller's own head)."""
+        where the head has no recording greedy kernel for it (the caller then picks from the
+        logits)."""
         got = self.model.record_logits_greedy(hidden)
         if got is None:
             return None

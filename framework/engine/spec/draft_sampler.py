@@ -36,11 +36,19 @@ class DraftSampler:
             seeds = torch.tensor([r.seed for r in reqs], device=logits.device)
             steps = torch.tensor([len(r.output) for r in reqs], device=logits.device)
         tok, values, self.last_probs = self.pick(logits, params, greedy, seeds, steps)
-        tokens: list[Optional[int]] = tok.tolist()
-        for i, v in enumerate(values.tolist()):
-            if not math.isfinite(v):
-                tokens[i] = None
-        return tokens, None
+        return self._tokens(tok, values), None
+
+    def from_argmax(self, tokens: torch.Tensor, maxima: torch.Tensor) -> list[Optional[int]]:
+        """The drafts of an all-greedy batch from each row's first maximum and its value,
+        computed elsewhere (the LM head's greedy kernel): what ``__call__`` returns for the
+        logits, with no q kept."""
+        self.last_probs = None
+        return self._tokens(tokens, maxima)
+
+    @staticmethod
+    def _tokens(tokens: torch.Tensor, maxima: torch.Tensor) -> list[Optional[int]]:
+        """``tokens`` as ints, None where the row's maximum is not finite."""
+        return [t if math.isfinite(v) else None for t, v in zip(tokens.tolist(), maxima.tolist())]
 
     def pick(
         self,
