@@ -31,6 +31,10 @@ ratios (``experiments.report.statistics.compare``: geometric mean and 95% interv
   in the Python step loop, instead of its LM head's greedy kernel and (where its forward
   replays whole) the single-token steps replayed as one native recording
   (``framework/engine/spec/draft_loop.py``); same tokens (required).
+* ``<scenario>_catch_up_joined`` -- the A/B of the draft's catch-up joining that native loop
+  (a whole propose call replayed as one tape where its catch-up is one replayed forward),
+  in the same rounds: the drafted engine against a third one whose step loop has
+  ``joins_catch_up`` off (the catch-up in Python, then the loop); same tokens (required).
 * ``verify_step`` -- the cost of one verify step of 1 + k tokens per request against one plain
   decode step (default model): ``experiments.bench.verify_step`` (the engine's runner, decode
   and verify steps alternated in every round, the median per-round ratio).  Target: <= 1.3x
@@ -209,15 +213,21 @@ def run(
         drafted = build(str(target_dir), spec=draft_spec, **kw)
         unfused = build(str(target_dir), spec=draft_spec, **kw)
         unfused.spec.proposer.runner.fuse_greedy_head = False
+        apart = build(str(target_dir), spec=draft_spec, **kw)
+        assert apart.spec.proposer.step_loop is not None
+        apart.spec.proposer.step_loop.joins_catch_up = False
         for b in batches:
             n_new = task.answer_len + 1
             base = Contender(f"{scenario} b{b} plain", target, prompts, n_new, False, b)
             spec = Contender(f"{scenario} b{b} draft k={k}", drafted, prompts, n_new, False, b)
             name = f"{scenario} b{b} draft k={k}, Python steps, head then argmax"
             argmax = Contender(name, unfused, prompts, n_new, False, b)
-            contenders += [base, spec, argmax]
+            name = f"{scenario} b{b} draft k={k}, catch-up apart from the step loop"
+            split = Contender(name, apart, prompts, n_new, False, b)
+            contenders += [base, spec, argmax, split]
             pairs[f"{scenario} b{b}"] = (base.name, spec.name)
             pairs[f"{scenario}_draft_steps b{b}"] = (argmax.name, spec.name)
+            pairs[f"{scenario}_catch_up_joined b{b}"] = (split.name, spec.name)
         extra[scenario] = {"llm": drafted, "prompts": prompts}
     log(f"untimed round, then {rounds} alternated rounds of {len(contenders)} workloads")
     for c in contenders:

@@ -292,6 +292,17 @@ def _aa_noise(folder: Path) -> list[str]:
     return out
 
 
+_SPEC_OPTION_AB = {
+    "_draft_steps": "The draft's native greedy steps (its head's greedy kernel, its single-token "
+    "steps replayed as one recording) against its Python steps with logits and a separate "
+    "argmax (tokens/s, same rounds): ",
+    "_catch_up_joined": "The draft's catch-up joining that recording (a whole propose call "
+    "replayed as one tape) against its catch-up in Python before it (tokens/s, same rounds): ",
+}
+"""The spec bench's A/Bs of one engine option (result-key suffix -> the sentence before its
+ratios), each one line under the table."""
+
+
 @table(
     "spec_bench",
     "experiments/bench/results/spec_bench_cpu.json",
@@ -315,8 +326,8 @@ def _spec_bench(path: Path) -> list[str]:
         ),
     ]
     rows = sorted(k for k, v in res.items() if isinstance(v, dict) and "speedup" in v)
-    head_ab = [k for k in rows if "_draft_steps " in k]
-    for key in (k for k in rows if k not in head_ab):
+    option_ab = {k: s for k in rows for s in _SPEC_OPTION_AB if f"{s} " in k}
+    for key in (k for k in rows if k not in option_ab):
         v = res[key]
         sp = v["speedup"]
         lo, hi = sp["ci95"]
@@ -325,19 +336,16 @@ def _spec_bench(path: Path) -> list[str]:
             f"{v['tokens_per_s']['spec']:.1f} | **{sp['ratio']:.2f}** [{lo:.2f}, {hi:.2f}] | "
             f"{'yes' if v['same_tokens'] else 'NO'} |"
         )
-    if head_ab:
+    for suffix, sentence in _SPEC_OPTION_AB.items():
         parts = [
-            f"{k.replace('_draft_steps', '')} {res[k]['speedup']['ratio']:.2f}x "
+            f"{k.replace(suffix, '')} {res[k]['speedup']['ratio']:.2f}x "
             f"[{res[k]['speedup']['ci95'][0]:.2f}, {res[k]['speedup']['ci95'][1]:.2f}]"
             f"{'' if res[k]['same_tokens'] else ' (tokens DIFFER)'}"
-            for k in head_ab
+            for k, s in option_ab.items()
+            if s == suffix
         ]
-        out += [
-            "",
-            "The draft's native greedy steps (its head's greedy kernel, its single-token steps "
-            "replayed as one recording) against its Python steps with logits and a separate "
-            "argmax (tokens/s, same rounds): " + ", ".join(parts) + ".",
-        ]
+        if parts:
+            out += ["", sentence + ", ".join(parts) + "."]
     for name in sorted(k for k in res if k.endswith("_acceptance")):
         a = res[name]
         if a:

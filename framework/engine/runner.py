@@ -323,11 +323,26 @@ class ModelRunner:
         it, as :meth:`advance` would stage them, without staging them: row ``j`` (``j >= 1``)
         of ``positions``, ``slots`` and ``seq_lens`` (``[steps, >= n]`` arrays) gets step j's.
         False (the rows then partly written) where a request has no KV block for a position."""
-        steps = positions.shape[0]
-        first = self._np["positions"][:n]
-        for j in range(1, steps):
-            for i in range(n):
-                p = int(first[i]) + j
+        first = self._np["positions"][:n].tolist()
+        return self.single_token_rows(first, positions, slots, seq_lens, start=1)
+
+    def single_token_rows(
+        self,
+        first: list[int],
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        start: int = 0,
+    ) -> bool:
+        """The inputs of single-token steps over the staged request rows ``0..len(first)-1``
+        whose step 0 feeds position ``first[i]``, without staging them: row ``j`` (``j >=
+        start``) of ``positions``, ``slots`` and ``seq_lens`` gets step j's (position
+        ``first[i] + j``, its KV slot from the row's staged block list, context length
+        ``position + 1``).  False (the rows then partly written) where a request has no KV
+        block for a position."""
+        for j in range(start, positions.shape[0]):
+            for i, p0 in enumerate(first):
+                p = p0 + j
                 slot = self._slot(i, p)
                 if slot is None:
                     return False

@@ -52,13 +52,13 @@ from typing import Any, Optional, Sequence
 import torch
 
 from framework.core.config import CompilationConfig, default_capture_sizes
-from framework.core.forward_context import set_forward_context
+from framework.core.forward_context import ForwardContext, set_forward_context
 from framework.core.parallel_state import tp_state
 from framework.engine.block_manager import OutOfBlocks
 from framework.engine.request import Request, ScheduledChunk
 from framework.engine.spec.config import SpeculativeConfig
 from framework.engine.spec.draft_inputs import CheckedForward, input_spec_of
-from framework.engine.spec.draft_loop import DraftStepLoop
+from framework.engine.spec.draft_loop import CatchUp, DraftStepLoop, Recording
 from framework.engine.spec.draft_sampler import DraftSampler
 from framework.engine.spec.proposer import ProposerContext, register_proposer
 from framework.engine.worker import Worker
@@ -245,12 +245,13 @@ class DraftModelProposer:
         live = [s for s in seqs if s is not None and s.budget > 0]
         if live:
             with torch.inference_mode(), tp_state(self.worker.tp):
-                self._catch_up(live)
+                rec = self._catch_up(live)
                 while True:
                     step = [s for s in live if not s.done and len(s.drafts) < s.budget]
                     if not step:
                         break
-                    self._decode(step, min(s.budget - len(s.drafts) for s in step))
+                    self._decode(step, min(s.budget - len(s.drafts) for s in step), rec)
+                    rec = None
         out = [list(s.drafts) if s is not None else [] for s in seqs]
         probs: list[Optional[torch.Tensor]] = []
         for r, s in zip(reqs, seqs):
@@ -352,9 +353,33 @@ class DraftModelProposer:
         return self.allocator.allocate(n)
 
     # ------------------------------------------------------------------ steps
-    def _catch_up(self, live: list[_DraftSeq]) -> None:
+    def _catch_up(self, live: list[_DraftSeq]) -> Optional[Recording]:
         """Feed every token the draft has no KV for (in as many steps as the token budget
-        needs) and sample the first draft of each request."""
+        needs) and sample the first draft of each request.  Where the catch-up is one forward
+        the step loop can join (:meth:`_joins_step_loop`), the whole call replays as one tape
+        (``draft_loop.py``: all its drafts are then drawn), or its Python run is recorded:
+        the recording is returned for :meth:`_decode` to finish."""
+        joined = self._joins_step_loop(live)
+        if joined is not None:
+            chunks, steps = joined
+            ctx, tokens, _ = self.runner.build_context(chunks, record=False)
+            ids, positions = self.runner.inputs_of(ctx)
+            self.input_spec.check(ids, positions)
+            self._stats["draft_catch_up_tokens"] += tokens
+            qsl = ctx.attn_metadata[self.runner.layer_names[0]].query_start_loc_cpu
+            rows = tuple(qsl[i + 1] - 1 for i in range(len(chunks)))
+            catch_up = CatchUp(ctx, ids, positions, tokens, rows, [c.end for c in chunks])
+            loop = self.step_loop
+            assert loop is not None
+            got = loop.run_after_catch_up(catch_up, steps) if ctx.cpu_replay else None
+            if got is not None:
+                self._stats["draft_forward_steps"] += 1 + steps
+                for s, c, tokens_i, finite_i in zip(live, chunks, *got):
+                    self._keep(s, c.end, tokens_i, finite_i)
+                return None
+            rec = loop.recording(len(live), steps, catch_up) if ctx.cpu_replay else None
+            self._run(chunks, live, (ctx, ids, positions), rec)
+            return rec
         # [sequence, next position to feed, end of its catch-up]; the end is fixed before the
         # first step (a sampled draft extends the sequence but is fed by the decode steps).
         pending = [[s, s.req.num_computed, s.req.num_tokens] for s in live]
@@ -372,14 +397,66 @@ class DraftModelProposer:
             self._stats["draft_catch_up_tokens"] += sum(c.num_tokens for c in chunks)
             self._run(chunks, owners)
             pending = [item for item in pending if item[1] < item[2]]
+        return None
 
-    def _decode(self, step: list[_DraftSeq], num_steps: int) -> None:
+    def _joins_step_loop(self, live: list[_DraftSeq]) -> Optional[tuple[list[ScheduledChunk], int]]:
+        """The catch-up's chunks and the single-token steps after it, where they can run as
+        one native loop: the step loop is on, every request is greedy (with the head's greedy
+        kernel) and wants the same number (>= 2) of drafts, and the catch-up fits one
+        forward."""
+        loop = self.step_loop
+        if loop is None or not (loop.enabled and loop.joins_catch_up) or not self._greedy_head():
+            return None
+        budget = live[0].budget
+        if budget < 2 or any(s.budget != budget or not s.req.params.greedy for s in live):
+            return None
+        if len(live) > self.runner.max_num_seqs:
+            return None
+        chunks = [
+            ScheduledChunk(s.req, s.req.num_computed, s.req.num_tokens - s.req.num_computed)
+            for s in live
+        ]
+        if sum(c.num_tokens for c in chunks) > self.max_num_tokens:
+            return None
+        return chunks, budget - 1
+
+    def _keep(
+        self,
+        s: _DraftSeq,
+        start: int,
+        tokens: list[int],
+        finite: list[bool],
+        probs: Optional[list[Optional[torch.Tensor]]] = None,
+    ) -> None:
+        """Append a request's drafts of consecutive steps (``tokens[j]`` drawn from the step
+        that fed position ``start + j - 1``, ``finite[j]``: its maximum was finite) up to its
+        first stop token or non-finite row; its KV then covers ``start + j`` positions."""
+        req = s.req
+        stop = req.eos_token_ids
+        for j, t in enumerate(tokens):
+            req.num_computed = start + j
+            if probs is not None and probs[j] is not None:
+                s.probs.append(probs[j])
+            if not finite[j]:  # non-finite draft logits: no further drafts
+                s.done = True
+                return
+            s.drafts.append(t)
+            req.output.append(t)
+            if t in stop or t in req.params.stop_token_ids:
+                s.done = True  # the target stops there: drafting past it is wasted
+                return
+
+    def _decode(
+        self, step: list[_DraftSeq], num_steps: int, rec: Optional[Recording] = None
+    ) -> None:
         """``num_steps`` single-token steps of the same requests: the first feeds back each
         request's last draft, every later one the token the step before drew, with the
         inputs advanced in place (:meth:`ModelRunner.advance`) and the tokens kept on the
         device until the end (one host sync per call).  The requests' KV blocks for every
         position were reserved by :meth:`_sync`; a request that drew its EOS or stop token
-        (or a non-finite row) keeps the drafts up to there, its later steps are discarded."""
+        (or a non-finite row) keeps the drafts up to there, its later steps are discarded.
+        ``rec``: the recording the catch-up started (its steps are recorded into it where
+        they are the steps it was started for)."""
         runner = self.runner
         chunks = [ScheduledChunk(s.req, s.req.num_tokens - 1, 1) for s in step]
         starts = [c.start for c in chunks]
@@ -399,11 +476,16 @@ class DraftModelProposer:
         probs: list[Optional[torch.Tensor]] = [None] * num_steps
         head = self._greedy_head() if greedy else None
         loop = self.step_loop if head is not None else None
-        replayed = loop.run(ctx, ids, positions, n, num_steps) if loop is not None else None
+        if rec is not None and (loop is None or (rec.n, rec.steps) != (n, num_steps)):
+            rec = None  # not the steps the catch-up's recording was started for
+        replayed = None
+        if loop is not None and rec is None:
+            replayed = loop.run(ctx, ids, positions, n, num_steps)
         if replayed is not None:
             got, finite = replayed
         else:
-            rec = loop.recording(n, num_steps) if loop is not None else None
+            if loop is not None and rec is None:
+                rec = loop.recording(n, num_steps)
             if loop is not None and rec is not None:  # this run's heads go into the recording
                 head = functools.partial(loop.head, rec)
             tokens: list[torch.Tensor] = []
@@ -429,21 +511,8 @@ class DraftModelProposer:
             got = torch.stack(tokens, dim=1).tolist()
             finite = torch.stack(maxima, dim=1).isfinite().tolist()
         for i, s in enumerate(step):
-            req = s.req
-            stop = req.eos_token_ids
-            for j in range(num_steps):
-                req.num_computed = starts[i] + j + 1
-                if probs[j] is not None:
-                    s.probs.append(probs[j][i])
-                if not finite[i][j]:  # non-finite draft logits: no further drafts
-                    s.done = True
-                    break
-                t = got[i][j]
-                s.drafts.append(t)
-                req.output.append(t)
-                if t in stop or t in req.params.stop_token_ids:
-                    s.done = True  # the target stops there: drafting past it is wasted
-                    break
+            rows = [p[i] if p is not None else None for p in probs]
+            self._keep(s, starts[i] + 1, got[i], finite[i], rows)
 
     def _greedy_head(self) -> Optional[Any]:
         """The draft's LM head with its greedy kernel (``GreedyLogits``: logits, first-maximum
@@ -454,22 +523,36 @@ class DraftModelProposer:
         runner = self.runner
         return runner.greedy_logits if runner.fuse_greedy_head else None
 
-    def _run(self, chunks: list[ScheduledChunk], owners: list[_DraftSeq]) -> None:
-        """One draft forward over ``chunks`` (``owners[i]`` owns chunk i); appends the
-        sampled drafts (and their q) to their requests."""
+    def _run(
+        self,
+        chunks: list[ScheduledChunk],
+        owners: list[_DraftSeq],
+        staged: Optional[tuple[ForwardContext, torch.Tensor, torch.Tensor]] = None,
+        rec: Optional[Recording] = None,
+    ) -> None:
+        """One draft forward over ``chunks`` (``owners[i]`` owns chunk i), staged already
+        where ``staged`` is given; appends the sampled drafts (and their q) to their
+        requests.  ``rec``: a step-loop recording this catch-up's head goes into."""
         runner = self.runner
         # The runner's staging and checked forward, without its step bookkeeping: logits of
         # the sampling rows only, drawn by the draft's sampler.
-        ctx, _, _ = runner.build_context(chunks, record=False)
+        if staged is None:
+            ctx, _, _ = runner.build_context(chunks, record=False)
+            inputs = runner.inputs_of(ctx)
+        else:
+            ctx, inputs = staged[0], staged[1:]
         with set_forward_context(ctx):
-            hidden = runner.forward(*runner.inputs_of(ctx))
+            hidden = runner.forward(*inputs)
         qsl = ctx.attn_metadata[runner.layer_names[0]].query_start_loc_cpu
         rows = [qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
         sampled: list[Optional[int]] = []
         if rows:
             reqs = [c.req for c in chunks if c.samples]
             head = self._greedy_head() if all(r.params.greedy for r in reqs) else None
-            got = head(hidden[rows]) if head is not None else None
+            if head is not None and rec is not None and self.step_loop is not None:
+                got = self.step_loop.catch_up_head(rec, hidden)
+            else:
+                got = head(hidden[rows]) if head is not None else None
             if got is not None:
                 sampled = self.sampler.from_argmax(got[1], got[2])
             else:

@@ -250,7 +250,8 @@ def test_greedy_draft_steps_replay_as_one_native_loop(tiny_checkpoint, compile_c
     assert recorded >= 2
     again = [drafts(b) for b in shapes[:1]]
     # the loop's own buffers after its replay of those steps: the same logits, bit for bit
-    assert all(torch.equal(a, b) for a, b in zip(loop._loops[(4, 3)].val, python_maxima))
+    loop_maxima = torch.from_numpy(loop._loops[(4, 3, None)].val)
+    assert len(python_maxima) == 3 and torch.equal(loop_maxima, torch.stack(python_maxima))
     again += [drafts(b) for b in shapes[1:]]  # replays
     assert loop.recordings == recorded and loop.replays >= replayed + 2
     assert python == first == again
@@ -263,3 +264,74 @@ def test_greedy_draft_steps_replay_as_one_native_loop(tiny_checkpoint, compile_c
     plain = LLM(target, **kw).generate(prompts, 12, ignore_eos=True)
     assert llm.generate(prompts, 12, ignore_eos=True) == plain
     assert llm.stats["spec_draft_step_loop_replays"] > 0
+
+
+def test_catch_up_and_draft_steps_replay_as_one_native_loop(tiny_checkpoint, compile_cache_dir):
+    """bf16 O2: where a propose call's catch-up is one forward that replays whole and every
+    request wants as many drafts, the catch-up joins the step loop (``draft_loop.py``): the
+    whole call is recorded once per shape and then replayed as one tape, the same drafts as
+    the Python catch-up and steps -- every maximum bit for bit -- for one request, for three
+    of different prompt lengths and for a request's catch-up of the tokens accepted since
+    its last call; the engine's tokens stay the plain engine's."""
+    from framework.engine.request import Request
+
+    target = str(tiny_checkpoint("llama"))
+    kw = dict(dtype="bfloat16", optimization_level=2, max_num_seqs=4, max_model_len=64)
+    kw["cache_dir"] = compile_cache_dir
+    llm = LLM(target, speculative_config=spec(target, 4), **kw)
+    proposer = llm.spec.proposer
+    loop = proposer.step_loop
+    assert loop is not None
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (m,), generator=g).tolist() for m in (7, 3, 5, 6)]
+    batches = [[0], [1, 2, 3]]  # 7 tokens; 14 tokens in rows 2, 4 and 13
+    kernel, maxima = proposer.runner.greedy_logits, []
+
+    def keep_maxima(h):
+        out = kernel(h)
+        maxima.append(out[2].clone())
+        return out
+
+    proposer.runner.greedy_logits = keep_maxima
+
+    def drafts(batch, later=None):
+        """Drafts of a call over fresh requests, or (``later``: a token list per request)
+        over requests that accepted those tokens since that first call."""
+        reqs = [Request(300 + i, list(prompts[i]), 16) for i in batch]
+        out = proposer.propose(reqs)
+        if later is not None:
+            for r, extra in zip(reqs, later):
+                r.output += extra
+            out = proposer.propose(reqs)
+        for r in reqs:
+            proposer.release(r.req_id)
+        return out
+
+    loop.enabled = False
+    python = [drafts(b) for b in batches]
+    python_maxima = [torch.stack(maxima[4 * i : 4 * i + 4]) for i in range(2)]
+    accepted = [d[:2] for d in python[1]]  # two drafts accepted and the target's own token
+    later = [a + [5] for a in accepted]
+    python.append(drafts(batches[1], later))
+    assert all(len(d) == 4 for ds in python for d in ds)
+    loop.enabled = True
+    # records (the third call's first propose is the second's shape: it replays)
+    first = [drafts(b) for b in batches] + [drafts(batches[1], later)]
+    assert loop.recordings == 3 and loop.catch_up_replays == 1
+    recorded = loop.recordings
+    maxima.clear()
+    again = [drafts(b) for b in batches] + [drafts(batches[1], later)]  # replays
+    assert not maxima  # no head ran in Python
+    assert loop.recordings == recorded and loop.catch_up_replays >= 4
+    assert python == first == again
+    for i, b in enumerate(batches):
+        rows = {0: (6,), 1: (2, 7, 13)}[i]
+        tokens = sum(len(prompts[j]) for j in b)
+        joined = loop._loops[(len(b), 3, (tokens, rows))]
+        assert joined.catch_up is not None
+        assert torch.equal(torch.from_numpy(joined.val), python_maxima[i])
+    plain = LLM(target, **kw).generate(prompts, 12, ignore_eos=True)
+    assert llm.generate(prompts, 12, ignore_eos=True) == plain  # records its shapes
+    replays = loop.catch_up_replays
+    assert llm.generate(prompts, 12, ignore_eos=True) == plain
+    assert llm.stats["spec_draft_step_loop_catch_up_replays"] > replays
