@@ -214,8 +214,8 @@ def run(
         unfused = build(str(target_dir), spec=draft_spec, **kw)
         unfused.spec.proposer.runner.fuse_greedy_head = False
         apart = build(str(target_dir), spec=draft_spec, **kw)
-        assert apart.spec.proposer.step_loop is not None
-        apart.spec.proposer.step_loop.joins_catch_up = False
+        if apart.spec.proposer.step_loop is not None:  # None: no native loop (O0, fp32)
+            apart.spec.proposer.step_loop.joins_catch_up = False
         for b in batches:
             n_new = task.answer_len + 1
             base = Contender(f"{scenario} b{b} plain", target, prompts, n_new, False, b)

@@ -115,9 +115,10 @@ class ModelRunner:
         """False: always ``compute_logits`` then the sampler (the A/B baseline of
         ``experiments.bench.engine_ab --ab greedy_head``); the tokens are the same."""
         self.verify = verify if verify is not None else RejectionSampler()
-        """Speculative steps: ``(logits, reqs, drafts, draft_probs) -> kept tokens`` per
-        verify chunk (accepted drafts + one); a tensor-parallel rank other than 0 gets one that
-        keeps nothing (rank 0 verifies)."""
+        """Speculative steps: ``(logits, reqs, drafts, draft_probs, argmax) -> kept tokens``
+        per verify chunk (accepted drafts + one; ``argmax``: each row's first maximum and
+        maximum where the LM head's greedy kernel gave them, else None); a tensor-parallel
+        rank other than 0 gets one that keeps nothing (rank 0 verifies)."""
         self.last_logprobs: Optional[list] = None
         """Per sampling chunk of the last step: {token: logprob} when its request asked."""
         self.trace: Optional[list[dict]] = [] if record_trace else None
@@ -497,9 +498,29 @@ class ModelRunner:
             reqs.append(c.req)
             drafts.append(c.spec)
             probs.append(c.draft_probs)
-        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
-        any_probs = any(p is not None for p in probs)
-        kept = self.verify(logits, reqs, drafts, probs if any_probs else None) if reqs else []
+        if not rows:
+            kept: list[Any] = []
+            logits = hidden.new_empty(0, 0)
+        else:
+            # The rows of one request's chunk, or of uniform verify chunks, are one range.
+            contiguous = rows[-1] - rows[0] == len(rows) - 1
+            h = hidden[rows[0] : rows[-1] + 1] if contiguous else hidden[rows]
+            argmax = None
+            got = None
+            if (
+                self.fuse_greedy_head
+                and self.greedy_logits is not None
+                and isinstance(self.verify, RejectionSampler)  # rank 0's (it reads params)
+                and all(r.params.greedy for r in reqs)  # then it reads argmaxes only
+            ):
+                got = self.greedy_logits(h)
+            if got is not None:
+                logits, idx, top = got
+                argmax = (idx.tolist(), top.tolist())
+            else:
+                logits = self.model.compute_logits(h)
+            any_probs = any(p is not None for p in probs)
+            kept = self.verify(logits, reqs, drafts, probs if any_probs else None, argmax)
         it = iter(kept)
         sampled: list[Any] = []
         for c, s in zip(chunks, sampling):

@@ -70,7 +70,7 @@ def _no_sample(logits, reqs):
     return [0] * len(reqs), None
 
 
-def _no_verify(logits, reqs, drafts, draft_probs=None):
+def _no_verify(logits, reqs, drafts, draft_probs=None, argmax=None):
     """A rank other than 0 verifies nothing: rank 0 does, from the all-gathered logits."""
     return [[0] for _ in reqs]
 

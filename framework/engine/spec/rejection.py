@@ -65,10 +65,12 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 class RejectionSampler:
-    """``verify(logits, reqs, drafts, draft_probs)`` -> kept tokens per request.
+    """``verify(logits, reqs, drafts, draft_probs, argmax)`` -> kept tokens per request.
 
     ``logits``: ``[sum(1 + len(d)), vocab]``, each request's rows consecutive, in order;
-    ``draft_probs[i]``: None (one-hot q) or ``[len(drafts[i]), vocab]`` probabilities.
+    ``draft_probs[i]``: None (one-hot q) or ``[len(drafts[i]), vocab]`` probabilities;
+    ``argmax``: each row's first maximum and maximum where the caller has them already (the
+    LM head's greedy kernel), else None (computed here, from ``logits``).
     Returns per request the accepted drafts plus one token of the target's (1 to
     ``1 + len(d)`` tokens), or None when the request failed alone (non-finite logits:
     :meth:`Request.fail`)."""
@@ -79,6 +81,7 @@ class RejectionSampler:
         reqs: Sequence[Request],
         drafts: Sequence[Sequence[int]],
         draft_probs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+        argmax: Optional[tuple[list[int], list[float]]] = None,
     ) -> list[Optional[list[int]]]:
         if len(reqs) != len(drafts):
             raise ValueError(f"verify: {len(reqs)} requests but {len(drafts)} draft lists")
@@ -93,7 +96,12 @@ class RejectionSampler:
         # As the sampler's greedy path picks its argmax: on the logits as they lie (an fp32
         # copy of a b8, k = 4 verify step's 40 x 32000 bf16 logits cost ~0.4 ms), fp32 only
         # for the sampling rows below.
-        argmax, maxes = greedy_argmax(logits)
+        first, maxes = greedy_argmax(logits) if argmax is None else argmax
+        if len(first) != logits.shape[0] or len(maxes) != logits.shape[0]:
+            raise ValueError(
+                f"verify: {len(first)} argmaxes and {len(maxes)} maxima for "
+                f"{logits.shape[0]} logits rows"
+            )
         ok = []
         for i, r in enumerate(reqs):
             good = all(math.isfinite(v) for v in maxes[starts[i] : starts[i + 1]])
@@ -114,7 +122,7 @@ class RejectionSampler:
             kept: list[int] = []
             for j, tok in enumerate(d):
                 if r.params.greedy:
-                    target = argmax[base + j]
+                    target = first[base + j]
                     if target != tok:
                         kept.append(target)
                         break
@@ -123,7 +131,7 @@ class RejectionSampler:
                     break
                 kept.append(int(tok))
             else:  # every draft accepted: the bonus token
-                kept.append(argmax[base + len(d)] if r.params.greedy else drawn[i][len(d)])
+                kept.append(first[base + len(d)] if r.params.greedy else drawn[i][len(d)])
             out.append(kept)
         return out
 

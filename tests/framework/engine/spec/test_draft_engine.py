@@ -155,6 +155,48 @@ def test_first_tokens_verified_in_the_prefill_step():
     assert llm.stats["spec_mean_accepted_length"] >= 4.0
 
 
+def test_greedy_verify_takes_its_argmaxes_from_the_heads_greedy_kernel(
+    compile_cache_dir, monkeypatch
+):
+    """bf16 O2: a greedy verify step's rows (the prompt's last token and the four drafts)
+    go through the target's LM head greedy kernel once -- logits, first maximum and maximum
+    per row -- instead of the logits and a separate argmax; the same tokens with the kernel
+    off (``fuse_greedy_head``) and as the plain engine."""
+    from experiments.synthetic.task import get_task
+    from framework.engine.spec import rejection
+
+    task = get_task("addition")
+    prompts, _ = task.split(task.sequences(task.held_out_keys(4, 1234)))
+    kw = dict(dtype="bfloat16", optimization_level=2, max_num_seqs=4, max_model_len=64)
+    kw["cache_dir"] = compile_cache_dir
+    llm = LLM(str(ADDITION), speculative_config=spec(str(ADDITION_DRAFT), 4), **kw)
+    runner = llm.runner
+    own, separate = rejection.greedy_argmax, []  # the verify's own argmax of the logits
+
+    def counted_argmax(logits):
+        separate.append(logits.shape[0])
+        return own(logits)
+
+    monkeypatch.setattr(rejection, "greedy_argmax", counted_argmax)
+    kernel, rows = runner.greedy_logits, []
+
+    def counted(h):
+        out = kernel(h)
+        rows.append(h.shape[0] if out is not None else None)  # None: the kernel declined
+        return out
+
+    runner.greedy_logits = counted
+    n = task.answer_len + 1
+    got = [llm.generate([p], n) for p in prompts]
+    assert rows.count(5) >= len(prompts) - 1, rows  # one verify step per answer
+    assert not separate, separate  # every verify step's argmaxes came from the kernel
+    runner.fuse_greedy_head = False
+    calls = len(rows)
+    assert [llm.generate([p], n) for p in prompts] == got and len(rows) == calls
+    assert separate.count(5) >= len(prompts) - 1
+    assert got == [LLM(str(ADDITION), **kw).generate([p], n) for p in prompts]
+
+
 def test_greedy_drafts_come_from_the_draft_heads_greedy_kernel(compile_cache_dir):
     """bf16 O2: the draft's greedy steps (its catch-up and its single-token loop) take each
     draft from its LM head's greedy kernel (one call: logits, first maximum) instead of the

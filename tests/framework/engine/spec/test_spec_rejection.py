@@ -36,6 +36,25 @@ def test_greedy_accepts_while_argmax_agrees():
     assert verify(logits, [req(0, g), req(1, g)], [[5], [1]]) == [[5, 6], [1, 9]]
 
 
+def test_greedy_verify_reads_the_argmaxes_it_is_given():
+    """A caller that has each row's first maximum and maximum already (the LM head's greedy
+    kernel) passes them: the verify decides from them, not from the logits; a count that is
+    not the logits' rows is refused."""
+    logits = torch.full((4, V), -1.0)
+    for row, tok in enumerate([5, 6, 1, 9]):
+        logits[row, tok] = 3.0
+    verify = RejectionSampler()
+    g = SamplingParams()
+    given = ([5, 7, 1, 9], [3.0, 3.0, 3.0, 3.0])  # row 1 says 7 (the logits say 6)
+    assert verify(logits, [req(0, g)], [[5, 7, 1]], None, given) == [[5, 7, 1, 9]]
+    assert verify(logits, [req(0, g)], [[5, 6, 1]], None, given) == [[5, 7]]
+    nan = ([5, 6, 1, 9], [3.0, float("nan"), 3.0, 3.0])
+    r = req(0, g)
+    assert verify(logits, [r], [[5, 6, 1]], None, nan) == [None] and r.finished
+    with pytest.raises(ValueError, match="3 argmaxes and 3 maxima for 4 logits rows"):
+        verify(logits, [req(0, g)], [[5, 6, 1]], None, ([5, 6, 1], [3.0] * 3))
+
+
 def test_non_finite_rows_fail_their_request_alone():
     logits = torch.zeros(3, V)
     logits[1, 0] = float("nan")
