@@ -93,14 +93,19 @@ class SpecDecoder:
             )
         out: dict[int, list[int]] = {}
         for i, (r, d) in enumerate(zip(reqs, drafts)):
-            d = [int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t for t in d]
+            if all(type(t) is int for t in d):  # the common case, without the ABC checks
+                d = list(d)
+            else:
+                d = [
+                    int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t for t in d
+                ]
             if len(d) > self.k:
                 raise RuntimeError(
                     f"speculative proposer {name}: {len(d)} drafts for request {r.req_id}, "
                     f"more than num_speculative_tokens={self.k}"
                 )
             for t in d:
-                bad = isinstance(t, bool) or not isinstance(t, Integral)
+                bad = type(t) is not int and (isinstance(t, bool) or not isinstance(t, Integral))
                 if bad or not 0 <= t < self.vocab_size:
                     raise RuntimeError(
                         f"speculative proposer {name}: draft token {t!r} for request "
