@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 
 def _is_int(v) -> bool:
@@ -123,14 +123,16 @@ def params_per_prompt(
 ) -> list[SamplingParams]:
     """``generate``'s sampling params per prompt: one for all or one each (greedy with 16 new
     tokens when None); ``max_new_tokens`` / ``ignore_eos``, when given, override them."""
-    if sp is None:
-        sp = SamplingParams(max_tokens=16 if max_new_tokens is None else max_new_tokens)
-    sps = [sp] * n if isinstance(sp, SamplingParams) else list(sp)
-    if len(sps) != n or not all(isinstance(p, SamplingParams) for p in sps):
-        raise ValueError(f"sampling_params: one SamplingParams or a list of {n} (one per prompt)")
-    changes = {}
+    changes: dict[str, Any] = {}
     if max_new_tokens is not None:
         changes["max_tokens"] = max_new_tokens
     if ignore_eos:
         changes["ignore_eos"] = True
+    if sp is None:  # one greedy SamplingParams for every prompt (frozen: shared)
+        return [SamplingParams(**{"max_tokens": 16, **changes})] * n
+    if isinstance(sp, SamplingParams):
+        return [sp.replace(**changes) if changes else sp] * n
+    sps = list(sp)
+    if len(sps) != n or not all(isinstance(p, SamplingParams) for p in sps):
+        raise ValueError(f"sampling_params: one SamplingParams or a list of {n} (one per prompt)")
     return [p.replace(**changes) if changes else p for p in sps]
