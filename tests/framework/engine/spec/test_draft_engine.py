@@ -241,6 +241,28 @@ def test_greedy_drafts_come_from_the_draft_heads_greedy_kernel(compile_cache_dir
     assert llm.generate(prompts, n) == got == LLM(str(ADDITION), **kw).generate(prompts, n)
 
 
+def self_drafted(tiny_checkpoint, cache_dir) -> tuple[str, dict, LLM]:
+    """bf16 O2: the tiny llama drafting for itself (k = 4); its path, the ``LLM`` arguments
+    and the engine."""
+    target = str(tiny_checkpoint("llama"))
+    kw = dict(dtype="bfloat16", optimization_level=2, max_num_seqs=4, max_model_len=64)
+    kw["cache_dir"] = cache_dir
+    return target, kw, LLM(target, speculative_config=spec(target, 4), **kw)
+
+
+def keep_maxima(runner) -> list[torch.Tensor]:
+    """The maxima of every greedy head call the runner makes from now on, in order."""
+    kernel, maxima = runner.greedy_logits, []
+
+    def keeping(h):
+        out = kernel(h)
+        maxima.append(out[2].clone())
+        return out
+
+    runner.greedy_logits = keeping
+    return maxima
+
+
 def test_greedy_draft_steps_replay_as_one_native_loop(tiny_checkpoint, compile_cache_dir):
     """bf16 O2: the draft's single-token greedy steps are recorded once per (requests, steps)
     and then replayed as one native tape (``draft_loop.py``): the same drafts as the Python
@@ -249,10 +271,7 @@ def test_greedy_draft_steps_replay_as_one_native_loop(tiny_checkpoint, compile_c
     engine's."""
     from framework.engine.request import Request
 
-    target = str(tiny_checkpoint("llama"))
-    kw = dict(dtype="bfloat16", optimization_level=2, max_num_seqs=4, max_model_len=64)
-    kw["cache_dir"] = compile_cache_dir
-    llm = LLM(target, speculative_config=spec(target, 4), **kw)
+    target, kw, llm = self_drafted(tiny_checkpoint, compile_cache_dir)
     proposer = llm.spec.proposer
     loop = proposer.step_loop
     assert loop is not None
@@ -275,14 +294,7 @@ def test_greedy_draft_steps_replay_as_one_native_loop(tiny_checkpoint, compile_c
     shapes = [[8, 8, 8, 8], [8, 3, 8, 2], [8]]
     loop.enabled = False
     eos[3] = drafts(shapes[0])[3][1]  # row 3 stops at its second draft
-    kernel, maxima = proposer.runner.greedy_logits, []
-
-    def keep_maxima(h):
-        out = kernel(h)
-        maxima.append(out[2].clone())
-        return out
-
-    proposer.runner.greedy_logits = keep_maxima
+    maxima = keep_maxima(proposer.runner)
     python = [drafts(b) for b in shapes]
     # the maxima of the first batch's three single-token steps (after its catch-up's)
     python_maxima = maxima[1:4]
@@ -317,24 +329,14 @@ def test_catch_up_and_draft_steps_replay_as_one_native_loop(tiny_checkpoint, com
     its last call; the engine's tokens stay the plain engine's."""
     from framework.engine.request import Request
 
-    target = str(tiny_checkpoint("llama"))
-    kw = dict(dtype="bfloat16", optimization_level=2, max_num_seqs=4, max_model_len=64)
-    kw["cache_dir"] = compile_cache_dir
-    llm = LLM(target, speculative_config=spec(target, 4), **kw)
+    target, kw, llm = self_drafted(tiny_checkpoint, compile_cache_dir)
     proposer = llm.spec.proposer
     loop = proposer.step_loop
     assert loop is not None
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 250, (m,), generator=g).tolist() for m in (7, 3, 5, 6)]
     batches = [[0], [1, 2, 3]]  # 7 tokens; 14 tokens in rows 2, 4 and 13
-    kernel, maxima = proposer.runner.greedy_logits, []
-
-    def keep_maxima(h):
-        out = kernel(h)
-        maxima.append(out[2].clone())
-        return out
-
-    proposer.runner.greedy_logits = keep_maxima
+    maxima = keep_maxima(proposer.runner)
 
     def drafts(batch, later=None):
         """Drafts of a call over fresh requests, or (``later``: a token list per request)
