@@ -87,10 +87,6 @@ def _address(buf: torch.Tensor | np.ndarray) -> int:
     return buf.data_ptr() if isinstance(buf, torch.Tensor) else buf.ctypes.data
 
 
-def _inputs(c: "CatchUp") -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
-    return c.ctx, c.ids, c.positions
-
-
 CatchUpShape = tuple[int, tuple[int, ...]]
 """A catch-up forward's shape as a loop key: its token count and the rows it samples (the
 last token of each request)."""
@@ -321,12 +317,14 @@ class DraftStepLoop:
         parts = [forward]
         calls: list[NativeCall] = []
         if rec.catch_up is not None:
-            prefix = self._catch_up_calls(rec, ctx, ids, positions, rows_pos, rows_slot, rows_len)
-            if prefix is None:
+            got = self._catch_up_calls(
+                rec, heads[0], ctx, ids, positions, rows_pos, rows_slot, rows_len
+            )
+            if got is None:
                 return
-            calls, buffers = prefix
+            catch_up, calls, buffers = got
             keep += buffers
-            parts.append(self.forward_replay.tape_for(*_inputs(rec.catch_up)))  # type: ignore
+            parts.append(catch_up)
             heads = heads[1:]
         for j in range(steps):
             if j:
@@ -368,24 +366,28 @@ class DraftStepLoop:
     def _catch_up_calls(
         self,
         rec: Recording,
+        head: NativeCall,
         ctx: ForwardContext,
         ids: torch.Tensor,
         positions: torch.Tensor,
         rows_pos: np.ndarray,
         rows_slot: np.ndarray,
         rows_len: np.ndarray,
-    ) -> Optional[tuple[list[NativeCall], list[torch.Tensor]]]:
+    ) -> Optional[tuple[Tape, list[NativeCall], list[torch.Tensor]]]:
         """The calls of a recording's catch-up (its forward, the gather of its sampled rows,
-        its head) and of the staging of the single-token step 0 over it (``ctx``: a
-        single-token step's context); the buffers they read.  None where the catch-up's
-        forward does not replay whole, its head read other rows than its gather's, or the
-        single-token step is padded (not on the CPU, the only place a loop runs)."""
+        its ``head``) and of the staging of the single-token step 0 over it (``ctx``: a
+        single-token step's context); the catch-up forward's recording and the buffers the
+        calls read.  None where the catch-up's forward does not replay whole, its head read
+        other rows than a gather's, or the single-token step is padded (not on the CPU, the
+        only place a loop runs)."""
         c = rec.catch_up
-        assert c is not None and rec.gather is not None
-        tape = self.forward_replay.tape_for(*_inputs(c))
+        assert c is not None
+        tape = self.forward_replay.tape_for(c.ctx, c.ids, c.positions)
         out = tape.outputs if tape is not None else None
+        if rec.gather is None or tape is None or not isinstance(out, torch.Tensor):
+            return None
         source, buffer = rec.gather
-        if not isinstance(out, torch.Tensor) or out.data_ptr() != source:
+        if out.data_ptr() != source:
             return None
         if rec.hidden[0] != buffer.data_ptr() or out.dtype != buffer.dtype:
             return None
@@ -396,13 +398,12 @@ class DraftStepLoop:
         if ids.shape[0] != n:  # a padded single-token step (staging would write its pads)
             return None
         row = buffer.shape[1] * buffer.element_size()
-        assert tape is not None
         calls = list(tape.calls)
         calls += [
             (_memcpy(), 0, [buffer.data_ptr() + i * row, source + r * row, row], "memcpy")
             for i, r in enumerate(c.rows)
         ]
-        calls.append(rec.calls[0])  # type: ignore[arg-type]
+        calls.append(head)
         qsl = torch.arange(n + 1, dtype=torch.int32)
         buffers = [buffer, qsl]
         calls += [
@@ -412,7 +413,7 @@ class DraftStepLoop:
             _copy(md.seq_lens, rows_len[0], n * 4),
             _copy(md.query_start_loc, qsl, (n + 1) * 4),
         ]
-        return calls, buffers
+        return tape, calls, buffers
 
     def stats(self) -> dict[str, Any]:
         return {
