@@ -81,6 +81,7 @@ def test_a_draft_scenario_runs_with_the_same_tokens(scenario, tmp_path):
     row = res[f"{scenario} b1"]
     assert row["same_tokens"] and row["prompts"] == 2
     assert res[f"{scenario}_draft_steps b1"]["same_tokens"]
+    assert res[f"{scenario}_catch_up_joined b1"]["same_tokens"]
     assert row["speedup"]["ratio"] > 0
     acc = res[f"{scenario}_acceptance"]
     assert acc["spec_num_speculative_tokens"] == 2 and acc["spec_acceptance_rate"] >= 0.7
