@@ -405,7 +405,9 @@ class DraftModelProposer:
         kernel) and wants the same number (>= 2) of drafts, and the catch-up fits one
         forward."""
         loop = self.step_loop
-        if loop is None or not (loop.enabled and loop.joins_catch_up) or not self._greedy_head():
+        if loop is None or not (loop.enabled and loop.joins_catch_up):
+            return None
+        if self._greedy_head() is None:
             return None
         budget = live[0].budget
         if budget < 2 or any(s.budget != budget or not s.req.params.greedy for s in live):
