@@ -506,16 +506,16 @@ class ModelRunner:
             contiguous = rows[-1] - rows[0] == len(rows) - 1
             h = hidden[rows[0] : rows[-1] + 1] if contiguous else hidden[rows]
             argmax = None
-            got = None
+            greedy = None
             if (
                 self.fuse_greedy_head
                 and self.greedy_logits is not None
                 and isinstance(self.verify, RejectionSampler)  # rank 0's (it reads params)
                 and all(r.params.greedy for r in reqs)  # then it reads argmaxes only
             ):
-                got = self.greedy_logits(h)
-            if got is not None:
-                logits, idx, top = got
+                greedy = self.greedy_logits(h)
+            if greedy is not None:
+                logits, idx, top = greedy
                 argmax = (idx.tolist(), top.tolist())
             else:
                 logits = self.model.compute_logits(h)
