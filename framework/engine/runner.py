@@ -468,19 +468,25 @@ class ModelRunner:
         greedy kernel where the batch only needs each row's argmax and the head has one, else
         ``compute_logits`` and the sampler."""
         sampler = self.sampler
-        if (
-            self.fuse_greedy_head
-            and self.greedy_logits is not None
-            and isinstance(sampler, Sampler)
-            and sampler.takes_argmax(reqs)
-        ):
+        argmax_only = isinstance(sampler, Sampler) and sampler.takes_argmax(reqs)
+        logits, best = self._logits(h, argmax_only)
+        if best is not None:
+            return logits, sampler.from_argmax(*best, reqs), None
+        tokens, logprobs = sampler(logits, reqs)
+        return logits, tokens, logprobs
+
+    def _logits(
+        self, h: torch.Tensor, argmax_only: bool
+    ) -> tuple[torch.Tensor, Optional[tuple[list[int], list[float]]]]:
+        """The logits of rows ``h`` and, where the caller reads only each row's argmax
+        (``argmax_only``) and the LM head's greedy kernel takes these rows, each row's first
+        maximum and maximum from the same call; else ``compute_logits`` and None."""
+        if argmax_only and self.fuse_greedy_head and self.greedy_logits is not None:
             got = self.greedy_logits(h)
             if got is not None:
                 logits, idx, top = got
-                return logits, sampler.from_argmax(idx.tolist(), top.tolist(), reqs), None
-        logits = self.model.compute_logits(h)
-        tokens, logprobs = sampler(logits, reqs)
-        return logits, tokens, logprobs
+                return logits, (idx.tolist(), top.tolist())
+        return self.model.compute_logits(h), None
 
     def _verify(
         self, chunks: list[ScheduledChunk], sampling: list[bool], hidden: torch.Tensor, ctx
@@ -505,20 +511,11 @@ class ModelRunner:
             # The rows of one request's chunk, or of uniform verify chunks, are one range.
             contiguous = rows[-1] - rows[0] == len(rows) - 1
             h = hidden[rows[0] : rows[-1] + 1] if contiguous else hidden[rows]
-            argmax = None
-            greedy = None
-            if (
-                self.fuse_greedy_head
-                and self.greedy_logits is not None
-                and isinstance(self.verify, RejectionSampler)  # rank 0's (it reads params)
-                and all(r.params.greedy for r in reqs)  # then it reads argmaxes only
-            ):
-                greedy = self.greedy_logits(h)
-            if greedy is not None:
-                logits, idx, top = greedy
-                argmax = (idx.tolist(), top.tolist())
-            else:
-                logits = self.model.compute_logits(h)
+            # Rank 0's verify (it reads params) reads only argmaxes for greedy requests.
+            argmax_only = isinstance(self.verify, RejectionSampler) and all(
+                r.params.greedy for r in reqs
+            )
+            logits, argmax = self._logits(h, argmax_only)
             any_probs = any(p is not None for p in probs)
             kept = self.verify(logits, reqs, drafts, probs if any_probs else None, argmax)
         it = iter(kept)

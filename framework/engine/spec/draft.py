@@ -366,18 +366,21 @@ class DraftModelProposer:
             ids, positions = self.runner.inputs_of(ctx)
             self.input_spec.check(ids, positions)
             self._stats["draft_catch_up_tokens"] += tokens
+            if not ctx.cpu_replay:  # its forward never replays: the Python catch-up
+                self._run(chunks, live, (ctx, ids, positions))
+                return None
             qsl = ctx.attn_metadata[self.runner.layer_names[0]].query_start_loc_cpu
             rows = tuple(qsl[i + 1] - 1 for i in range(len(chunks)))
             catch_up = CatchUp(ctx, ids, positions, tokens, rows, [c.end for c in chunks])
             loop = self.step_loop
             assert loop is not None
-            got = loop.run_after_catch_up(catch_up, steps) if ctx.cpu_replay else None
+            got = loop.run_after_catch_up(catch_up, steps)
             if got is not None:
                 self._stats["draft_forward_steps"] += 1 + steps
                 for s, c, tokens_i, finite_i in zip(live, chunks, *got):
                     self._keep(s, c.end, tokens_i, finite_i)
                 return None
-            rec = loop.recording(len(live), steps, catch_up) if ctx.cpu_replay else None
+            rec = loop.recording(len(live), steps, catch_up)
             self._run(chunks, live, (ctx, ids, positions), rec)
             return rec
         # [sequence, next position to feed, end of its catch-up]; the end is fixed before the
